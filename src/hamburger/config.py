@@ -1,0 +1,79 @@
+"""`HamburgerConfig`: the shape of the modules added to a base LM, stored as JSON beside a checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hamburger.errors import HamburgerError
+
+
+@dataclass
+class HamburgerConfig:
+    """Hyper-parameters of the compositional embedder, micro-step decoder and stop head.
+
+    `feature_layers` are indices into the base's hidden states (0 = embeddings, L = final normed output);
+    left empty they are derived from the base depth by `resolve`.
+    """
+
+    base_model: str = ""  # how to load the base again: hub id, local path, or the default's name
+    base_fingerprint: str = ""  # `base.fingerprint` of the base the modules were trained on
+    max_step_tokens: int = 4  # K: most tokens one macro-step may emit
+    micro_layers: int = 4  # decoder layers of the base's own type in the micro-step decoder
+    num_features: int = 4  # base layers whose hidden states condition the micro-step decoder
+    feature_layers: list[int] = field(default_factory=list)
+    init_micro_from_top: bool = True  # copy the base's top layers into the micro-step decoder
+    position_dim: int = 64  # size of the learned relative-position vector the embedder concatenates
+    stop_hidden: int = 0  # hidden width of the stop head MLP; 0 = half the model width
+    default_confidence: float = 0.8
+    base_in_checkpoint: bool = False  # the checkpoint also carries (fine-tuned) base weights
+
+    def __post_init__(self) -> None:
+        if self.max_step_tokens < 1:
+            raise HamburgerError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
+        if self.micro_layers < 1 or self.num_features < 1:
+            raise HamburgerError("micro_layers and num_features must be >= 1")
+        check_confidence(self.default_confidence)
+
+    def resolve(self, num_base_layers: int, hidden_size: int) -> HamburgerConfig:
+        """Fill the fields that depend on the base: evenly spaced feature layers ending at the final output."""
+        m = min(self.num_features, num_base_layers)
+        layers = self.feature_layers or [round(num_base_layers * (i + 1) / m) for i in range(m)]
+        if any(not 0 <= i <= num_base_layers for i in layers):
+            raise HamburgerError(f"feature_layers {layers} must lie in 0..{num_base_layers}")
+        return dataclasses.replace(
+            self,
+            num_features=len(layers),
+            feature_layers=list(layers),
+            micro_layers=min(self.micro_layers, num_base_layers),
+            stop_hidden=self.stop_hidden or hidden_size // 2,
+        )
+
+    def save(self, directory: str | Path) -> None:
+        Path(directory, "config.json").write_text(json.dumps({"hamburger": dataclasses.asdict(self)}, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: str | Path) -> HamburgerConfig:
+        path = Path(directory, "config.json")
+        try:
+            raw = json.loads(path.read_text())["hamburger"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise HamburgerError(f"{directory} is not a HAMburger checkpoint ({path.name}: {exc})") from exc
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in raw.items() if k in known})
+
+    @staticmethod
+    def is_checkpoint(directory: str | Path) -> bool:
+        path = Path(directory, "config.json")
+        try:
+            return path.is_file() and "hamburger" in json.loads(path.read_text())
+        except (OSError, ValueError):
+            return False
+
+
+def check_confidence(confidence: float) -> float:
+    if not 0.0 < float(confidence) <= 1.0:
+        raise HamburgerError(f"confidence must be in (0, 1], got {confidence}")
+    return float(confidence)

@@ -1,0 +1,106 @@
+"""Segmented training examples and their batching into base slots and micro-step targets.
+
+The position rule lives here for training and in `generate.py` for inference, and a test pins them
+together: a merged slot for step j gets the position id of the last token of step j in the full sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from hamburger.errors import HamburgerError
+
+
+@dataclass
+class SegmentedExample:
+    """A templated sequence (prompt + response) whose response is cut into steps of 1..K tokens."""
+
+    input_ids: list[int]
+    prompt_len: int
+    steps: list[int]
+
+    def validate(self, max_step_tokens: int) -> None:
+        response = len(self.input_ids) - self.prompt_len
+        if self.prompt_len < 1 or response < 1:
+            raise HamburgerError(f"an example needs >= 1 prompt and response token (prompt_len={self.prompt_len})")
+        if sum(self.steps) != response or any(not 1 <= s <= max_step_tokens for s in self.steps):
+            raise HamburgerError(
+                f"steps {self.steps} must be lengths in 1..{max_step_tokens} summing to the response length {response}"
+            )
+
+
+@dataclass
+class SegmentedBatch:
+    """Tensors for one training forward.
+
+    Base side (B, S): every slot holds 1..K tokens; prompt tokens are one-token slots, and each response
+    step but the last is one merged slot. Micro side (N steps): the step's tokens and the base slot whose
+    hidden states predict it (the last prompt slot for the first step, the previous step's slot after).
+    """
+
+    slot_tokens: torch.Tensor  # (B, S, K)
+    slot_lengths: torch.Tensor  # (B, S)
+    attention_mask: torch.Tensor  # (B, S)
+    position_ids: torch.Tensor  # (B, S)
+    step_batch: torch.Tensor  # (N,)
+    step_slot: torch.Tensor  # (N,)
+    step_tokens: torch.Tensor  # (N, K)
+    step_lengths: torch.Tensor  # (N,)
+
+    def to(self, device: torch.device | str) -> SegmentedBatch:
+        return SegmentedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
+
+def step_positions(prompt_len: int, steps: list[int]) -> list[int]:
+    """Position id of each step's merged slot: the index of the step's last token in the full sequence."""
+    positions, end = [], prompt_len
+    for s in steps:
+        end += s
+        positions.append(end - 1)
+    return positions
+
+
+def collate(examples: list[SegmentedExample], max_step_tokens: int, pad_token_id: int) -> SegmentedBatch:
+    k = max_step_tokens
+    rows, steps_out = [], []
+    for b, ex in enumerate(examples):
+        ex.validate(k)
+        p = ex.prompt_len
+        slots = [([tok], i) for i, tok in enumerate(ex.input_ids[:p])]
+        start = p
+        for s, pos in zip(ex.steps[:-1], step_positions(p, ex.steps[:-1])):
+            slots.append((ex.input_ids[start : start + s], pos))
+            start += s
+        rows.append(slots)
+        start = p
+        for j, s in enumerate(ex.steps):
+            steps_out.append((b, p - 1 + j, ex.input_ids[start : start + s]))
+            start += s
+
+    bsz, width = len(rows), max(len(r) for r in rows)
+    slot_tokens = torch.full((bsz, width, k), pad_token_id, dtype=torch.long)
+    slot_lengths = torch.ones(bsz, width, dtype=torch.long)  # padding slots count as one token: no empty attention
+    attention_mask = torch.zeros(bsz, width, dtype=torch.long)
+    position_ids = torch.zeros(bsz, width, dtype=torch.long)
+    for b, slots in enumerate(rows):
+        for i, (toks, pos) in enumerate(slots):
+            slot_tokens[b, i, : len(toks)] = torch.tensor(toks)
+            slot_lengths[b, i] = len(toks)
+            position_ids[b, i] = pos
+        attention_mask[b, : len(slots)] = 1
+
+    step_tokens = torch.full((len(steps_out), k), pad_token_id, dtype=torch.long)
+    for n, (_, _, toks) in enumerate(steps_out):
+        step_tokens[n, : len(toks)] = torch.tensor(toks)
+    return SegmentedBatch(
+        slot_tokens=slot_tokens,
+        slot_lengths=slot_lengths,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        step_batch=torch.tensor([b for b, _, _ in steps_out], dtype=torch.long),
+        step_slot=torch.tensor([s for _, s, _ in steps_out], dtype=torch.long),
+        step_tokens=step_tokens,
+        step_lengths=torch.tensor([len(t) for _, _, t in steps_out], dtype=torch.long),
+    )

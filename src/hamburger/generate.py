@@ -1,0 +1,219 @@
+"""Reference generation on transformers: batched macro-steps, streaming, sampling and forced steps.
+
+Each macro-step: token 0 from the base's own head at the current slot, tokens 1..K-1 from the
+micro-step decoder while the stop head lets the step go on; then the step's tokens are smashed into
+one embedding and fed to the base as one slot (one KV entry) at the position of the step's last token.
+Every sequence of a batch adds exactly one slot per macro-step, so the cache stays rectangular.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from hamburger.config import check_confidence
+from hamburger.errors import HamburgerError
+from hamburger.metrics import GenerationStats
+from hamburger.model import HamburgerModel
+from hamburger.sampling import SamplingParams, continues, sample
+
+
+@dataclass
+class StepEvent:
+    """One macro-step of a batch: the tokens each sequence emitted (empty once it has finished)."""
+
+    index: int
+    tokens: list[list[int]]
+    finished: list[bool]
+
+
+@dataclass
+class GenerationOutput:
+    tokens: list[list[int]]  # generated tokens of each sequence
+    steps: list[list[int]]  # step lengths of each sequence
+    stats: GenerationStats
+    logits: list[torch.Tensor] | None = None  # (generated, V) per sequence when asked for
+
+
+@dataclass
+class Generation:
+    """An iterator over macro-steps; after it is exhausted, `output()` has tokens, steps and statistics."""
+
+    model: HamburgerModel
+    prompts: list[list[int]]
+    max_new_tokens: int
+    confidence: float
+    sampling: SamplingParams
+    eos_token_ids: set[int]
+    forced_steps: list[list[int]] | None = None
+    return_logits: bool = False
+    tokens: list[list[int]] = field(init=False)
+    steps: list[list[int]] = field(init=False)
+    stats: GenerationStats = field(init=False)
+    logits: list[list[torch.Tensor]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.prompts)
+        self.tokens, self.steps, self.logits = [[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)]
+        self.stats = GenerationStats(sequences=n, prompt_tokens=sum(len(p) for p in self.prompts))
+
+    def __iter__(self) -> Iterator[StepEvent]:
+        with torch.inference_mode():
+            yield from self._run()
+
+    def output(self) -> GenerationOutput:
+        logits = [torch.cat(rows) if rows else torch.empty(0) for rows in self.logits] if self.return_logits else None
+        return GenerationOutput(self.tokens, self.steps, self.stats, logits)
+
+    def _forced_len(self, b: int, step: int) -> int | None:
+        if self.forced_steps is None or step >= len(self.forced_steps[b]):
+            return None
+        return self.forced_steps[b][step]
+
+    def _run(self) -> Iterator[StepEvent]:
+        model, cfg = self.model, self.model.config
+        k, eos = cfg.max_step_tokens, self.eos_token_ids
+        device = next(model.parameters()).device
+        bsz = len(self.prompts)
+        lengths = torch.tensor([len(p) for p in self.prompts], device=device)
+        width = int(lengths.max())
+        pad = model.tokenizer.pad_token_id if model.tokenizer is not None and model.tokenizer.pad_token_id is not None else 0
+        ids = torch.full((bsz, width), pad, dtype=torch.long, device=device)
+        mask = torch.zeros((bsz, width), dtype=torch.long, device=device)
+        for b, p in enumerate(self.prompts):  # left padding: every row's next slot is the last column
+            ids[b, width - len(p) :] = torch.tensor(p, device=device)
+            mask[b, width - len(p) :] = 1
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        warpers, generator = self.sampling.warpers(), self.sampling.generator(device)
+        done = [False] * bsz
+        stats = self.stats
+
+        start = time.perf_counter()
+        cache = DynamicCache(config=model.base.config)
+        hidden = model.base_forward(model.embed(ids), mask, positions, cache)
+        stats.base_forwards += 1
+        step = 0
+        while True:
+            alive = [not d for d in done]
+            h0 = hidden[-1][:, -1]
+            logits = model.lm_head(h0)
+            tok = sample(logits, self.sampling, generator, warpers)
+            new: list[list[int]] = [[] for _ in range(bsz)]
+            go_on = continues(model.stop_head(h0), self.confidence).tolist()
+            tok_list = tok.tolist()
+            for b in range(bsz):
+                if alive[b]:
+                    self._emit(b, tok_list[b], logits[b], new)
+                    go_on[b] = self._goes_on(b, step, new[b], go_on[b])
+                else:
+                    go_on[b] = False
+            if step == 0:
+                stats.prefill_s = time.perf_counter() - start
+            if any(go_on):
+                micro_cache = DynamicCache()
+                x = torch.cat([model.micro.features(hidden, (slice(None), -1)), model.embed(tok)[:, None]], dim=1)
+                while any(go_on):
+                    hm = model.micro(x, micro_cache)[:, -1]
+                    logits = model.lm_head(hm)
+                    tok = sample(logits, self.sampling, generator, warpers)
+                    more = continues(model.stop_head(hm), self.confidence).tolist()
+                    tok_list = tok.tolist()
+                    for b in range(bsz):
+                        if go_on[b]:
+                            self._emit(b, tok_list[b], logits[b], new)
+                            go_on[b] = self._goes_on(b, step, new[b], more[b])
+                    x = model.embed(tok)[:, None]
+            for b in range(bsz):
+                if alive[b]:
+                    self.steps[b].append(len(new[b]))
+                    stats.macro_steps += 1
+                    stats.generated_tokens += len(new[b])
+                    done[b] = new[b][-1] in eos or len(self.tokens[b]) >= self.max_new_tokens
+            stats.micro_steps = stats.generated_tokens - stats.macro_steps
+            yield StepEvent(step, new, list(done))
+            if all(done):
+                break
+            # Smash each live step into one slot at the position of its last token.
+            step_ids = torch.full((bsz, k), pad, dtype=torch.long, device=device)
+            step_len = torch.ones(bsz, dtype=torch.long, device=device)
+            for b, toks in enumerate(new):
+                if toks:
+                    step_ids[b, : len(toks)] = torch.tensor(toks, device=device)
+                    step_len[b] = len(toks)
+            generated = torch.tensor([len(t) for t in self.tokens], device=device)
+            slot_pos = (lengths + generated - 1)[:, None]
+            mask = torch.cat([mask, torch.ones((bsz, 1), dtype=mask.dtype, device=device)], dim=1)
+            hidden = model.base_forward(model.smash(step_ids, step_len)[:, None], mask, slot_pos, cache)
+            stats.base_forwards += 1
+            step += 1
+        stats.decode_s = time.perf_counter() - start - stats.prefill_s
+
+    def _emit(self, b: int, token: int, logits: torch.Tensor, new: list[list[int]]) -> None:
+        self.tokens[b].append(token)
+        new[b].append(token)
+        if self.return_logits:
+            self.logits[b].append(logits[None].float().clone())
+
+    def _goes_on(self, b: int, step: int, step_tokens: list[int], stop_head_says: bool) -> bool:
+        """Whether sequence b's current step takes another token (before knowing which)."""
+        if step_tokens[-1] in self.eos_token_ids or len(self.tokens[b]) >= self.max_new_tokens:
+            return False
+        if len(step_tokens) >= self.model.config.max_step_tokens:
+            return False
+        forced = self._forced_len(b, step)
+        return stop_head_says if forced is None else len(step_tokens) < forced
+
+
+def eos_ids(model: HamburgerModel) -> set[int]:
+    ids: set[int] = set()
+    for source in (model.base.generation_config.eos_token_id, model.base.config.eos_token_id,
+                   model.tokenizer.eos_token_id if model.tokenizer is not None else None):
+        if source is not None:
+            ids.update(source if isinstance(source, (list, tuple)) else [source])
+    return ids
+
+
+def stream(
+    model: HamburgerModel,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int = 256,
+    confidence: float | None = None,
+    sampling: SamplingParams | None = None,
+    forced_steps: Sequence[Sequence[int]] | None = None,
+    return_logits: bool = False,
+    eos_token_ids: set[int] | None = None,
+) -> Generation:
+    """Validate inputs and return a `Generation` to iterate over, one `StepEvent` per macro-step."""
+    prompts = [list(map(int, p)) for p in prompts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise HamburgerError("every prompt must have at least one token")
+    if max_new_tokens <= 0:
+        raise HamburgerError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    k = model.config.max_step_tokens
+    if forced_steps is not None:
+        forced_steps = [list(map(int, f)) for f in forced_steps]
+        if len(forced_steps) != len(prompts) or any(not 1 <= s <= k for f in forced_steps for s in f):
+            raise HamburgerError(f"forced_steps needs one list per prompt of step lengths in 1..{k}")
+    confidence = check_confidence(model.config.default_confidence if confidence is None else confidence)
+    return Generation(
+        model=model,
+        prompts=prompts,
+        max_new_tokens=int(max_new_tokens),
+        confidence=confidence,
+        sampling=sampling or SamplingParams(),
+        eos_token_ids=eos_ids(model) if eos_token_ids is None else set(eos_token_ids),
+        forced_steps=forced_steps,
+        return_logits=return_logits,
+    )
+
+
+def generate(model: HamburgerModel, prompts: Sequence[Sequence[int]], **kwargs) -> GenerationOutput:
+    """Run `stream` to the end. Takes the same keyword arguments."""
+    gen = stream(model, prompts, **kwargs)
+    for _ in gen:
+        pass
+    return gen.output()

@@ -1,0 +1,56 @@
+"""The one definition of each measure, used by the library, the CLI, the server, the benchmarks and the tests."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class GenerationStats:
+    """Counts and timings of one generation call (summed over the sequences of a batch).
+
+    - generated_tokens: tokens emitted, EOS included, never more than max_new_tokens per sequence.
+    - macro_steps: steps emitted; each would add one KV entry per layer to the base's cache.
+    - micro_steps: tokens produced by the micro-step decoder (= generated_tokens - macro_steps).
+    - base_forwards: forward passes of the base model (the prefill counts as one; a batch counts once).
+    - prompt_tokens: unpadded prompt tokens (each holds one KV entry).
+    - prefill_s: time to first token: the prefill forward and choosing the first token.
+    - decode_s: everything after that until the last sequence finishes.
+    The first token comes from the prefill, so decode speed counts the tokens after it:
+    decode_tokens_per_s = (generated_tokens - sequences) / decode_s, the same for every system.
+    """
+
+    sequences: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    macro_steps: int = 0
+    micro_steps: int = 0
+    base_forwards: int = 0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Generated tokens per macro-step: the KV compression on generated tokens."""
+        return self.generated_tokens / self.macro_steps if self.macro_steps else 0.0
+
+    @property
+    def kv_entries(self) -> int:
+        """KV-cache entries per layer: one per prompt token plus one per macro-step."""
+        return self.prompt_tokens + self.macro_steps
+
+    @property
+    def kv_entries_base(self) -> int:
+        """What the base model would hold for the same output: one per prompt and generated token."""
+        return self.prompt_tokens + self.generated_tokens
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        after_first = self.generated_tokens - self.sequences
+        return after_first / self.decode_s if self.decode_s > 0 and after_first > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        for name in ("tokens_per_step", "kv_entries", "kv_entries_base", "decode_tokens_per_s"):
+            out[name] = getattr(self, name)
+        return out

@@ -1,0 +1,97 @@
+"""The micro-step decoder and the stop head: tokens 1..K-1 of a macro-step from the base's features."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def causal_mask(q_len: int, kv_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Additive (1, 1, q, kv) mask where query i (the last q of kv positions) sees keys <= its own index.
+
+    An explicit mask works with every attention implementation (eager ignores `is_causal`).
+    """
+    q_idx = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    allowed = torch.arange(kv_len, device=device)[None, :] <= q_idx
+    mask = torch.zeros(q_len, kv_len, dtype=dtype, device=device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[None, None]
+
+
+class MicroStepDecoder(nn.Module):
+    """A few decoder layers of the base's own type over `[f_1..f_m, emb(t_0), emb(t_1), ...]`.
+
+    The output at the position of emb(t_i) predicts t_{i+1} through the base's LM head. Features taken
+    before the final norm are raw residual streams of very different scales, so each gets an RMSNorm.
+    """
+
+    def __init__(self, base: PreTrainedModel, num_layers: int, feature_layers: list[int], init_from_top: bool) -> None:
+        super().__init__()
+        decoder = base.base_model
+        base_layers = decoder.layers
+        config = base.config
+        layer_cls = type(base_layers[0])
+        self.layers = nn.ModuleList(layer_cls(config, i) for i in range(num_layers))
+        if init_from_top:
+            for layer, src in zip(self.layers, base_layers[len(base_layers) - num_layers :]):
+                layer.load_state_dict(src.state_dict())
+        num_base_layers = len(base_layers)
+        self.feature_layers = list(feature_layers)
+        # The final output (index L) is already normed by the base; the others are raw residual streams.
+        self.feature_norms = nn.ModuleList(
+            RMSNorm(config.hidden_size) if i < num_base_layers else nn.Identity() for i in feature_layers
+        )
+        self.norm = copy.deepcopy(decoder.norm)
+        self.rotary_emb = copy.deepcopy(decoder.rotary_emb)
+        self.to(dtype=next(base.parameters()).dtype)
+
+    @property
+    def num_features(self) -> int:
+        return len(self.feature_layers)
+
+    def features(self, hidden_states: tuple[torch.Tensor, ...], index: tuple[torch.Tensor, ...] | slice) -> torch.Tensor:
+        """Stack the normed feature vectors at `index` of each selected base hidden state -> (..., m, d)."""
+        return torch.stack([norm(hidden_states[i][index]) for i, norm in zip(self.feature_layers, self.feature_norms)], dim=-2)
+
+    def forward(self, x: torch.Tensor, cache: DynamicCache | None = None) -> torch.Tensor:
+        """x: (N, q, d) new inputs; with a cache, they follow the ones already in it. Returns normed (N, q, d)."""
+        past = cache.get_seq_length() if cache is not None else 0
+        q_len = x.shape[1]
+        position_ids = torch.arange(past, past + q_len, device=x.device)[None].expand(x.shape[0], -1)
+        position_embeddings = self.rotary_emb(x, position_ids)
+        mask = causal_mask(q_len, past + q_len, x.dtype, x.device)
+        for layer in self.layers:
+            out = layer(
+                x,
+                attention_mask=mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=cache is not None,
+                position_embeddings=position_embeddings,
+            )
+            x = out[0] if isinstance(out, tuple) else out
+        return self.norm(x)
+
+
+class StopHead(nn.Module):
+    """Logit of "the step ends after this token", from the hidden state that produced the token."""
+
+    def __init__(self, hidden_size: int, hidden: int) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(hidden_size, hidden), nn.SiLU(), nn.Linear(hidden, 1))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return self.net(h).squeeze(-1)

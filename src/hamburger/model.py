@@ -1,0 +1,203 @@
+"""`HamburgerModel`: a base causal LM + compositional embedder + micro-step decoder + stop head.
+
+Also the training forward and loss on segmented batches, and checkpoints (config.json + model.safetensors).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file, save_model
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+
+from hamburger.base import fingerprint, load_base
+from hamburger.config import HamburgerConfig
+from hamburger.data import SegmentedBatch
+from hamburger.embedder import CompositionalEmbedder
+from hamburger.errors import HamburgerError
+from hamburger.micro_decoder import MicroStepDecoder, StopHead
+
+STOP_LOSS_WEIGHT = 0.5
+WEIGHTS_NAME = "model.safetensors"
+NEW_MODULES = ("embedder", "micro", "stop_head")
+
+
+@dataclass
+class HamburgerOutput:
+    """Training forward results. Token-level tensors run over response tokens in sequence order."""
+
+    loss: torch.Tensor
+    ce_loss: torch.Tensor
+    stop_loss: torch.Tensor
+    logits: torch.Tensor  # (T, V)
+    targets: torch.Tensor  # (T,)
+    in_step_index: torch.Tensor  # (T,) index of each token inside its step, 0..K-1
+    stop_logits: torch.Tensor  # (T,)
+    stop_targets: torch.Tensor  # (T,) 1 on the last token of each step
+
+    def metrics(self, max_step_tokens: int) -> dict[str, float]:
+        """Loss parts, token accuracy by position in the step, and stop accuracy."""
+        correct = (self.logits.argmax(-1) == self.targets).float()
+        out = {"loss": self.loss.item(), "ce_loss": self.ce_loss.item(), "stop_loss": self.stop_loss.item()}
+        out["token_acc"] = correct.mean().item()
+        for k in range(max_step_tokens):
+            at_k = self.in_step_index == k
+            if at_k.any():
+                out[f"token_acc@{k}"] = correct[at_k].mean().item()
+        out["stop_acc"] = ((self.stop_logits > 0).float() == self.stop_targets).float().mean().item()
+        return out
+
+
+class HamburgerModel(nn.Module):
+    def __init__(
+        self, base: PreTrainedModel, config: HamburgerConfig, tokenizer: PreTrainedTokenizerBase | None = None
+    ) -> None:
+        super().__init__()
+        bcfg = base.config
+        self.config = config.resolve(bcfg.num_hidden_layers, bcfg.hidden_size)
+        self.base = base
+        self.tokenizer = tokenizer
+        cfg = self.config
+        self.embedder = CompositionalEmbedder(
+            bcfg.hidden_size, bcfg.num_attention_heads, cfg.max_step_tokens, cfg.position_dim
+        )
+        self.micro = MicroStepDecoder(base, cfg.micro_layers, cfg.feature_layers, cfg.init_micro_from_top)
+        self.stop_head = StopHead(bcfg.hidden_size, cfg.stop_hidden)
+        dtype = next(base.parameters()).dtype
+        device = next(base.parameters()).device
+        for name in NEW_MODULES:
+            getattr(self, name).to(device=device, dtype=dtype)
+
+    # --- construction and checkpoints -------------------------------------------------------------
+
+    @classmethod
+    def from_base(
+        cls, ref: str | None = None, config: HamburgerConfig | None = None,
+        dtype: torch.dtype = torch.float32, device: str = "cpu",
+    ) -> HamburgerModel:
+        """A fresh (untrained) HAMburger around a base loaded from `ref` (hub id, path, or the default)."""
+        base, tokenizer = load_base(ref, dtype=dtype, device=device)
+        return cls.wrap(base, tokenizer, config)
+
+    @classmethod
+    def wrap(
+        cls, base: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, config: HamburgerConfig | None = None
+    ) -> HamburgerModel:
+        config = config or HamburgerConfig()
+        config.base_model = config.base_model or getattr(base.config, "hamburger_ref", "") or base.config.name_or_path
+        config.base_fingerprint = fingerprint(base)
+        return cls(base, config, tokenizer)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """config.json + model.safetensors; the base weights are included only if they were trained."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        self.config.save(directory)
+        if self.config.base_in_checkpoint:
+            save_model(self, str(directory / WEIGHTS_NAME))
+        else:
+            state = {k: v.contiguous() for k, v in self.state_dict().items() if k.split(".")[0] in NEW_MODULES}
+            save_file(state, str(directory / WEIGHTS_NAME))
+
+    @classmethod
+    def from_pretrained(
+        cls, directory: str | Path, base: PreTrainedModel | None = None,
+        tokenizer: PreTrainedTokenizerBase | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+    ) -> HamburgerModel:
+        """Load a checkpoint; its base comes from `base` or is loaded from the reference it records."""
+        config = HamburgerConfig.load(directory)
+        if base is None:
+            base, tokenizer = load_base(config.base_model, dtype=dtype, device=device)
+        model = cls(base, config, tokenizer)
+        state = load_file(str(Path(directory) / WEIGHTS_NAME), device=str(device))
+        if not config.base_in_checkpoint:
+            found = fingerprint(base)
+            if found != config.base_fingerprint:
+                raise HamburgerError(
+                    f"checkpoint {directory} was trained on base {config.base_model!r} "
+                    f"(fingerprint {config.base_fingerprint}) but the base given has fingerprint {found}: "
+                    "load it with the base it was trained on"
+                )
+        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing_new = [k for k in missing if k.split(".")[0] in NEW_MODULES]
+        if missing_new or unexpected:
+            raise HamburgerError(
+                f"checkpoint {directory} does not match its config: missing {missing_new[:5]}, unexpected {unexpected[:5]}"
+            )
+        return model.eval()
+
+    # --- building blocks shared by training and generation ------------------------------------------
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.base.get_input_embeddings()(ids)
+
+    def lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.base.get_output_embeddings()(hidden)
+
+    def smash(self, step_tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """(N, K) token ids of N steps (padded) -> (N, d) one input embedding per step."""
+        return self.embedder(self.embed(step_tokens), lengths)
+
+    def base_forward(
+        self, embeds: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+        cache: DynamicCache | None = None,
+    ) -> tuple[torch.Tensor, ...]:
+        """One base pass over (B, S, d) slot embeddings -> all hidden states (index L is the final normed one).
+
+        The 2D mask is always given: it covers padding and stops transformers from reading our
+        non-contiguous position ids as packed sequences.
+        """
+        out = self.base.base_model(
+            inputs_embeds=embeds,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=cache is not None,
+            output_hidden_states=True,
+        )
+        return out.hidden_states
+
+    # --- training forward ----------------------------------------------------------------------------
+
+    def forward(self, batch: SegmentedBatch) -> HamburgerOutput:
+        k = self.config.max_step_tokens
+        b, s, _ = batch.slot_tokens.shape
+        slots = self.smash(batch.slot_tokens.view(b * s, k), batch.slot_lengths.view(-1)).view(b, s, -1)
+        hidden = self.base_forward(slots, batch.attention_mask, batch.position_ids)
+        at = (batch.step_batch, batch.step_slot)
+        h0 = hidden[-1][at]  # (N, d): the state that predicts token 0 of each step
+        feats = self.micro.features(hidden, at)  # (N, m, d)
+        micro_in = torch.cat([feats, self.embed(batch.step_tokens[:, : k - 1])], dim=1)
+        micro_out = self.micro(micro_in)[:, self.micro.num_features :]  # (N, K-1, d): predict tokens 1..K-1
+        states = torch.cat([h0[:, None], micro_out], dim=1)  # (N, K, d)
+        idx = torch.arange(k, device=states.device)
+        valid = idx[None] < batch.step_lengths[:, None]
+        chosen = states[valid]  # (T, d) in sequence order
+        logits = self.lm_head(chosen).float()
+        stop_logits = self.stop_head(chosen).float()
+        targets = batch.step_tokens[valid]
+        stop_targets = (idx[None] == batch.step_lengths[:, None] - 1)[valid].float()
+        ce = F.cross_entropy(logits, targets)
+        stop = F.binary_cross_entropy_with_logits(stop_logits, stop_targets)
+        return HamburgerOutput(
+            loss=ce + STOP_LOSS_WEIGHT * stop,
+            ce_loss=ce,
+            stop_loss=stop,
+            logits=logits,
+            targets=targets,
+            in_step_index=idx.expand_as(valid)[valid],
+            stop_logits=stop_logits,
+            stop_targets=stop_targets,
+        )
+
+    # --- reporting -----------------------------------------------------------------------------------
+
+    def parameter_counts(self) -> dict[str, int]:
+        counts = {"base": sum(p.numel() for p in self.base.parameters())}
+        for name in NEW_MODULES:
+            counts[name] = sum(p.numel() for p in getattr(self, name).parameters())
+        return counts

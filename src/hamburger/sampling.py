@@ -1,0 +1,78 @@
+"""Choosing tokens (greedy, temperature, top-k, top-p) and deciding when a macro-step ends."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from hamburger.errors import HamburgerError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """temperature 0 = greedy; top_k 0 and top_p 1.0 switch those filters off."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise HamburgerError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise HamburgerError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise HamburgerError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def warpers(self) -> LogitsProcessorList:
+        warpers = LogitsProcessorList()
+        if not self.greedy:
+            warpers.append(TemperatureLogitsWarper(self.temperature))
+            if self.top_k:
+                warpers.append(TopKLogitsWarper(self.top_k))
+            if self.top_p < 1.0:
+                warpers.append(TopPLogitsWarper(self.top_p))
+        return warpers
+
+    def generator(self, device: torch.device | str) -> torch.Generator | None:
+        if self.greedy:
+            return None
+        gen = torch.Generator(device=device)
+        if self.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(self.seed)
+        return gen
+
+
+def sample(
+    logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
+    warpers: LogitsProcessorList | None = None,
+) -> torch.Tensor:
+    """logits: (B, V) -> token ids (B,)."""
+    if params.greedy:
+        return logits.argmax(-1)
+    scores = (warpers if warpers is not None else params.warpers())(None, logits.float())
+    probs = torch.softmax(scores, dim=-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+
+
+def continues(stop_logits: torch.Tensor, confidence: float | torch.Tensor) -> torch.Tensor:
+    """Whether a step goes on after the current token: P(continue) = sigmoid(-stop_logit) > confidence.
+
+    The comparison is strict, so confidence 1.0 never continues a step (every step is one token and the
+    output is the base model's), and lower confidence lets steps run longer.
+    """
+    return torch.sigmoid(-stop_logits.float()) > confidence
