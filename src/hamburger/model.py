@@ -201,3 +201,20 @@ class HamburgerModel(nn.Module):
         for name in NEW_MODULES:
             counts[name] = sum(p.numel() for p in getattr(self, name).parameters())
         return counts
+
+
+def load_model(
+    ref: str | None = None, base_ref: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"
+) -> tuple[HamburgerModel, bool]:
+    """Load a HAMburger checkpoint, or wrap a plain base model for one-token-per-step (exact base) decoding.
+
+    Returns the model and whether it is a trained HAMburger checkpoint. `base_ref` overrides the base
+    a checkpoint records (e.g. a local copy of it); it must be the same weights.
+    """
+    if ref is not None and HamburgerConfig.is_checkpoint(ref):
+        base, tokenizer = load_base(base_ref, dtype=dtype, device=device) if base_ref else (None, None)
+        return HamburgerModel.from_pretrained(ref, base=base, tokenizer=tokenizer, dtype=dtype, device=device), True
+    if base_ref is not None:
+        raise HamburgerError(f"--base only applies to a HAMburger checkpoint, and {ref!r} is not one")
+    base, tokenizer = load_base(ref, dtype=dtype, device=device)
+    return HamburgerModel.wrap(base, tokenizer, HamburgerConfig(max_step_tokens=1)).eval(), False

@@ -1,0 +1,78 @@
+"""Tiny random models and a tiny tokenizer, built in the tests (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+from hamburger import HamburgerConfig, HamburgerModel
+
+VOCAB = 96
+EOS = 1
+PAD = 0
+CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+WORDS = ["<pad>", "<|im_end|>", "<|im_start|>", "<unk>", "\n"] + [f"w{i}" for i in range(VOCAB - 5)]
+
+
+def tiny_base(arch: str = "llama", seed: int = 0, layers: int = 4) -> torch.nn.Module:
+    common = dict(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        eos_token_id=EOS, pad_token_id=PAD, bos_token_id=None, tie_word_embeddings=True,
+        initializer_range=0.2,  # peaky logits: greedy comparisons then have no near-ties
+    )
+    torch.manual_seed(seed)
+    if arch == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    else:
+        raise ValueError(arch)
+    model.generation_config.pad_token_id = PAD
+    return model.eval()
+
+
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<pad>", unk_token="<unk>",
+        additional_special_tokens=["<|im_start|>"],
+    )
+    fast.chat_template = CHATML
+    return fast
+
+
+def randomize_new_modules(model: HamburgerModel, seed: int = 1, stop_bias: float = -1.0) -> HamburgerModel:
+    """Give the added modules non-trivial weights (as if trained), so steps have varied lengths."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name in ("embedder", "stop_head"):
+            for p in getattr(model, name).parameters():
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
+        model.stop_head.net[-1].bias.fill_(stop_bias)
+    return model
+
+
+def hamburger(arch: str = "llama", k: int = 4, seed: int = 0, randomize: bool = True, **cfg) -> HamburgerModel:
+    model = HamburgerModel.wrap(tiny_base(arch, seed), tiny_tokenizer(), HamburgerConfig(max_step_tokens=k, **cfg))
+    return (randomize_new_modules(model) if randomize else model).eval()
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def arch(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def tiny_model_dir(tmp_path):
+    """A base model + tokenizer saved as a local folder, as a user would have one."""
+    path = tmp_path / "tiny-base"
+    tiny_base("llama").save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
