@@ -59,8 +59,8 @@ def load_base(
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
     except HamburgerError:
         raise
-    except (OSError, ValueError, KeyError) as exc:
-        raise HamburgerError(f"could not load model {ref!r} as a causal LM: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - any loader failure is the user's model, reported as such
+        raise HamburgerError(f"could not load model {ref!r} as a causal LM: {type(exc).__name__}: {exc}") from exc
     model.to(device).eval()
     model.config.hamburger_ref = DEFAULT_MODEL if is_default(ref) else str(ref)
     if tokenizer.pad_token_id is None:

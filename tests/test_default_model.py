@@ -1,0 +1,56 @@
+"""Slow tests on the real embedded default, SmolLM2-135M-Instruct from the packaged GGUF (offline)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hamburger import HamburgerConfig, HamburgerModel, generate, load_base
+
+pytestmark = pytest.mark.slow
+
+QUESTIONS = ["What is the capital of France?", "Write a Python function that reverses a string."]
+
+
+@pytest.fixture(scope="module")
+def default():
+    return load_base("default")
+
+
+def chat_ids(tokenizer, text: str) -> list[int]:
+    return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=True, return_dict=True)["input_ids"])
+
+
+def test_default_loads_offline_with_its_chat_template(default):
+    base, tok = default
+    assert base.config.model_type == "llama" and base.config.num_hidden_layers == 30
+    assert "<|im_start|>" in tok.chat_template
+    assert tok.decode(chat_ids(tok, "hi")).startswith("<|im_start|>system")
+
+
+@pytest.mark.parametrize("k,confidence", [(1, 0.8), (4, 1.0)])
+def test_one_token_per_step_equals_base_greedy_on_default(default, k, confidence):
+    base, tok = default
+    model = HamburgerModel.wrap(base, tok, HamburgerConfig(max_step_tokens=k, micro_layers=1)).eval()
+    prompts = [chat_ids(tok, q) for q in QUESTIONS]
+    ours = generate(model, prompts, max_new_tokens=40, confidence=confidence)  # batched, left-padded
+    for prompt, tokens in zip(prompts, ours.tokens):
+        ids = torch.tensor([prompt])
+        ref = base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+        assert tokens == ref[0, len(prompt):].tolist()
+    assert ours.stats.tokens_per_step == 1.0
+
+
+def test_cli_generate_json_on_default_offline():
+    env = {"HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"}
+    proc = subprocess.run([sys.executable, "-m", "hamburger.cli", "generate", "What is 2 + 3?", "--max-new-tokens", "16",
+                           "--json"], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["text"] and 1 <= out["generated_tokens"] <= 16
+    assert out["kv_entries"] == out["prompt_tokens"] + out["macro_steps"] and out["decode_tokens_per_s"] > 0
