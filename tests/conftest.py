@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 from hamburger import HamburgerConfig, HamburgerModel
 
@@ -31,6 +34,8 @@ def tiny_base(arch: str = "llama", seed: int = 0, layers: int = 4) -> torch.nn.M
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
     else:
         raise ValueError(arch)
     model.generation_config.pad_token_id = PAD
@@ -64,7 +69,7 @@ def hamburger(arch: str = "llama", k: int = 4, seed: int = 0, randomize: bool = 
     return (randomize_new_modules(model) if randomize else model).eval()
 
 
-@pytest.fixture(params=["llama", "qwen2"])
+@pytest.fixture(params=["llama", "qwen2", "mistral"])
 def arch(request) -> str:
     return request.param
 

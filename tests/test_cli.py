@@ -70,12 +70,28 @@ def test_info(capsys, checkpoint, tiny_model_dir):
     (["generate", "w1", "--model", "./no/such/model"], "does not exist"),
     (["generate", "w1", "--model", "/no/such/model"], "does not exist"),
     (["info", "--model", "/no/such/model"], "does not exist"),
+    (["info", "--model", "no such/hub id"], "neither a local path nor a valid hub id"),
+    (["generate", "w1", "--model", "MODEL", "--device", "not-a-device"], "not usable here"),
 ])
 def test_bad_input_exits_nonzero_with_a_message(capsys, tiny_model_dir, args, message):
     args = [str(tiny_model_dir) if a == "MODEL" else a for a in args]
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+
+
+def test_prompt_from_stdin(capsys, monkeypatch, tiny_model_dir):
+    import io
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("w7 w8 w9\n"))
+    out = run_json(capsys, "generate", "-", "--model", str(tiny_model_dir), "--raw", "--max-new-tokens", "3", "--json")
+    assert out["prompt_tokens"] == 3
+
+
+def test_unreachable_hub_id_fails_fast(capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert main(["info", "--model", "nobody-here/no-model"]) == 2
+    assert "hub cannot be reached" in capsys.readouterr().err
 
 
 def test_checkpoint_for_another_base_is_refused(capsys, tmp_path, checkpoint):

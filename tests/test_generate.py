@@ -35,6 +35,22 @@ def test_multi_token_steps_happen_and_differ_from_base():
     assert out.stats.tokens_per_step > 1.0
 
 
+@pytest.mark.parametrize("stop_bias,expected", [(12.0, {1}), (-12.0, {4})])
+def test_stop_head_decides_step_length(stop_bias, expected):
+    model = hamburger("llama", k=4)
+    with torch.no_grad():
+        model.stop_head.net[-1].weight.zero_()
+        model.stop_head.net[-1].bias.fill_(stop_bias)
+    out = generate(model, PROMPTS, max_new_tokens=16, confidence=0.8, eos_token_ids=set())
+    assert all(set(steps) == expected for steps in out.steps)
+
+
+def test_generation_leaves_no_inference_mode_behind():
+    model = hamburger("llama", k=4)
+    for _ in stream(model, PROMPTS, max_new_tokens=6):
+        assert not torch.is_inference_mode_enabled()
+
+
 def test_teacher_forced_logits_equal_forced_step_generation(arch):
     """Training forward and step-by-step generation agree: same positions, same cache, same modules."""
     model = hamburger(arch, k=4)

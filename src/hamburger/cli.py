@@ -10,11 +10,28 @@ import sys
 from hamburger.base import DEFAULT_MODEL
 from hamburger.errors import HamburgerError
 
+DTYPES = ("float32", "bfloat16", "float16")
+
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default",
                         help=f"HAMburger checkpoint folder, or a base model (hub id, folder, .gguf); default: {DEFAULT_MODEL}")
     parser.add_argument("--base", default=None, help="load a checkpoint's base from here instead of the reference it records")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="weights and compute dtype")
+    parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
+
+
+def _load(args: argparse.Namespace):
+    import torch
+
+    from hamburger.model import load_model
+
+    try:
+        device = torch.device(args.device)
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError) as exc:
+        raise HamburgerError(f"device {args.device!r} is not usable here: {exc}") from exc
+    return load_model(args.model, args.base, dtype=getattr(torch, args.dtype), device=str(device))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -22,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate a reply to a chat message (or continue a raw prompt)")
-    gen.add_argument("text", help="the user's chat message (with --raw: the prompt text to continue)")
+    gen.add_argument("text", help="the user's chat message (with --raw: the prompt text to continue); - reads stdin")
     _add_model_args(gen)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--system", default=None, help="system message for the chat template")
@@ -54,8 +71,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     # Validate what needs no model before spending seconds loading one.
     from hamburger.config import check_confidence
     from hamburger.generate import stream
-    from hamburger.model import load_model
     from hamburger.sampling import SamplingParams
+
+    if args.text == "-":
+        args.text = sys.stdin.read()
 
     if args.max_new_tokens <= 0:
         raise HamburgerError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -65,7 +84,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise HamburgerError("the prompt is empty")
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
 
-    model, trained = load_model(args.model, args.base)
+    model, trained = _load(args)
     if not trained:
         print(f"note: {args.model} is a base model, not a HAMburger checkpoint: decoding one token per step "
               "(exactly the base model's output)", file=sys.stderr)
@@ -92,9 +111,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from hamburger.model import load_model
-
-    model, trained = load_model(args.model, args.base)
+    model, trained = _load(args)
     bcfg, cfg = model.base.config, model.config
     info = {
         "model": args.model,

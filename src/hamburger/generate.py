@@ -62,8 +62,17 @@ class Generation:
         self.stats = GenerationStats(sequences=n, prompt_tokens=sum(len(p) for p in self.prompts))
 
     def __iter__(self) -> Iterator[StepEvent]:
-        with torch.inference_mode():
-            yield from self._run()
+        # Inference mode and the clock cover our own work only, not what the consumer does between steps.
+        steps, busy = self._run(), 0.0
+        while True:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                event = next(steps, None)
+            busy += time.perf_counter() - start
+            if event is None:
+                break
+            yield event
+        self.stats.decode_s = busy - self.stats.prefill_s
 
     def output(self) -> GenerationOutput:
         logits = [torch.cat(rows) if rows else torch.empty(0) for rows in self.logits] if self.return_logits else None
@@ -150,7 +159,6 @@ class Generation:
             hidden = model.base_forward(model.smash(step_ids, step_len)[:, None], mask, slot_pos, cache)
             stats.base_forwards += 1
             step += 1
-        stats.decode_s = time.perf_counter() - start - stats.prefill_s
 
     def _emit(self, b: int, token: int, logits: torch.Tensor, new: list[list[int]]) -> None:
         self.tokens[b].append(token)
