@@ -99,6 +99,7 @@ def test_max_new_tokens_is_exact_and_stats_add_up():
         assert st.kv_entries == sum(map(len, PROMPTS)) + st.macro_steps
         assert st.base_forwards == max(len(s) for s in out.steps)  # prefill + one per later step
         assert all(sum(s) == len(t) for s, t in zip(out.steps, out.tokens))
+        assert st.prefill_s > 0 and st.decode_s >= 0
 
 
 def test_stops_right_after_eos():

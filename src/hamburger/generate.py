@@ -8,12 +8,14 @@ Every sequence of a batch adds exactly one slot per macro-step, so the cache sta
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+from transformers.generation.logits_process import LogitsProcessorList
 
 from hamburger.config import check_confidence
 from hamburger.errors import HamburgerError
@@ -55,6 +57,9 @@ class Generation:
     steps: list[list[int]] = field(init=False)
     stats: GenerationStats = field(init=False)
     logits: list[list[torch.Tensor]] = field(init=False)
+    _start: float = field(init=False, default=0.0)
+    _warpers: LogitsProcessorList = field(init=False, default_factory=LogitsProcessorList)
+    _generator: torch.Generator | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         n = len(self.prompts)
@@ -84,87 +89,82 @@ class Generation:
         return self.forced_steps[b][step]
 
     def _run(self) -> Iterator[StepEvent]:
-        model, cfg = self.model, self.model.config
-        k, eos = cfg.max_step_tokens, self.eos_token_ids
+        model = self.model
         device = next(model.parameters()).device
         bsz = len(self.prompts)
         lengths = torch.tensor([len(p) for p in self.prompts], device=device)
-        width = int(lengths.max())
-        pad = model.tokenizer.pad_token_id if model.tokenizer is not None and model.tokenizer.pad_token_id is not None else 0
-        ids = torch.full((bsz, width), pad, dtype=torch.long, device=device)
-        mask = torch.zeros((bsz, width), dtype=torch.long, device=device)
+        pad = getattr(model.tokenizer, "pad_token_id", None) or 0
+        ids = torch.full((bsz, int(lengths.max())), pad, dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
         for b, p in enumerate(self.prompts):  # left padding: every row's next slot is the last column
-            ids[b, width - len(p) :] = torch.tensor(p, device=device)
-            mask[b, width - len(p) :] = 1
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        warpers, generator = self.sampling.warpers(), self.sampling.generator(device)
+            ids[b, ids.shape[1] - len(p) :] = torch.tensor(p, device=device)
+            mask[b, ids.shape[1] - len(p) :] = 1
+        self._warpers, self._generator = self.sampling.warpers(), self.sampling.generator(device)
         done = [False] * bsz
-        stats = self.stats
 
-        start = time.perf_counter()
+        self._start = time.perf_counter()
         cache = DynamicCache(config=model.base.config)
-        hidden = model.base_forward(model.embed(ids), mask, positions, cache)
-        stats.base_forwards += 1
-        step = 0
-        while True:
-            alive = [not d for d in done]
-            h0 = hidden[-1][:, -1]
-            logits = model.lm_head(h0)
-            tok = sample(logits, self.sampling, generator, warpers)
-            new: list[list[int]] = [[] for _ in range(bsz)]
-            go_on = continues(model.stop_head(h0), self.confidence).tolist()
-            tok_list = tok.tolist()
-            for b in range(bsz):
-                if alive[b]:
-                    self._emit(b, tok_list[b], logits[b], new)
-                    go_on[b] = self._goes_on(b, step, new[b], go_on[b])
-                else:
-                    go_on[b] = False
-            if step == 0:
-                stats.prefill_s = time.perf_counter() - start
-            if any(go_on):
-                micro_cache = DynamicCache()
-                x = torch.cat([model.micro.features(hidden, (slice(None), -1)), model.embed(tok)[:, None]], dim=1)
-                while any(go_on):
-                    hm = model.micro(x, micro_cache)[:, -1]
-                    logits = model.lm_head(hm)
-                    tok = sample(logits, self.sampling, generator, warpers)
-                    more = continues(model.stop_head(hm), self.confidence).tolist()
-                    tok_list = tok.tolist()
-                    for b in range(bsz):
-                        if go_on[b]:
-                            self._emit(b, tok_list[b], logits[b], new)
-                            go_on[b] = self._goes_on(b, step, new[b], more[b])
-                    x = model.embed(tok)[:, None]
-            for b in range(bsz):
-                if alive[b]:
-                    self.steps[b].append(len(new[b]))
-                    stats.macro_steps += 1
-                    stats.generated_tokens += len(new[b])
-                    done[b] = new[b][-1] in eos or len(self.tokens[b]) >= self.max_new_tokens
-            stats.micro_steps = stats.generated_tokens - stats.macro_steps
-            yield StepEvent(step, new, list(done))
-            if all(done):
-                break
-            # Smash each live step into one slot at the position of its last token.
-            step_ids = torch.full((bsz, k), pad, dtype=torch.long, device=device)
-            step_len = torch.ones(bsz, dtype=torch.long, device=device)
+        hidden = model.base_forward(model.embed(ids), mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)
+        self.stats.base_forwards += 1
+        for step in itertools.count():
+            new = self._macro_step(hidden, step, done)
             for b, toks in enumerate(new):
                 if toks:
-                    step_ids[b, : len(toks)] = torch.tensor(toks, device=device)
-                    step_len[b] = len(toks)
+                    self.steps[b].append(len(toks))
+                    done[b] = toks[-1] in self.eos_token_ids or len(self.tokens[b]) >= self.max_new_tokens
+            self.stats.macro_steps = sum(map(len, self.steps))
+            self.stats.generated_tokens = sum(map(len, self.tokens))
+            self.stats.micro_steps = self.stats.generated_tokens - self.stats.macro_steps
+            yield StepEvent(step, new, list(done))
+            if all(done):
+                return
+            # Smash each step into one slot at the position of its last token (finished rows get a dummy slot).
+            step_ids = torch.full((bsz, self.model.config.max_step_tokens), pad, dtype=torch.long, device=device)
+            step_len = torch.ones(bsz, dtype=torch.long, device=device)
+            for b, toks in enumerate(new):
+                step_ids[b, : len(toks)] = torch.tensor(toks, dtype=torch.long, device=device)
+                step_len[b] = max(1, len(toks))
             generated = torch.tensor([len(t) for t in self.tokens], device=device)
-            slot_pos = (lengths + generated - 1)[:, None]
-            mask = torch.cat([mask, torch.ones((bsz, 1), dtype=mask.dtype, device=device)], dim=1)
-            hidden = model.base_forward(model.smash(step_ids, step_len)[:, None], mask, slot_pos, cache)
-            stats.base_forwards += 1
-            step += 1
+            mask = torch.cat([mask, mask.new_ones((bsz, 1))], dim=1)
+            hidden = model.base_forward(model.smash(step_ids, step_len)[:, None], mask, (lengths + generated - 1)[:, None], cache)
+            self.stats.base_forwards += 1
 
-    def _emit(self, b: int, token: int, logits: torch.Tensor, new: list[list[int]]) -> None:
-        self.tokens[b].append(token)
-        new[b].append(token)
-        if self.return_logits:
-            self.logits[b].append(logits[None].float().clone())
+    def _macro_step(self, hidden: tuple[torch.Tensor, ...], step: int, done: list[bool]) -> list[list[int]]:
+        """Token 0 from the base's head, then micro-steps while any live sequence's step goes on."""
+        model = self.model
+        h0 = hidden[-1][:, -1]
+        logits = model.lm_head(h0)
+        tok = sample(logits, self.sampling, self._generator, self._warpers)
+        new: list[list[int]] = [[] for _ in done]
+        live = [not d for d in done]
+        go_on = self._record(tok, logits, model.stop_head(h0), live, step, new)
+        if step == 0:
+            self.stats.prefill_s = time.perf_counter() - self._start  # time to first token
+        micro_cache = DynamicCache()
+        x = torch.cat([model.micro.features(hidden, (slice(None), -1)), model.embed(tok)[:, None]], dim=1)
+        while any(go_on):
+            hm = model.micro(x, micro_cache)[:, -1]
+            logits = model.lm_head(hm)
+            tok = sample(logits, self.sampling, self._generator, self._warpers)
+            go_on = self._record(tok, logits, model.stop_head(hm), go_on, step, new)
+            x = model.embed(tok)[:, None]
+        return new
+
+    def _record(
+        self, tok: torch.Tensor, logits: torch.Tensor, stop_logits: torch.Tensor, active: list[bool], step: int,
+        new: list[list[int]],
+    ) -> list[bool]:
+        """Append the token of each active sequence; return which of them take one more token in this step."""
+        more = continues(stop_logits, self.confidence).tolist()
+        go_on = [False] * len(active)
+        for b, (token, is_active) in enumerate(zip(tok.tolist(), active)):
+            if is_active:
+                self.tokens[b].append(token)
+                new[b].append(token)
+                if self.return_logits:
+                    self.logits[b].append(logits[b][None].float().clone())
+                go_on[b] = self._goes_on(b, step, new[b], more[b])
+        return go_on
 
     def _goes_on(self, b: int, step: int, step_tokens: list[int], stop_head_says: bool) -> bool:
         """Whether sequence b's current step takes another token (before knowing which)."""
