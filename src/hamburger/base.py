@@ -148,3 +148,17 @@ def fingerprint(model: torch.nn.Module, samples_per_tensor: int = 64) -> str:
         digest.update(f"{name}:{tuple(tensor.shape)}".encode())
         digest.update(sample.numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], reply: str | None = None) -> list[int]:
+    """Token ids of chat messages through the model's own template, ending with the assistant's turn header.
+
+    With `reply`, the assistant's reply is appended and closed as the template closes a turn (so the ids
+    end with the template's end-of-turn token, e.g. <|im_end|>), for teacher forcing.
+    """
+    if reply is None:
+        ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    else:
+        full = messages + [{"role": "assistant", "content": reply}]
+        ids = tokenizer.apply_chat_template(full, tokenize=True, return_dict=True)
+    return list(ids["input_ids"])

@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 
-from hamburger.base import DEFAULT_MODEL
+from hamburger.base import DEFAULT_MODEL, encode_chat
 from hamburger.errors import HamburgerError
 
 DTYPES = ("float32", "bfloat16", "float16")
+COMMAND_MODULES: tuple[str, ...] = ()
 
 
-def _add_model_args(parser: argparse.ArgumentParser) -> None:
+def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default",
                         help=f"HAMburger checkpoint folder, or a base model (hub id, folder, .gguf); default: {DEFAULT_MODEL}")
     parser.add_argument("--base", default=None, help="load a checkpoint's base from here instead of the reference it records")
@@ -21,7 +23,8 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
 
 
-def _load(args: argparse.Namespace):
+def load_from_args(args: argparse.Namespace):
+    """The model named by --model/--base/--dtype/--device: (HamburgerModel, is_trained_checkpoint)."""
     import torch
 
     from hamburger.model import load_model
@@ -40,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="generate a reply to a chat message (or continue a raw prompt)")
     gen.add_argument("text", help="the user's chat message (with --raw: the prompt text to continue); - reads stdin")
-    _add_model_args(gen)
+    add_model_args(gen)
     gen.add_argument("--raw", action="store_true", help="do not apply the chat template")
     gen.add_argument("--system", default=None, help="system message for the chat template")
     gen.add_argument("--max-new-tokens", type=int, default=256)
@@ -51,9 +54,15 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
 
+    gen.set_defaults(func=cmd_generate)
+
     info = sub.add_parser("info", help="what a model is: architecture, sizes, parameters of each module")
-    _add_model_args(info)
+    add_model_args(info)
     info.add_argument("--json", action="store_true")
+    info.set_defaults(func=cmd_info)
+
+    for module in COMMAND_MODULES:  # each registers its own subcommand(s) with set_defaults(func=...)
+        importlib.import_module(module).register(sub, add_model_args)
     return parser
 
 
@@ -62,9 +71,7 @@ def _prompt_ids(tokenizer, text: str, raw: bool, system: str | None) -> list[int
         raise HamburgerError("the prompt is empty")
     if raw or not tokenizer.chat_template:
         return tokenizer(text, add_special_tokens=True)["input_ids"]
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    return encode_chat(tokenizer, ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": text}])
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -84,7 +91,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise HamburgerError("the prompt is empty")
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
 
-    model, trained = _load(args)
+    model, trained = load_from_args(args)
     if not trained:
         print(f"note: {args.model} is a base model, not a HAMburger checkpoint: decoding one token per step "
               "(exactly the base model's output)", file=sys.stderr)
@@ -111,7 +118,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    model, trained = _load(args)
+    model, trained = load_from_args(args)
     bcfg, cfg = model.base.config, model.config
     info = {
         "model": args.model,
@@ -146,9 +153,8 @@ def cmd_info(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     args = build_parser().parse_args(argv)
-    commands = {"generate": cmd_generate, "info": cmd_info}
     try:
-        return commands[args.command](args)
+        return args.func(args)
     except HamburgerError as exc:
         print(f"hamburger: error: {exc}", file=sys.stderr)
         return 2
