@@ -1,0 +1,274 @@
+"""Training on segmented data with accelerate: one script for 1 CPU, `accelerate launch` DDP, or FSDP.
+
+Modes: `frozen` (base untouched, only the embedder, micro-step decoder and stop head learn: a small
+checkpoint), `full` (the base learns too, at its own learning rate). Batches are cut and sharded by
+this module itself (a seeded permutation per epoch, global batch i goes to process i % world), so a
+run resumes exactly from (epoch, batch) with the optimizer, scheduler and RNG states that accelerate saves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from transformers import get_cosine_schedule_with_warmup
+
+from hamburger.config import HamburgerConfig
+from hamburger.data import SegmentedExample, collate
+from hamburger.errors import HamburgerError
+from hamburger.model import NEW_MODULES, HamburgerModel
+
+MODES = ("frozen", "full")
+
+
+@dataclass
+class TrainArgs:
+    data: str
+    out: str
+    mode: str = "frozen"
+    epochs: int = 1
+    max_steps: int = 0  # optimizer steps; 0 = as many as the epochs give
+    batch_size: int = 8  # examples per process per micro-batch
+    grad_accum: int = 1
+    lr: float = 1e-4  # new modules
+    base_lr: float = 5e-5  # the base, in full mode
+    warmup_ratio: float = 0.03
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    eval_fraction: float = 0.05
+    eval_every: int = 100
+    save_every: int = 100
+    bf16: bool = True
+    seed: int = 0
+
+
+def read_examples(path: Path) -> list[tuple[str, SegmentedExample]]:
+    if not path.is_file():
+        raise HamburgerError(f"segmented data {path} does not exist (make it with `hamburger segment`)")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+                out.append((str(row.get("id", n)), SegmentedExample(row["input_ids"], row["prompt_len"], row["steps"])))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise HamburgerError(f"{path}:{n}: not a segmented example ({exc})") from exc
+    if not out:
+        raise HamburgerError(f"{path} holds no examples")
+    return out
+
+
+def split_eval(rows: list[tuple[str, SegmentedExample]], fraction: float) -> tuple[list, list]:
+    """A stable split by id hash, so a resumed or re-launched run evaluates on the same examples."""
+    def held(rid: str) -> bool:
+        return int(hashlib.sha256(rid.encode()).hexdigest(), 16) % 10_000 < fraction * 10_000
+    return [r for r in rows if not held(r[0])], [r for r in rows if held(r[0])]
+
+
+def epoch_batches(n: int, batch_size: int, epoch: int, seed: int) -> list[list[int]]:
+    order = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return [order[i : i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]  # drop the ragged tail
+
+
+def configure_optimizer(model: HamburgerModel, args: TrainArgs) -> torch.optim.Optimizer:
+    new = [p for name in NEW_MODULES for p in getattr(model, name).parameters()]
+    groups = [{"params": new, "lr": args.lr}]
+    if args.mode == "full":
+        groups.append({"params": list(model.base.parameters()), "lr": args.base_lr})
+    else:
+        model.base.requires_grad_(False)
+    return torch.optim.AdamW(groups, weight_decay=args.weight_decay)
+
+
+@torch.no_grad()
+def evaluate(model, examples: list[SegmentedExample], k: int, pad: int, batch_size: int, device) -> dict[str, float]:
+    """Loss, token accuracy by position in the step and stop accuracy over held-out examples (token-weighted)."""
+    totals: dict[str, float] = {}
+    weight = 0
+    for i in range(0, len(examples), batch_size):
+        out = model(collate(examples[i : i + batch_size], k, pad).to(device))
+        n = out.targets.numel()
+        for key, value in out.metrics(k).items():
+            totals[key] = totals.get(key, 0.0) + value * n
+        weight += n
+    return {key: value / weight for key, value in totals.items()} if weight else {}
+
+
+class Trainer:
+    def __init__(self, model: HamburgerModel, args: TrainArgs) -> None:
+        from accelerate import Accelerator  # noqa: PLC0415
+
+        if args.mode not in MODES:
+            raise HamburgerError(f"--mode must be one of {MODES}, got {args.mode!r}")
+        self.args, self.out = args, Path(args.out)
+        bf16 = args.bf16 and (torch.cuda.is_available() or torch.backends.mkldnn.is_available())
+        self.acc = Accelerator(gradient_accumulation_steps=args.grad_accum, mixed_precision="bf16" if bf16 else "no",
+                               cpu=not torch.cuda.is_available())  # cpu=True lets torchrun workers use gloo
+        torch.manual_seed(args.seed)
+        model.config.base_in_checkpoint = args.mode == "full"
+        rows = read_examples(Path(args.data))
+        train, held = split_eval(rows, args.eval_fraction)
+        self.train_ids, self.train = [r[0] for r in train], [r[1] for r in train]
+        self.held = [r[1] for r in held]
+        self.k = model.config.max_step_tokens
+        for ex in self.train + self.held:
+            ex.validate(self.k)
+        self.pad = getattr(model.tokenizer, "pad_token_id", None) or 0
+        global_batch = args.batch_size * self.acc.num_processes
+        self.batches_per_epoch = len(self.train) // global_batch
+        if self.batches_per_epoch < args.grad_accum:
+            raise HamburgerError(f"{len(self.train)} training examples are too few for a global batch of "
+                                 f"{global_batch} x {args.grad_accum} accumulation steps")
+        steps_per_epoch = self.batches_per_epoch // args.grad_accum
+        self.total_steps = args.max_steps or steps_per_epoch * args.epochs
+        optimizer = configure_optimizer(model, args)
+        scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(args.warmup_ratio * self.total_steps),
+                                                    self.total_steps)
+        self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
+        self.hamburger = model
+        self.step, self.seen = 0, []  # optimizer steps done; ids this process trained on (for tests and logs)
+
+    # --- checkpoints ---------------------------------------------------------------------------------
+
+    def save(self) -> None:
+        """Resumable state (model, optimizer, scheduler, RNG) plus a plain HAMburger checkpoint to ship."""
+        self.acc.wait_for_everyone()
+        self.acc.save_state(str(self.out / "state"))
+        if self.acc.is_main_process:
+            (self.out / "state" / "trainer.json").write_text(json.dumps({"step": self.step, "args": asdict(self.args)}))
+            self.acc.unwrap_model(self.model).save_pretrained(self.out / "hamburger")
+        self.acc.wait_for_everyone()
+
+    def resume(self) -> bool:
+        state = self.out / "state" / "trainer.json"
+        if not state.is_file():
+            return False
+        self.acc.load_state(str(self.out / "state"))
+        self.step = json.loads(state.read_text())["step"]
+        return True
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    def batches(self):
+        """(epoch, index) of each micro-batch of this process from the current step on, in a fixed order."""
+        a, world, rank = self.args, self.acc.num_processes, self.acc.process_index
+        per_epoch = (self.batches_per_epoch // a.grad_accum) * a.grad_accum
+        start = self.step * a.grad_accum
+        for micro in range(start, self.total_steps * a.grad_accum):
+            epoch, i = divmod(micro, per_epoch)
+            batches = epoch_batches(len(self.train), a.batch_size * world, epoch, a.seed)
+            yield batches[i][rank * a.batch_size : (rank + 1) * a.batch_size]
+
+    def fit(self, progress: bool = True) -> dict[str, float]:
+        a = self.args
+        metrics: dict[str, float] = {}
+        columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                   TimeRemainingColumn())
+        show = progress and self.acc.is_local_main_process
+        with Progress(*columns, disable=not show, console=Console(stderr=True)) as bar:
+            task = bar.add_task("train", total=self.total_steps, completed=self.step, info="")
+            tokens, t0 = 0, time.perf_counter()
+            self.model.train()
+            for idx in self.batches():
+                self.seen.extend(self.train_ids[j] for j in idx)
+                batch = collate([self.train[j] for j in idx], self.k, self.pad).to(self.acc.device)
+                with self.acc.accumulate(self.model):
+                    out = self.model(batch)
+                    self.acc.backward(out.loss)
+                    if self.acc.sync_gradients:
+                        self.acc.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.optimizer.zero_grad()
+                tokens += out.targets.numel()
+                if not self.acc.sync_gradients:
+                    continue
+                self.step += 1
+                rate = tokens * self.acc.num_processes / (time.perf_counter() - t0)
+                bar.update(task, completed=self.step, info=f"loss {out.loss.item():.3f} {rate:.0f} tok/s")
+                if self.held and (self.step % a.eval_every == 0 or self.step == self.total_steps):
+                    metrics = self.evaluate()
+                    self.log({"step": self.step, **metrics, "tokens_per_s": rate})
+                if self.step % a.save_every == 0 or self.step == self.total_steps:
+                    self.save()
+        self.record_process()
+        return metrics
+
+    def record_process(self) -> None:
+        """What this process trained on and a hash of its weights: DDP replicas must agree on the latter."""
+        from hamburger.base import fingerprint  # noqa: PLC0415
+
+        model = self.acc.unwrap_model(self.model)
+        digest = {name: fingerprint(getattr(model, name), samples_per_tensor=1 << 30) for name in NEW_MODULES}
+        row = {"process": self.acc.process_index, "seen": self.seen, "weights": digest}
+        (self.out / f"process-{self.acc.process_index}.json").write_text(json.dumps(row))
+
+    def evaluate(self) -> dict[str, float]:
+        self.model.eval()
+        with self.acc.autocast():
+            metrics = evaluate(self.acc.unwrap_model(self.model), self.held, self.k, self.pad, self.args.batch_size,
+                               self.acc.device)
+        self.model.train()
+        return metrics
+
+    def log(self, row: dict) -> None:
+        if self.acc.is_main_process:
+            with (self.out / "log.jsonl").open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), file=sys.stderr)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from accelerate import PartialState  # noqa: PLC0415
+
+    from hamburger.base import load_base  # noqa: PLC0415
+
+    targs = TrainArgs(**{f: getattr(args, f) for f in TrainArgs.__dataclass_fields__})
+    out = Path(targs.out)
+    if out.exists() and any(out.iterdir()) and not args.resume:
+        raise HamburgerError(f"{out} is not empty: pass --resume to continue that run, or pick a new --out")
+    state = PartialState(cpu=not torch.cuda.is_available())
+    device = str(state.device)
+    if HamburgerConfig.is_checkpoint(args.model):  # continue training a checkpoint's modules
+        model = HamburgerModel.from_pretrained(args.model, device=device)
+    else:
+        base, tokenizer = load_base(args.model, device=device)
+        torch.manual_seed(targs.seed)  # the new modules' initialisation, identical on every process
+        cfg = HamburgerConfig(max_step_tokens=args.max_step_tokens, micro_layers=args.micro_layers)
+        model = HamburgerModel.wrap(base, tokenizer, cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(model, targs)
+    if args.resume and trainer.resume():
+        print(f"resumed at step {trainer.step}", file=sys.stderr)
+    metrics = trainer.fit()
+    if state.is_main_process:
+        print(json.dumps({"final": metrics, "checkpoint": str(out / "hamburger")}), file=sys.stderr)
+    return 0
+
+
+def register(sub, add_model_args) -> None:
+    p = sub.add_parser("train", help="train the HAMburger modules on segmented data (accelerate launch for DDP)")
+    p.add_argument("--data", required=True, help="segmented JSONL from `hamburger segment`")
+    p.add_argument("--out", required=True, help="run folder: state/ to resume, hamburger/ the checkpoint, log.jsonl")
+    p.add_argument("--model", default="default", help="base model, or a HAMburger checkpoint to continue")
+    p.add_argument("--mode", choices=MODES, default="frozen")
+    p.add_argument("--max-step-tokens", type=int, default=4)
+    p.add_argument("--micro-layers", type=int, default=4)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--no-bf16", dest="bf16", action="store_false")
+    for name, f in TrainArgs.__dataclass_fields__.items():
+        if name in ("data", "out", "mode", "bf16"):
+            continue
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=f.default)
+    p.set_defaults(func=cmd_train)

@@ -1,0 +1,183 @@
+"""distill -> segment -> train on tiny models: segmentation rule, resumable files, exact resume, DDP."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import EOS, tiny_base, tiny_tokenizer
+from hamburger import HamburgerConfig, HamburgerModel, fingerprint, load_base
+from hamburger.cli import main
+from hamburger.segment import Thresholds, chat_example, segment, segment_rows, summarize
+from hamburger.train import Trainer, TrainArgs, epoch_batches
+
+
+def test_segmentation_rule_on_hand_set_entropies():
+    th = Thresholds(max_step_tokens=4, abs_threshold=0.05, rel_threshold=0.3)
+    ent = [2.0, 0.01, 0.5, 0.1, 3.0, 0.02, 0.01, 0.01, 0.01]
+    # 0.01 < abs; 0.5 and 0.1 < 0.3 * 2.0; then 3.0 starts a step; the fifth low one exceeds K
+    assert segment(ent, th) == [4, 4, 1]
+    assert segment([1.0, 0.9, 0.8], th) == [1, 1, 1]
+    assert segment([1.0, 0.9, 0.8], Thresholds(4, 0.05, 0.95)) == [3]
+    assert segment([0.0] * 10, Thresholds(8, 0.05, 0.3)) == [8, 2]
+    assert segment([], th) == []
+
+
+def test_chat_example_ends_at_eos():
+    tok = tiny_tokenizer()
+    msgs = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4"}]
+    ids, p = chat_example(tok, msgs, {EOS})
+    assert tok.convert_ids_to_tokens(ids[p:]) == ["w3", "w4", "<|im_end|>"]
+    assert chat_example(tok, msgs[:1], {EOS}) is None
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_distill_then_segment_cli(tmp_path, tiny_model_dir, capsys):
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"id": f"p{i}", "prompt": f"w{i} w{i + 1} w{i + 2}"} for i in range(5, 12)])
+    out = tmp_path / "distill.jsonl"
+    args = ["distill", "--sources", str(prompts), "--out", str(out), "--model", str(tiny_model_dir),
+            "--batch-size", "3", "--max-new-tokens", "6"]
+    assert main(args) == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["id"] for r in rows} == {f"p{i}" for i in range(5, 12)} and len(rows) == 7
+    assert all(r["messages"][-1]["role"] == "assistant" and 1 <= len(r["response_ids"]) <= 6 for r in rows)
+    with out.open("a") as f:  # a crash mid-line: the torn row is dropped and redone
+        f.write('{"id": "torn')
+    assert main(args) == 0
+    assert len(out.read_text().splitlines()) == 7
+    assert json.loads(capsys.readouterr().err.strip().splitlines()[-1])["written"] == 0
+
+    seg = tmp_path / "seg.jsonl"
+    seg_args = ["segment", "--data", str(out), "--out", str(seg), "--model", str(tiny_model_dir),
+                "--include-unfinished", "--abs-threshold", "1.0", "--rel-threshold", "0.9"]
+    assert main(seg_args) == 0
+    examples = [json.loads(line) for line in seg.read_text().splitlines()]
+    assert len(examples) == 7
+    for ex in examples:
+        assert sum(ex["steps"]) == len(ex["input_ids"]) - ex["prompt_len"] and max(ex["steps"]) <= 4
+    summary = json.loads((tmp_path / "seg.jsonl.summary.json").read_text())
+    assert summary["examples"] == 7 and summary["response_tokens"] == sum(sum(e["steps"]) for e in examples)
+    assert main(seg_args) == 2  # never overwrite without --force
+
+
+def test_segment_rows_uses_the_base_entropy():
+    base, tok = tiny_base("llama"), tiny_tokenizer()
+    model = HamburgerModel.wrap(base, tok, HamburgerConfig(max_step_tokens=4))
+    rows = [{"messages": [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7 w8 w9 w10 w11"}]}]
+    loose = segment_rows(model, rows, Thresholds(4, 100.0, 0.3), progress=False)[0]["steps"]
+    strict = segment_rows(model, rows, Thresholds(4, 0.0, 0.0), progress=False)[0]["steps"]
+    assert loose == [4, 2] and strict == [1] * 6  # 5 reply tokens + <|im_end|>
+    assert summarize([{"steps": loose}], 4)["mean_tokens_per_step"] == 3.0
+
+
+def make_data(path: Path, n: int = 48, seed: int = 0) -> Path:
+    rng = random.Random(seed)
+    rows = []
+    for i in range(n):
+        prompt = [rng.randrange(5, 96) for _ in range(rng.randrange(2, 6))]
+        steps = [rng.randint(1, 4) for _ in range(rng.randrange(2, 6))]
+        response = [rng.randrange(5, 96) for _ in range(sum(steps))]
+        rows.append({"id": f"ex{i}", "input_ids": prompt + response, "prompt_len": len(prompt), "steps": steps})
+    return write_jsonl(path, rows)
+
+
+def train_run(tmp_path, name, base_dir, **kw) -> Trainer:
+    base, tok = load_base(str(base_dir))
+    torch.manual_seed(0)  # the new modules' initialisation
+    model = HamburgerModel.wrap(base, tok, HamburgerConfig(max_step_tokens=4, micro_layers=2))
+    args = TrainArgs(data=str(tmp_path / "data.jsonl"), out=str(tmp_path / name), batch_size=4, lr=3e-3,
+                     eval_every=2, save_every=2, bf16=False, eval_fraction=0.1, **kw)
+    (tmp_path / name).mkdir(exist_ok=True)
+    return Trainer(model, args)
+
+
+def new_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    model = trainer.acc.unwrap_model(trainer.model)
+    return {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("base.")}
+
+
+def test_frozen_training_learns_keeps_base_and_resumes_exactly(tmp_path, tiny_model_dir):
+    make_data(tmp_path / "data.jsonl")
+    straight = train_run(tmp_path, "straight", tiny_model_dir, max_steps=6)
+    before = fingerprint(straight.hamburger.base)
+    start = straight.evaluate()
+    final = straight.fit(progress=False)
+    assert final["loss"] < start["loss"]
+    assert fingerprint(straight.hamburger.base) == before  # frozen: the base is untouched
+    assert {"token_acc@0", "token_acc@1", "stop_acc"} <= final.keys()
+    log = [json.loads(line) for line in (tmp_path / "straight" / "log.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in log] == [2, 4, 6]
+
+    first = train_run(tmp_path, "resumed", tiny_model_dir, max_steps=6)
+    first.total_steps = 4  # stop early, as if killed after the checkpoint at step 4
+    first.fit(progress=False)
+    second = train_run(tmp_path, "resumed", tiny_model_dir, max_steps=6)
+    assert second.resume() and second.step == 4
+    second.fit(progress=False)
+    a, b = new_weights(straight), new_weights(second)
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], msg=key)
+
+    loaded = HamburgerModel.from_pretrained(tmp_path / "straight" / "hamburger")
+    assert fingerprint(loaded.stop_head) == fingerprint(straight.hamburger.stop_head)
+
+
+def test_full_mode_trains_the_base_and_ships_it(tmp_path, tiny_model_dir):
+    make_data(tmp_path / "data.jsonl")
+    trainer = train_run(tmp_path, "full", tiny_model_dir, max_steps=2, mode="full")
+    before = fingerprint(trainer.hamburger.base)
+    trainer.fit(progress=False)
+    assert fingerprint(trainer.hamburger.base) != before
+    loaded = HamburgerModel.from_pretrained(tmp_path / "full" / "hamburger")
+    assert fingerprint(loaded.base) == fingerprint(trainer.hamburger.base)
+
+
+def test_epoch_batches_are_seeded_and_disjoint():
+    a, b = epoch_batches(10, 3, 0, 0), epoch_batches(10, 3, 1, 0)
+    assert a == epoch_batches(10, 3, 0, 0) and a != b and len(a) == 3
+    assert len({i for batch in a for i in batch}) == 9
+
+
+def test_ddp_two_processes_see_different_data_and_agree(tmp_path, tiny_model_dir):
+    """Real DDP on CPU (gloo), two processes started by `accelerate launch --multi_gpu` (torchrun underneath).
+
+    `accelerate launch --cpu --num_processes 2` starts a single process unless MPI is set up, so the
+    torchrun-based launcher is the one that gives two processes here.
+    """
+    make_data(tmp_path / "data.jsonl", n=64)
+    out = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+           "--main_process_port", "29517",
+           "--mixed_precision", "no", "--dynamo_backend", "no", "-m", "hamburger.cli", "train", "--data",
+           str(tmp_path / "data.jsonl"), "--out", str(out), "--model", str(tiny_model_dir), "--micro-layers", "2",
+           "--batch-size", "4", "--max-steps", "3", "--no-bf16", "--eval-every", "3", "--save-every", "3"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    p0, p1 = (json.loads((out / f"process-{i}.json").read_text()) for i in (0, 1))
+    assert len(p0["seen"]) == len(p1["seen"]) == 12 and not set(p0["seen"]) & set(p1["seen"])
+    assert p0["weights"] == p1["weights"]
+    assert (out / "hamburger" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("args,message", [
+    (["train", "--data", "/no/such.jsonl", "--out", "OUT", "--model", "MODEL"], "does not exist"),
+    (["segment", "--data", "/no/such.jsonl", "--out", "OUT", "--model", "MODEL"], "does not exist"),
+    (["distill", "--sources", "nope", "--out", "OUT", "--model", "MODEL"], "unknown source"),
+])
+def test_pipeline_bad_input(capsys, tmp_path, tiny_model_dir, args, message):
+    args = [str(tmp_path / "o") if a == "OUT" else str(tiny_model_dir) if a == "MODEL" else a for a in args]
+    assert main(args) == 2
+    assert message in capsys.readouterr().err
