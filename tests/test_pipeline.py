@@ -19,6 +19,16 @@ from hamburger.segment import Thresholds, chat_example, segment, segment_rows, s
 from hamburger.train import Trainer, TrainArgs, epoch_batches
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerate_state():
+    """accelerate keeps one process-wide state; tests that train in-process each need their own."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    yield
+    AcceleratorState._reset_state(True)
+    PartialState._reset_state()
+
+
 def test_segmentation_rule_on_hand_set_entropies():
     th = Thresholds(max_step_tokens=4, abs_threshold=0.05, rel_threshold=0.3)
     ent = [2.0, 0.01, 0.5, 0.1, 3.0, 0.02, 0.01, 0.01, 0.01]

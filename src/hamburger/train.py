@@ -112,12 +112,12 @@ class Trainer:
         if args.mode not in MODES:
             raise HamburgerError(f"--mode must be one of {MODES}, got {args.mode!r}")
         self.args, self.out = args, Path(args.out)
+        rows = read_examples(Path(args.data))
         bf16 = args.bf16 and (torch.cuda.is_available() or torch.backends.mkldnn.is_available())
         self.acc = Accelerator(gradient_accumulation_steps=args.grad_accum, mixed_precision="bf16" if bf16 else "no",
                                cpu=not torch.cuda.is_available())  # cpu=True lets torchrun workers use gloo
         torch.manual_seed(args.seed)
         model.config.base_in_checkpoint = args.mode == "full"
-        rows = read_examples(Path(args.data))
         train, held = split_eval(rows, args.eval_fraction)
         self.train_ids, self.train = [r[0] for r in train], [r[1] for r in train]
         self.held = [r[1] for r in held]
@@ -235,6 +235,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hamburger.base import load_base  # noqa: PLC0415
 
     targs = TrainArgs(**{f: getattr(args, f) for f in TrainArgs.__dataclass_fields__})
+    read_examples(Path(targs.data))  # fail on bad data before loading a model
     out = Path(targs.out)
     if out.exists() and any(out.iterdir()) and not args.resume:
         raise HamburgerError(f"{out} is not empty: pass --resume to continue that run, or pick a new --out")
