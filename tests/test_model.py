@@ -99,3 +99,15 @@ def test_checkpoint_base_reference_is_loaded(tmp_path, tiny_model_dir):
 def test_not_a_checkpoint(tmp_path):
     with pytest.raises(HamburgerError, match="not a HAMburger checkpoint"):
         HamburgerModel.from_pretrained(tmp_path)
+
+
+def test_bfloat16_checkpoint_is_half_the_size_and_loads_close(tmp_path):
+    model = hamburger("llama", k=4)
+    model.save_pretrained(tmp_path / "fp32")
+    model.save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    size = lambda d: (tmp_path / d / "model.safetensors").stat().st_size  # noqa: E731
+    assert size("bf16") < 0.55 * size("fp32")
+    loaded = HamburgerModel.from_pretrained(tmp_path / "bf16", base=model.base, tokenizer=tiny_tokenizer())
+    assert next(loaded.micro.parameters()).dtype == torch.float32
+    for (name, a), b in zip(model.stop_head.state_dict().items(), loaded.stop_head.state_dict().values()):
+        torch.testing.assert_close(a.to(torch.bfloat16).float(), b, msg=name)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import EOS, tiny_base, tiny_tokenizer
-from hamburger import HamburgerConfig, HamburgerModel, fingerprint, load_base
+from hamburger import HamburgerConfig, HamburgerModel, fingerprint, generate, load_base
 from hamburger.cli import main
 from hamburger.segment import Thresholds, chat_example, segment, segment_rows, summarize
 from hamburger.train import Trainer, TrainArgs, epoch_batches
@@ -152,6 +152,35 @@ def test_full_mode_trains_the_base_and_ships_it(tmp_path, tiny_model_dir):
     assert fingerprint(trainer.hamburger.base) != before
     loaded = HamburgerModel.from_pretrained(tmp_path / "full" / "hamburger")
     assert fingerprint(loaded.base) == fingerprint(trainer.hamburger.base)
+
+
+def test_lora_mode_trains_adapters_ships_them_small_and_merges(tmp_path, tiny_model_dir):
+    make_data(tmp_path / "data.jsonl")
+    base, tok = load_base(str(tiny_model_dir))
+    torch.manual_seed(0)
+    model = HamburgerModel.wrap(base, tok, HamburgerConfig(max_step_tokens=4, micro_layers=2, lora_rank=4))
+    args = TrainArgs(data=str(tmp_path / "data.jsonl"), out=str(tmp_path / "lora"), mode="lora", batch_size=4,
+                     lr=3e-3, base_lr=3e-3, max_steps=3, eval_every=3, save_every=3, bf16=False)
+    (tmp_path / "lora").mkdir()
+    trainer = Trainer(model, args)
+    trainer.fit(progress=False)
+    lora_b = [p for n, p in model.base.named_parameters() if "lora_B" in n]
+    assert lora_b and all(p.abs().sum() > 0 for p in lora_b)  # adapters moved off their zero start
+    assert all(not p.requires_grad for n, p in model.base.named_parameters() if ".lora_" not in n)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "lora" / "hamburger" / "model.safetensors"), "pt") as f:
+        keys = list(f.keys())
+    assert any(".lora_A" in k for k in keys) and not any(k.endswith("q_proj.base_layer.weight") for k in keys)
+    loaded = HamburgerModel.from_pretrained(tmp_path / "lora" / "hamburger")  # fresh base + adapters
+    prompt = [[5, 6, 7, 8]]
+    ref = generate(model.eval(), prompt, max_new_tokens=8, confidence=0.3, return_logits=True)
+    again = generate(loaded, prompt, max_new_tokens=8, confidence=0.3, return_logits=True)
+    assert ref.tokens == again.tokens
+    loaded.merge_lora()
+    merged = generate(loaded, prompt, max_new_tokens=8, confidence=0.3, return_logits=True)
+    assert merged.tokens == ref.tokens
+    torch.testing.assert_close(merged.logits[0], ref.logits[0], atol=1e-4, rtol=1e-4)
 
 
 def test_epoch_batches_are_seeded_and_disjoint():

@@ -29,6 +29,9 @@ class HamburgerConfig:
     stop_hidden: int = 0  # hidden width of the stop head MLP; 0 = half the model width
     default_confidence: float = 0.8
     base_in_checkpoint: bool = False  # the checkpoint also carries (fine-tuned) base weights
+    lora_rank: int = 0  # > 0: LoRA adapters on the base's attention projections (trained, shipped, mergeable)
+    lora_alpha: float = 32.0
+    lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
     def __post_init__(self) -> None:
         if self.max_step_tokens < 1:

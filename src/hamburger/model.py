@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file, save_model
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
-from hamburger.base import fingerprint, load_base
+from hamburger.base import DEFAULT_MODEL, fingerprint, load_base
 from hamburger.config import HamburgerConfig
 from hamburger.data import SegmentedBatch
 from hamburger.embedder import CompositionalEmbedder
@@ -24,6 +24,11 @@ from hamburger.micro_decoder import MicroStepDecoder, StopHead
 STOP_LOSS_WEIGHT = 0.5
 WEIGHTS_NAME = "model.safetensors"
 NEW_MODULES = ("embedder", "micro", "stop_head")
+
+
+def is_trained_key(key: str) -> bool:
+    """State-dict keys a checkpoint stores when the base itself is not shipped: new modules and LoRA adapters."""
+    return key.split(".")[0] in NEW_MODULES or ".lora_" in key
 
 
 @dataclass
@@ -67,6 +72,12 @@ class HamburgerModel(nn.Module):
         )
         self.micro = MicroStepDecoder(base, cfg.micro_layers, cfg.feature_layers, cfg.init_micro_from_top)
         self.stop_head = StopHead(bcfg.hidden_size, cfg.stop_hidden)
+        if cfg.lora_rank:
+            from peft import LoraConfig, inject_adapter_in_model  # noqa: PLC0415 - only for LoRA checkpoints
+
+            lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_targets,
+                              lora_dropout=0.0)
+            inject_adapter_in_model(lora, base)  # B starts at zero: the base's outputs are unchanged
         dtype = next(base.parameters()).dtype
         device = next(base.parameters()).device
         for name in NEW_MODULES:
@@ -92,16 +103,26 @@ class HamburgerModel(nn.Module):
         config.base_fingerprint = fingerprint(base)
         return cls(base, config, tokenizer)
 
-    def save_pretrained(self, directory: str | Path) -> None:
-        """config.json + model.safetensors; the base weights are included only if they were trained."""
+    def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
+        """config.json + model.safetensors; the base weights are included only if they were trained.
+
+        `dtype` (e.g. bfloat16) stores floating-point weights smaller; loading casts them back.
+        """
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.config.save(directory)
-        if self.config.base_in_checkpoint:
+        if self.config.base_in_checkpoint and dtype is None:
             save_model(self, str(directory / WEIGHTS_NAME))
-        else:
-            state = {k: v.contiguous() for k, v in self.state_dict().items() if k.split(".")[0] in NEW_MODULES}
-            save_file(state, str(directory / WEIGHTS_NAME))
+            return
+        keep = self.state_dict().items() if self.config.base_in_checkpoint else (
+            (k, v) for k, v in self.state_dict().items() if is_trained_key(k))
+        state, seen = {}, set()
+        for k, v in keep:
+            if v.data_ptr() in seen:  # a tied weight (e.g. lm_head = embeddings) is stored once
+                continue
+            seen.add(v.data_ptr())
+            state[k] = (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+        save_file(state, str(directory / WEIGHTS_NAME))
 
     @classmethod
     def from_pretrained(
@@ -112,8 +133,6 @@ class HamburgerModel(nn.Module):
         config = HamburgerConfig.load(directory)
         if base is None:
             base, tokenizer = load_base(config.base_model, dtype=dtype, device=device)
-        model = cls(base, config, tokenizer)
-        state = load_file(str(Path(directory) / WEIGHTS_NAME), device=str(device))
         if not config.base_in_checkpoint:
             found = fingerprint(base)
             if found != config.base_fingerprint:
@@ -122,8 +141,10 @@ class HamburgerModel(nn.Module):
                     f"(fingerprint {config.base_fingerprint}) but the base given has fingerprint {found}: "
                     "load it with the base it was trained on"
                 )
+        model = cls(base, config, tokenizer)
+        state = load_file(str(Path(directory) / WEIGHTS_NAME), device=str(device))
         missing, unexpected = model.load_state_dict(state, strict=False)
-        missing_new = [k for k in missing if k.split(".")[0] in NEW_MODULES]
+        missing_new = [k for k in missing if is_trained_key(k)]
         if missing_new or unexpected:
             raise HamburgerError(
                 f"checkpoint {directory} does not match its config: missing {missing_new[:5]}, unexpected {unexpected[:5]}"
@@ -194,6 +215,18 @@ class HamburgerModel(nn.Module):
             stop_targets=stop_targets,
         )
 
+    def merge_lora(self) -> None:
+        """Fold LoRA adapters into the base weights (no adapter cost at inference); the base then ships along."""
+        from peft.tuners.lora import LoraLayer  # noqa: PLC0415
+
+        for name, module in list(self.base.named_modules()):
+            if isinstance(module, LoraLayer):
+                module.merge()
+                parent, _, child = name.rpartition(".")
+                setattr(self.base.get_submodule(parent), child, module.get_base_layer())
+        self.config.lora_rank = 0
+        self.config.base_in_checkpoint = True
+
     # --- reporting -----------------------------------------------------------------------------------
 
     def parameter_counts(self) -> dict[str, int]:
@@ -203,14 +236,25 @@ class HamburgerModel(nn.Module):
         return counts
 
 
+def packaged_checkpoint() -> Path | None:
+    """The trained HAMburger for the embedded default that ships inside the package, if any."""
+    path = Path(__file__).parent / "checkpoints" / DEFAULT_MODEL
+    return path if HamburgerConfig.is_checkpoint(path) else None
+
+
 def load_model(
     ref: str | None = None, base_ref: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"
 ) -> tuple[HamburgerModel, bool]:
     """Load a HAMburger checkpoint, or wrap a plain base model for one-token-per-step (exact base) decoding.
 
+    `default` (or None) is the checkpoint shipped in the package when there is one; the base's own name
+    (SmolLM2-135M-Instruct) is always the plain base.
+
     Returns the model and whether it is a trained HAMburger checkpoint. `base_ref` overrides the base
     a checkpoint records (e.g. a local copy of it); it must be the same weights.
     """
+    if ref in (None, "default") and (shipped := packaged_checkpoint()) is not None:
+        ref = str(shipped)
     if ref is not None and HamburgerConfig.is_checkpoint(ref):
         base, tokenizer = load_base(base_ref, dtype=dtype, device=device) if base_ref else (None, None)
         return HamburgerModel.from_pretrained(ref, base=base, tokenizer=tokenizer, dtype=dtype, device=device), True

@@ -1,7 +1,8 @@
 """Training on segmented data with accelerate: one script for 1 CPU, `accelerate launch` DDP, or FSDP.
 
 Modes: `frozen` (base untouched, only the embedder, micro-step decoder and stop head learn: a small
-checkpoint), `full` (the base learns too, at its own learning rate). Batches are cut and sharded by
+checkpoint), `lora` (adapters on the base's attention learn too, at the base learning rate; still small,
+mergeable), `full` (the base learns too, at its own learning rate; the checkpoint carries the base). Batches are cut and sharded by
 this module itself (a seeded permutation per epoch, global batch i goes to process i % world), so a
 run resumes exactly from (epoch, batch) with the optimizer, scheduler and RNG states that accelerate saves.
 """
@@ -28,7 +29,7 @@ from hamburger.data import SegmentedExample, collate
 from hamburger.errors import HamburgerError
 from hamburger.model import NEW_MODULES, HamburgerModel
 
-MODES = ("frozen", "full")
+MODES = ("frozen", "lora", "full")
 
 
 @dataclass
@@ -86,8 +87,15 @@ def configure_optimizer(model: HamburgerModel, args: TrainArgs) -> torch.optim.O
     groups = [{"params": new, "lr": args.lr}]
     if args.mode == "full":
         groups.append({"params": list(model.base.parameters()), "lr": args.base_lr})
-    else:
-        model.base.requires_grad_(False)
+        return torch.optim.AdamW(groups, weight_decay=args.weight_decay)
+    model.base.requires_grad_(False)
+    if args.mode == "lora":
+        if not model.config.lora_rank:
+            raise HamburgerError("--mode lora needs a model built with lora_rank > 0 (--lora-rank)")
+        lora = [p for n, p in model.base.named_parameters() if ".lora_" in n]
+        for p in lora:
+            p.requires_grad_(True)
+        groups.append({"params": lora, "lr": args.base_lr})
     return torch.optim.AdamW(groups, weight_decay=args.weight_decay)
 
 
@@ -246,7 +254,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         base, tokenizer = load_base(args.model, device=device)
         torch.manual_seed(targs.seed)  # the new modules' initialisation, identical on every process
-        cfg = HamburgerConfig(max_step_tokens=args.max_step_tokens, micro_layers=args.micro_layers)
+        cfg = HamburgerConfig(max_step_tokens=args.max_step_tokens, micro_layers=args.micro_layers,
+                              lora_rank=args.lora_rank if targs.mode == "lora" else 0)
         model = HamburgerModel.wrap(base, tokenizer, cfg)
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(model, targs)
@@ -266,6 +275,7 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--mode", choices=MODES, default="frozen")
     p.add_argument("--max-step-tokens", type=int, default=4)
     p.add_argument("--micro-layers", type=int, default=4)
+    p.add_argument("--lora-rank", type=int, default=16, help="adapter rank in --mode lora")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--no-bf16", dest="bf16", action="store_false")
     for name, f in TrainArgs.__dataclass_fields__.items():
