@@ -69,3 +69,23 @@ def test_cli_generate_json_on_default_offline():
     out = json.loads(proc.stdout)
     assert out["text"] and 1 <= out["generated_tokens"] <= 16
     assert out["kv_entries"] == out["prompt_tokens"] + out["macro_steps"] and out["decode_tokens_per_s"] > 0
+
+
+def test_shipped_checkpoint_at_confidence_one_is_the_base_and_speeds_up_below():
+    """The trained default in the package: confidence 1.0 never continues a step, so it is the base exactly."""
+    from hamburger.model import load_model, packaged_checkpoint
+
+    if packaged_checkpoint() is None:
+        pytest.skip("no trained checkpoint ships in this build")
+    model, trained = load_model("default")
+    assert trained and model.config.base_model == "SmolLM2-135M-Instruct"
+    size = (packaged_checkpoint() / "model.safetensors").stat().st_size
+    assert size <= 40 * 1024 * 1024
+    prompts = [chat_ids(model.tokenizer, q) for q in QUESTIONS]
+    exact = generate(model, prompts, max_new_tokens=40, confidence=1.0)
+    for prompt, tokens in zip(prompts, exact.tokens):
+        ids = torch.tensor([prompt])
+        ref = model.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+        assert tokens == ref[0, len(prompt):].tolist()
+    fast = generate(model, prompts, max_new_tokens=40)  # the default confidence
+    assert fast.stats.tokens_per_step > 1.2

@@ -111,3 +111,11 @@ def test_bfloat16_checkpoint_is_half_the_size_and_loads_close(tmp_path):
     assert next(loaded.micro.parameters()).dtype == torch.float32
     for (name, a), b in zip(model.stop_head.state_dict().items(), loaded.stop_head.state_dict().values()):
         torch.testing.assert_close(a.to(torch.bfloat16).float(), b, msg=name)
+
+
+def test_training_forward_under_bf16_autocast():
+    model = hamburger("llama", k=4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(collate(EXAMPLES, 4, PAD))
+    out.loss.backward()
+    assert torch.isfinite(out.loss) and model.micro.layers[0].mlp.down_proj.weight.grad is not None
