@@ -220,3 +220,14 @@ def test_pipeline_bad_input(capsys, tmp_path, tiny_model_dir, args, message):
     args = [str(tmp_path / "o") if a == "OUT" else str(tiny_model_dir) if a == "MODEL" else a for a in args]
     assert main(args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_export_writes_a_smaller_loadable_checkpoint(tmp_path, tiny_model_dir, capsys):
+    base, tok = load_base(str(tiny_model_dir))
+    HamburgerModel.wrap(base, tok, HamburgerConfig(max_step_tokens=4)).save_pretrained(tmp_path / "ckpt")
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "small")]) == 0
+    big, small = ((tmp_path / d / "model.safetensors").stat().st_size for d in ("ckpt", "small"))
+    assert small < 0.55 * big
+    assert HamburgerModel.from_pretrained(tmp_path / "small").config.max_step_tokens == 4
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "small")]) == 2  # no silent overwrite
+    assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "m"), "--merge-lora"]) == 2

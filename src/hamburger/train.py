@@ -267,7 +267,31 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    """A checkpoint for shipping: optionally LoRA merged into the base, weights stored in a smaller dtype."""
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise HamburgerError(f"{out} is not empty: pass --force to replace its files")
+    model = HamburgerModel.from_pretrained(args.checkpoint)
+    if args.merge_lora:
+        if not model.config.lora_rank:
+            raise HamburgerError(f"{args.checkpoint} has no LoRA adapters to merge")
+        model.merge_lora()
+    model.save_pretrained(out, dtype=getattr(torch, args.dtype))
+    size = (out / "model.safetensors").stat().st_size
+    print(json.dumps({"checkpoint": str(out), "bytes": size, "parameters": model.parameter_counts()}), file=sys.stderr)
+    return 0
+
+
 def register(sub, add_model_args) -> None:
+    e = sub.add_parser("export", help="write a checkpoint for shipping (smaller dtype, LoRA merged)")
+    e.add_argument("checkpoint", help="a HAMburger checkpoint folder (e.g. RUN/hamburger)")
+    e.add_argument("out")
+    e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    e.add_argument("--merge-lora", action="store_true")
+    e.add_argument("--force", action="store_true")
+    e.set_defaults(func=cmd_export)
+
     p = sub.add_parser("train", help="train the HAMburger modules on segmented data (accelerate launch for DDP)")
     p.add_argument("--data", required=True, help="segmented JSONL from `hamburger segment`")
     p.add_argument("--out", required=True, help="run folder: state/ to resume, hamburger/ the checkpoint, log.jsonl")
