@@ -81,3 +81,14 @@ def tiny_model_dir(tmp_path):
     tiny_base("llama").save_pretrained(path)
     tiny_tokenizer().save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def checkpoint(tmp_path, tiny_model_dir):
+    """A HAMburger checkpoint (random new modules) on the tiny local base."""
+    from hamburger import load_base
+
+    base, tok = load_base(str(tiny_model_dir))
+    model = randomize_new_modules(HamburgerModel.wrap(base, tok, HamburgerConfig(max_step_tokens=4)))
+    model.save_pretrained(tmp_path / "ckpt")
+    return tmp_path / "ckpt"

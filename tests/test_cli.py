@@ -8,17 +8,7 @@ import sys
 
 import pytest
 
-from conftest import randomize_new_modules
-from hamburger import HamburgerConfig, HamburgerModel, load_base
 from hamburger.cli import main
-
-
-@pytest.fixture
-def checkpoint(tmp_path, tiny_model_dir):
-    base, tok = load_base(str(tiny_model_dir))
-    model = randomize_new_modules(HamburgerModel.wrap(base, tok, HamburgerConfig(max_step_tokens=4)))
-    model.save_pretrained(tmp_path / "ckpt")
-    return tmp_path / "ckpt"
 
 
 def run_json(capsys, *args) -> dict:

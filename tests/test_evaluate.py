@@ -9,8 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import randomize_new_modules, tiny_base
-from hamburger import HamburgerConfig, HamburgerModel, load_base
+from conftest import tiny_base
 from hamburger.cli import main
 from hamburger.evaluate import (
     answer_correct, base_nll, extract_code, extract_number, humaneval_program, run_humaneval_test, table_cells,
@@ -129,14 +128,6 @@ def prompts_file(tmp_path):
     lines = [{"prompt": "w5 w6 w7"}, {"messages": [{"role": "user", "content": "w8 w9"}]}, {"prompt": "w10", "id": "x"}]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     return path
-
-
-@pytest.fixture
-def checkpoint(tmp_path, tiny_model_dir):
-    base, tok = load_base(str(tiny_model_dir))
-    model = randomize_new_modules(HamburgerModel.wrap(base, tok, HamburgerConfig(max_step_tokens=4)))
-    model.save_pretrained(tmp_path / "ckpt")
-    return tmp_path / "ckpt"
 
 
 def run_eval(tmp_path, *args) -> dict:

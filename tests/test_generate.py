@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import EOS, PAD, hamburger, tiny_base
+from conftest import EOS, PAD, hamburger
 from hamburger import HamburgerError, SamplingParams, SegmentedExample, collate, generate, stream
 
 PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51]]
