@@ -17,7 +17,6 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from hamburger.base import encode_chat
-from hamburger.config import HamburgerConfig
 from hamburger.errors import HamburgerError
 from hamburger.generate import generate
 from hamburger.model import HamburgerModel
@@ -47,7 +46,7 @@ def distill(
     sampling: SamplingParams | None = None, progress: bool = True,
 ) -> dict[str, int]:
     """Generate the base model's replies for `prompts` not yet in `out`, appending rows to `out`."""
-    base = HamburgerModel.wrap(model.base, model.tokenizer, HamburgerConfig(max_step_tokens=1)).eval()
+    base = HamburgerModel.plain(model.base, model.tokenizer)
     tok = model.tokenizer
     skip = done_ids(out)
     todo = [p for p in prompts if p.id not in skip]

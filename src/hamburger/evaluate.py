@@ -385,7 +385,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from rich.progress import Progress
 
     from hamburger.cli import load_from_args
-    from hamburger.config import HamburgerConfig
     from hamburger.model import HamburgerModel
 
     tasks, confidences = _check_args(args)
@@ -395,9 +394,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
             raise HamburgerError(f"task {task!r} has no items")
     model, trained = load_from_args(args)
     if trained:
-        # The same base weights decoding one token per step (the micro-decoder then never runs: keep it small).
-        one = HamburgerConfig(max_step_tokens=1, micro_layers=1, num_features=1, init_micro_from_top=False)
-        base_system = HamburgerModel.wrap(model.base, model.tokenizer, one).eval()
+        base_system = HamburgerModel.plain(model.base, model.tokenizer)  # the same base weights, one token per step
         systems = [("base", 1.0)] + [(f"hamburger@{c:g}", c) for c in confidences or [model.config.default_confidence]]
     else:
         print(f"note: {args.model} is a base model, not a HAMburger checkpoint: evaluating the base only",

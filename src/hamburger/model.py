@@ -103,6 +103,12 @@ class HamburgerModel(nn.Module):
         config.base_fingerprint = fingerprint(base)
         return cls(base, config, tokenizer)
 
+    @classmethod
+    def plain(cls, base: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None) -> HamburgerModel:
+        """The base alone, one token per step (exactly its greedy output), with the smallest unused micro-decoder."""
+        config = HamburgerConfig(max_step_tokens=1, micro_layers=1, num_features=1, init_micro_from_top=False)
+        return cls.wrap(base, tokenizer, config).eval()
+
     def save_pretrained(self, directory: str | Path, dtype: torch.dtype | None = None) -> None:
         """config.json + model.safetensors; the base weights are included only if they were trained.
 
@@ -261,4 +267,4 @@ def load_model(
     if base_ref is not None:
         raise HamburgerError(f"--base only applies to a HAMburger checkpoint, and {ref!r} is not one")
     base, tokenizer = load_base(ref, dtype=dtype, device=device)
-    return HamburgerModel.wrap(base, tokenizer, HamburgerConfig(max_step_tokens=1)).eval(), False
+    return HamburgerModel.plain(base, tokenizer), False
