@@ -18,7 +18,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from hamburger.base import encode_chat
 from hamburger.errors import HamburgerError
-from hamburger.generate import generate
+from hamburger.generate import eos_ids, generate
 from hamburger.model import HamburgerModel
 from hamburger.sampling import SamplingParams
 from hamburger.sources import BUILTIN, Prompt, load_prompts
@@ -47,7 +47,7 @@ def distill(
 ) -> dict[str, int]:
     """Generate the base model's replies for `prompts` not yet in `out`, appending rows to `out`."""
     base = HamburgerModel.plain(model.base, model.tokenizer)
-    tok = model.tokenizer
+    tok, eos = model.tokenizer, eos_ids(model)
     skip = done_ids(out)
     todo = [p for p in prompts if p.id not in skip]
     encoded = [(p, encode_chat(tok, p.messages)) for p in todo]
@@ -63,7 +63,7 @@ def distill(
             res = generate(base, [ids for _, ids in batch], max_new_tokens=max_new_tokens, confidence=1.0,
                            sampling=sampling or SamplingParams())
             for (p, _), tokens in zip(batch, res.tokens):
-                finished = bool(tokens) and tokens[-1] in _eos(base)
+                finished = bool(tokens) and tokens[-1] in eos
                 reply = tok.decode(tokens, skip_special_tokens=True).strip()
                 row = {"id": p.id, "source": p.source, "messages": p.messages + [{"role": "assistant", "content": reply}],
                        "answer": p.answer, "finished": finished, "response_ids": tokens}
@@ -74,12 +74,6 @@ def distill(
             st = res.stats
             bar.update(task, advance=len(batch), tps=f"{st.generated_tokens / max(st.prefill_s + st.decode_s, 1e-9):.0f}")
     return counts
-
-
-def _eos(model: HamburgerModel) -> set[int]:
-    from hamburger.generate import eos_ids  # noqa: PLC0415
-
-    return eos_ids(model)
 
 
 def cmd_distill(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import get_cosine_schedule_with_warmup
 
+from hamburger.base import fingerprint, load_base
 from hamburger.config import HamburgerConfig
 from hamburger.data import SegmentedExample, collate
 from hamburger.errors import HamburgerError
@@ -215,8 +216,6 @@ class Trainer:
 
     def record_process(self) -> None:
         """What this process trained on and a hash of its weights: DDP replicas must agree on the latter."""
-        from hamburger.base import fingerprint  # noqa: PLC0415
-
         model = self.acc.unwrap_model(self.model)
         digest = {name: fingerprint(getattr(model, name), samples_per_tensor=1 << 30) for name in NEW_MODULES}
         row = {"process": self.acc.process_index, "seen": self.seen, "weights": digest}
@@ -239,8 +238,6 @@ class Trainer:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from accelerate import PartialState  # noqa: PLC0415
-
-    from hamburger.base import load_base  # noqa: PLC0415
 
     targs = TrainArgs(**{f: getattr(args, f) for f in TrainArgs.__dataclass_fields__})
     read_examples(Path(targs.data))  # fail on bad data before loading a model
