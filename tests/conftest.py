@@ -61,6 +61,8 @@ def randomize_new_modules(model: HamburgerModel, seed: int = 1, stop_bias: float
             for p in getattr(model, name).parameters():
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
         model.stop_head.net[-1].bias.fill_(stop_bias)
+        for p in model.slot_adapters.parameters():  # none unless the config asks for slot adapters
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1)
     return model
 
 

@@ -18,9 +18,10 @@ def hf_greedy(base, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-@pytest.mark.parametrize("k,confidence", [(1, 0.8), (4, 1.0)])
-def test_one_token_per_step_equals_base_greedy(arch, k, confidence):
-    model = hamburger(arch, k=k)
+@pytest.mark.parametrize("k,confidence,slot_rank", [(1, 0.8, 0), (4, 1.0, 0), (4, 1.0, 4)])
+def test_one_token_per_step_equals_base_greedy(arch, k, confidence, slot_rank):
+    """With slot adapters too: they act only at merged slots, and one-token steps never merge."""
+    model = hamburger(arch, k=k, slot_adapter_rank=slot_rank)
     for prompt in PROMPTS:
         out = generate(model, [prompt], max_new_tokens=24, confidence=confidence)
         assert out.tokens[0] == hf_greedy(model.base, prompt, 24)
@@ -51,12 +52,14 @@ def test_generation_leaves_no_inference_mode_behind():
         assert not torch.is_inference_mode_enabled()
 
 
-def test_teacher_forced_logits_equal_forced_step_generation(arch):
+@pytest.mark.parametrize("slot_rank", [0, 4])
+def test_teacher_forced_logits_equal_forced_step_generation(arch, slot_rank):
     """Training forward and step-by-step generation agree: same positions, same cache, same modules."""
-    model = hamburger(arch, k=4)
+    model = hamburger(arch, k=4, slot_adapter_rank=slot_rank)
     torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)  # a merged slot is not mean pooling
     prompt, forced = PROMPTS[0], [2, 4, 1, 3, 3, 4, 2]
-    out = generate(model, [prompt], max_new_tokens=19, forced_steps=[forced], return_logits=True)
+    out = generate(model, [prompt], max_new_tokens=19, forced_steps=[forced], return_logits=True,
+                   eos_token_ids=set())
     assert out.steps[0] == [2, 4, 1, 3, 3, 4, 2]
     batch = collate([SegmentedExample(prompt + out.tokens[0], len(prompt), out.steps[0])], 4, PAD)
     with torch.no_grad():
@@ -163,3 +166,21 @@ def test_bad_sampling_params():
         with pytest.raises(HamburgerError):
             SamplingParams(**kwargs)
 
+
+
+def test_slot_adapters_act_on_merged_slots_only():
+    """Zeroing the adapters changes logits after merged steps, and nothing before the first merge."""
+    model = hamburger("llama", k=4, slot_adapter_rank=4)
+    prompt, forced = PROMPTS[0], [1, 1, 3, 2, 4]
+    kw = dict(max_new_tokens=11, forced_steps=[forced], return_logits=True, eos_token_ids=set())
+    with_adapters = generate(model, [prompt], **kw)
+    with torch.no_grad():
+        for p in model.slot_adapters.up.parameters():
+            p.zero_()
+    without = generate(model, [prompt], forced_steps=[forced], max_new_tokens=11, return_logits=True,
+                       eos_token_ids=set())
+    a, b = with_adapters.logits[0], without.logits[0]
+    n = min(len(a), len(b))
+    first_after_merge = 1 + 1 + 3  # tokens up to and including the first merged step's last token
+    torch.testing.assert_close(a[:first_after_merge], b[:first_after_merge])
+    assert not torch.allclose(a[first_after_merge:n], b[first_after_merge:n], atol=1e-4)

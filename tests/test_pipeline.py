@@ -231,3 +231,18 @@ def test_export_writes_a_smaller_loadable_checkpoint(tmp_path, tiny_model_dir, c
     assert HamburgerModel.from_pretrained(tmp_path / "small").config.max_step_tokens == 4
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "small")]) == 2  # no silent overwrite
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "m"), "--merge-lora"]) == 2
+
+
+def test_continue_a_checkpoint_with_slot_adapters(tmp_path, checkpoint):
+    """`train --model CKPT --slot-adapter-rank R`: adapters are added, learn, ship; the base stays untouched."""
+    make_data(tmp_path / "data.jsonl")
+    before = HamburgerModel.from_pretrained(checkpoint)
+    base_print = fingerprint(before.base)
+    assert main(["train", "--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "run"), "--model",
+                 str(checkpoint), "--slot-adapter-rank", "4", "--max-steps", "3", "--batch-size", "4", "--lr", "3e-3",
+                 "--no-bf16", "--eval-every", "3", "--save-every", "3"]) == 0
+    after = HamburgerModel.from_pretrained(tmp_path / "run" / "hamburger")
+    assert after.config.slot_adapter_rank == 4
+    assert fingerprint(after.base) == base_print
+    assert all(p.abs().sum() > 0 for p in after.slot_adapters.up.parameters())  # B left zero would be untrained
+    assert len(list(after.slot_adapters.up.parameters())) == 4 * 7  # 4 layers x q,k,v,o,gate,up,down

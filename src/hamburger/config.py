@@ -32,6 +32,10 @@ class HamburgerConfig:
     lora_rank: int = 0  # > 0: LoRA adapters on the base's attention projections (trained, shipped, mergeable)
     lora_alpha: float = 32.0
     lora_targets: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    slot_adapter_rank: int = 0  # > 0: low-rank adapters on the base that act only at merged slots (slot_adapters.py)
+    slot_adapter_alpha: float = 32.0
+    slot_adapter_targets: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
 
     def __post_init__(self) -> None:
         if self.max_step_tokens < 1:

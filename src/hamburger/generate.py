@@ -126,7 +126,8 @@ class Generation:
                 step_len[b] = max(1, len(toks))
             generated = torch.tensor([len(t) for t in self.tokens], device=device)
             mask = torch.cat([mask, mask.new_ones((bsz, 1))], dim=1)
-            hidden = model.base_forward(model.smash(step_ids, step_len)[:, None], mask, (lengths + generated - 1)[:, None], cache)
+            hidden = model.base_forward(model.smash(step_ids, step_len)[:, None], mask, (lengths + generated - 1)[:, None],
+                                        cache, merged=(step_len > 1)[:, None])
             self.stats.base_forwards += 1
 
     def _macro_step(self, hidden: tuple[torch.Tensor, ...], step: int, done: list[bool]) -> list[list[int]]:

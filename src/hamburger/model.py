@@ -20,10 +20,11 @@ from hamburger.data import SegmentedBatch
 from hamburger.embedder import CompositionalEmbedder
 from hamburger.errors import HamburgerError
 from hamburger.micro_decoder import MicroStepDecoder, StopHead
+from hamburger.slot_adapters import SlotAdapters
 
 STOP_LOSS_WEIGHT = 0.5
 WEIGHTS_NAME = "model.safetensors"
-NEW_MODULES = ("embedder", "micro", "stop_head")
+NEW_MODULES = ("embedder", "micro", "stop_head", "slot_adapters")
 
 
 def is_trained_key(key: str) -> bool:
@@ -72,6 +73,7 @@ class HamburgerModel(nn.Module):
         )
         self.micro = MicroStepDecoder(base, cfg.micro_layers, cfg.feature_layers, cfg.init_micro_from_top)
         self.stop_head = StopHead(bcfg.hidden_size, cfg.stop_hidden)
+        self.slot_adapters = SlotAdapters(base, cfg.slot_adapter_rank, cfg.slot_adapter_alpha, cfg.slot_adapter_targets)
         if cfg.lora_rank:
             from peft import LoraConfig, inject_adapter_in_model  # noqa: PLC0415 - only for LoRA checkpoints
 
@@ -171,22 +173,33 @@ class HamburgerModel(nn.Module):
 
     def base_forward(
         self, embeds: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-        cache: DynamicCache | None = None,
+        cache: DynamicCache | None = None, merged: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, ...]:
         """One base pass over (B, S, d) slot embeddings -> all hidden states (index L is the final normed one).
 
+        `merged` (B, S) marks slots holding two or more tokens, where slot adapters (if any) act.
         The 2D mask is always given: it covers padding and stops transformers from reading our
         non-contiguous position ids as packed sequences.
         """
-        out = self.base.base_model(
-            inputs_embeds=embeds,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=cache is not None,
-            output_hidden_states=True,
-        )
+        with self.slot_adapters.gated(merged):
+            out = self.base.base_model(
+                inputs_embeds=embeds,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                past_key_values=cache,
+                use_cache=cache is not None,
+                output_hidden_states=True,
+            )
         return out.hidden_states
+
+    def attach_slot_adapters(self, rank: int, alpha: float | None = None) -> None:
+        """Give a model (e.g. a checkpoint trained without them) fresh slot adapters; the outputs do not change."""
+        self.slot_adapters.remove()
+        cfg = self.config
+        cfg.slot_adapter_rank, cfg.slot_adapter_alpha = rank, alpha or cfg.slot_adapter_alpha
+        p = next(self.base.parameters())
+        self.slot_adapters = SlotAdapters(self.base, rank, cfg.slot_adapter_alpha, cfg.slot_adapter_targets).to(
+            device=p.device, dtype=p.dtype)
 
     # --- training forward ----------------------------------------------------------------------------
 
@@ -194,7 +207,7 @@ class HamburgerModel(nn.Module):
         k = self.config.max_step_tokens
         b, s, _ = batch.slot_tokens.shape
         slots = self.smash(batch.slot_tokens.view(b * s, k), batch.slot_lengths.view(-1)).view(b, s, -1)
-        hidden = self.base_forward(slots, batch.attention_mask, batch.position_ids)
+        hidden = self.base_forward(slots, batch.attention_mask, batch.position_ids, merged=batch.slot_lengths > 1)
         at = (batch.step_batch, batch.step_slot)
         h0 = hidden[-1][at]  # (N, d): the state that predicts token 0 of each step
         feats = self.micro.features(hidden, at)  # (N, m, d)

@@ -246,13 +246,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise HamburgerError(f"{out} is not empty: pass --resume to continue that run, or pick a new --out")
     state = PartialState(cpu=not torch.cuda.is_available())
     device = str(state.device)
+    torch.manual_seed(targs.seed)  # the new modules' initialisation, identical on every process
     if HamburgerConfig.is_checkpoint(args.model):  # continue training a checkpoint's modules
         model = HamburgerModel.from_pretrained(args.model, device=device)
+        if args.slot_adapter_rank and not model.config.slot_adapter_rank:
+            model.attach_slot_adapters(args.slot_adapter_rank)
     else:
         base, tokenizer = load_base(args.model, device=device)
-        torch.manual_seed(targs.seed)  # the new modules' initialisation, identical on every process
         cfg = HamburgerConfig(max_step_tokens=args.max_step_tokens, micro_layers=args.micro_layers,
-                              lora_rank=args.lora_rank if targs.mode == "lora" else 0)
+                              lora_rank=args.lora_rank if targs.mode == "lora" else 0,
+                              slot_adapter_rank=args.slot_adapter_rank)
         model = HamburgerModel.wrap(base, tokenizer, cfg)
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(model, targs)
@@ -297,6 +300,8 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--max-step-tokens", type=int, default=4)
     p.add_argument("--micro-layers", type=int, default=4)
     p.add_argument("--lora-rank", type=int, default=16, help="adapter rank in --mode lora")
+    p.add_argument("--slot-adapter-rank", type=int, default=0,
+                   help="adapters on the base that act only at merged slots (the base stays exact on plain tokens)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--no-bf16", dest="bf16", action="store_false")
     for name, f in TrainArgs.__dataclass_fields__.items():

@@ -1,0 +1,79 @@
+"""Slot adapters: low-rank adapters on the base's linear layers that act only at merged (smashed) slots.
+
+A frozen base has never seen a smashed embedding, and an embedder alone can only do so much to make one
+readable. Full or LoRA fine-tuning teaches the base to read them, but changes what it computes for every
+ordinary token too, so one-token-per-step decoding no longer equals the base model.
+
+Slot adapters sit between the two: a LoRA delta (B·A·x, B starting at zero) is added to a base linear
+layer's output only at positions whose slot holds a merged step of two or more tokens. Prompt tokens and
+one-token steps go through the untouched base weights, so at confidence 1.0 (every step one token)
+the output is exactly the base model's, while the merged slots learn to write keys and values (and the
+features that predict the next step) that the rest of the sequence can read.
+
+The adapters live outside the base (forward hooks, no renamed base parameters), so the base's state dict,
+fingerprint and weights stay as they were; the gate is a (batch, sequence) mask set around each base pass.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from hamburger.errors import HamburgerError
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class SlotAdapters(nn.Module):
+    def __init__(self, base: nn.Module, rank: int, alpha: float, targets: list[str] | tuple[str, ...]) -> None:
+        super().__init__()
+        self.rank, self.scale = rank, (alpha / rank if rank else 0.0)
+        self.down = nn.ModuleDict()
+        self.up = nn.ModuleDict()
+        self.gate: torch.Tensor | None = None
+        self._hooks = []
+        if not rank:
+            return
+        layers = base.base_model.layers
+        for li, layer in enumerate(layers):
+            for name, module in layer.named_modules():
+                if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets:
+                    key = f"{li}_{name.replace('.', '_')}"
+                    self.down[key] = nn.Linear(module.in_features, rank, bias=False)
+                    self.up[key] = nn.Linear(rank, module.out_features, bias=False)
+                    nn.init.kaiming_uniform_(self.down[key].weight, a=math.sqrt(5))
+                    nn.init.zeros_(self.up[key].weight)  # starts as the untouched base
+                    self._hooks.append(module.register_forward_hook(self._hook(key)))
+        if not self.down:
+            raise HamburgerError(f"slot adapters found none of the layers {list(targets)} in the base's decoder layers")
+
+    def _hook(self, key: str):
+        def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor | None:
+            gate = self.gate
+            if gate is None:
+                return None
+            x = args[0]
+            delta = self.up[key](self.down[key](x.to(self.down[key].weight.dtype)))
+            return output + (delta * (self.scale * gate[..., None])).to(output.dtype)
+        return hook
+
+    @contextmanager
+    def gated(self, merged: torch.Tensor | None) -> Iterator[None]:
+        """Adapters act where `merged` (B, S) is true during the block; nothing changes if none is."""
+        if not self.rank or merged is None or not bool(merged.any()):
+            yield
+            return
+        self.gate = merged.to(self.down[next(iter(self.down))].weight.dtype)
+        try:
+            yield
+        finally:
+            self.gate = None
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
