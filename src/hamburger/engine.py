@@ -1,0 +1,308 @@
+"""The fast engine: static KV caches, batched macro-steps, one host transfer per macro-step.
+
+In the spirit of gpt-fast, for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3): the base's own
+modules (projections, norms, MLPs, rotary embedding) do the math, and this file owns the cache and the
+loop. Every sequence of a batch adds one KV entry per macro-step at the same slot, so the cache stays
+rectangular while each sequence keeps its own positions, step lengths and stop state. The same engine
+runs the plain base (one token per step, no micro-step decoder), so base and HAMburger compare like for like.
+
+Host synchronisation on the hot path: one `any()` per micro-step (does any sequence's step go on?) and
+one transfer of the step's tokens per macro-step (for streaming); nothing per token.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from hamburger.config import check_confidence
+from hamburger.errors import HamburgerError
+from hamburger.generate import GenerationOutput, StepEvent, eos_ids
+from hamburger.metrics import GenerationStats
+from hamburger.model import HamburgerModel
+from hamburger.sampling import SamplingParams, continues, sample
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class KVCache:
+    """Preallocated keys and values of a stack of layers: (layers, B, kv_heads, max_len, head_dim)."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device) -> None:
+        shape = (layers, batch, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write (B, h, T, hd) at slots start.. and return the keys and values of slots 0..start+T-1."""
+        end = start + k.shape[2]
+        self.k[layer, :, :, start:end] = k
+        self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+def check_supported(model: HamburgerModel) -> None:
+    kind = getattr(model.base.config, "model_type", "")
+    if kind not in SUPPORTED:
+        raise HamburgerError(f"the fast engine supports {', '.join(SUPPORTED)} models, not {kind!r}: "
+                             "use the reference engine (--engine reference)")
+
+
+def layer_forward(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, index: int,
+                  start: int, mask: torch.Tensor) -> torch.Tensor:
+    """One decoder layer of the base's own type over (B, T, d) at cache slots start..start+T-1."""
+    attn = layer.self_attn
+    b, t, _ = x.shape
+    hd = attn.head_dim
+    h = layer.input_layernorm(x)
+    q = attn.q_proj(h).view(b, t, -1, hd)
+    k = attn.k_proj(h).view(b, t, -1, hd)
+    v = attn.v_proj(h).view(b, t, -1, hd).transpose(1, 2)
+    if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's queries and keys
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *rope)
+    keys, values = cache.update(index, start, k, v)
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
+                                       enable_gqa=keys.shape[1] != q.shape[1])
+    x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+@dataclass
+class EngineGeneration:
+    """An iterator over macro-steps (`StepEvent`s), then `output()`: the same contract as `generate.Generation`."""
+
+    engine: Engine
+    prompts: list[list[int]]
+    max_new_tokens: int
+    confidence: float
+    sampling: SamplingParams
+    eos_token_ids: set[int]
+    forced_steps: list[list[int]] | None = None
+    tokens: list[list[int]] = field(init=False)
+    steps: list[list[int]] = field(init=False)
+    stats: GenerationStats = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.prompts)
+        self.tokens, self.steps = [[] for _ in range(n)], [[] for _ in range(n)]
+        self.stats = GenerationStats(sequences=n, prompt_tokens=sum(len(p) for p in self.prompts))
+
+    def __iter__(self) -> Iterator[StepEvent]:
+        steps, busy = self.engine.run(self), 0.0
+        while True:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                event = next(steps, None)
+            busy += time.perf_counter() - start
+            if event is None:
+                break
+            yield event
+        self.stats.decode_s = busy - self.stats.prefill_s
+
+    def output(self) -> GenerationOutput:
+        return GenerationOutput(self.tokens, self.steps, self.stats)
+
+
+class Engine:
+    """Static-cache decoding of a `HamburgerModel` (or of its plain base with `max_step_tokens` 1)."""
+
+    def __init__(self, model: HamburgerModel, compile: bool = False) -> None:
+        check_supported(model)
+        self.model = model
+        self.base = model.base.base_model
+        self.k = model.config.max_step_tokens
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self.step_fn = self._decode_base
+        self.compiled = False
+        if compile:
+            self.step_fn = self._compile(self._decode_base)
+
+    def _compile(self, fn):
+        try:
+            compiled = torch.compile(fn, dynamic=True)
+            self.compiled = True
+            return compiled
+        except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager
+            warnings.warn(f"torch.compile is unavailable ({exc}); running eagerly", stacklevel=2)
+            return fn
+
+    # --- the two networks ------------------------------------------------------------------------------
+
+    def _base(self, embeds, positions, cache: KVCache, start: int, mask, merged=None) -> list[torch.Tensor]:
+        """Base pass over (B, T, d) at cache slots start.. -> [feature_1 .. feature_m] at the last slot, each (B, d)."""
+        model, base = self.model, self.base
+        wanted = model.micro.feature_layers if self.k > 1 else []
+        last = len(base.layers)
+        rope = base.rotary_emb(embeds, positions)
+        feats: dict[int, torch.Tensor] = {}
+        x = embeds
+        with model.slot_adapters.gated(merged):
+            for i, layer in enumerate(base.layers):
+                x = layer_forward(layer, x, rope, cache, i, start, mask)
+                if i + 1 in wanted and i + 1 < last:
+                    feats[i + 1] = x[:, -1]
+        final = base.norm(x[:, -1])
+        return [final] + [feats[i] if i < last else final for i in wanted]
+
+    def _decode_base(self, embeds, positions, cache, start, mask, merged):
+        return self._base(embeds, positions, cache, start, mask, merged)
+
+    def _micro(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """Micro-step decoder over (B, T, d) new inputs following `start` cached ones -> normed (B, d) at the last."""
+        micro = self.model.micro
+        b, t, _ = x.shape
+        positions = torch.arange(start, start + t, device=x.device)[None].expand(b, -1)
+        rope = micro.rotary_emb(x, positions)
+        mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)[None, None]
+        for i, layer in enumerate(micro.layers):
+            x = layer_forward(layer, x, rope, cache, i, start, mask)
+        return micro.norm(x[:, -1])
+
+    # --- the loop ------------------------------------------------------------------------------------------
+
+    def run(self, gen: EngineGeneration) -> Iterator[StepEvent]:
+        model, k, dev = self.model, self.k, self.device
+        cfg = model.base.config
+        bsz = len(gen.prompts)
+        lengths = torch.tensor([len(p) for p in gen.prompts], device=dev)
+        width = int(lengths.max())
+        max_len = width + gen.max_new_tokens
+        if max_len > getattr(cfg, "max_position_embeddings", max_len):
+            raise HamburgerError(f"prompt ({width}) + max_new_tokens ({gen.max_new_tokens}) exceed the model's "
+                                 f"context of {cfg.max_position_embeddings} tokens")
+        attn = model.base.base_model.layers[0].self_attn
+        cache = KVCache(cfg.num_hidden_layers, bsz, cfg.num_key_value_heads, max_len, attn.head_dim, self.dtype, dev)
+        pad = getattr(model.tokenizer, "pad_token_id", None) or 0
+        ids = torch.full((bsz, width), pad, dtype=torch.long, device=dev)
+        valid = torch.zeros(bsz, max_len, dtype=torch.bool, device=dev)
+        for b, p in enumerate(gen.prompts):  # left padding: every row's next slot is the same
+            ids[b, width - len(p):] = torch.tensor(p, device=dev)
+            valid[b, width - len(p):] = True
+        valid[:, width:] = True
+        positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
+        mask = valid[:, None, None, :width] & torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None, None]
+
+        eos = torch.tensor(sorted(gen.eos_token_ids) or [-1], device=dev)
+        forced = None
+        if gen.forced_steps is not None:
+            most = max(map(len, gen.forced_steps))
+            forced = torch.zeros(bsz, most + 1, dtype=torch.long, device=dev)
+            for b, f in enumerate(gen.forced_steps):
+                forced[b, : len(f)] = torch.tensor(f, dtype=torch.long)
+        warpers, rng = gen.sampling.warpers(), gen.sampling.generator(dev)
+        micro_cache = None
+        if k > 1:
+            m_attn = model.micro.layers[0].self_attn
+            micro_cache = KVCache(len(model.micro.layers), bsz, cfg.num_key_value_heads,
+                                  model.micro.num_features + k, m_attn.head_dim, self.dtype, dev)
+        gen_len = torch.zeros(bsz, dtype=torch.long, device=dev)
+        done = torch.zeros(bsz, dtype=torch.bool, device=dev)
+
+        start_t = time.perf_counter()
+        states = self._base(model.embed(ids), positions, cache, 0, mask)
+        gen.stats.base_forwards += 1
+        slot = width
+        for step in range(gen.max_new_tokens):
+            step_tok, step_len, ended = self._macro_step(gen, states, done, gen_len, eos, forced, step, warpers, rng,
+                                                         micro_cache)
+            if step == 0:
+                gen.stats.prefill_s = time.perf_counter() - start_t
+            done |= ended
+            rows, lens, dn = step_tok.tolist(), step_len.tolist(), done.tolist()  # the one transfer per macro-step
+            new = [row[:n] for row, n in zip(rows, lens)]
+            for b, toks in enumerate(new):
+                if toks:
+                    gen.tokens[b].extend(toks)
+                    gen.steps[b].append(len(toks))
+            gen.stats.macro_steps = sum(map(len, gen.steps))
+            gen.stats.generated_tokens = sum(map(len, gen.tokens))
+            gen.stats.micro_steps = gen.stats.generated_tokens - gen.stats.macro_steps
+            yield StepEvent(step, new, dn)
+            if all(dn):
+                return
+            # Smash each step into one slot at the position of its last token (finished rows: a dummy slot).
+            embeds = model.smash(step_tok, step_len.clamp(min=1))[:, None]
+            pos = (lengths + gen_len - 1)[:, None]
+            step_mask = valid[:, None, None, : slot + 1]
+            states = self.step_fn(embeds, pos, cache, slot, step_mask, (step_len > 1)[:, None])
+            gen.stats.base_forwards += 1
+            slot += 1
+
+    def _macro_step(self, gen, states, done, gen_len, eos, forced, step, warpers, rng, micro_cache):
+        """Token 0 from the base's head, then micro-steps while any live sequence's step goes on.
+
+        Returns the step's tokens (B, K), their number (B,) (0 for finished rows) and which rows ended.
+        """
+        model, k = self.model, self.k
+        bsz = done.shape[0]
+        h0, feats = states[0], states[1:]
+        tok = sample(model.lm_head(h0), gen.sampling, rng, warpers)
+        live = ~done
+        step_tok = torch.zeros(bsz, k, dtype=torch.long, device=tok.device)
+        step_tok[:, 0] = tok
+        step_len = live.long()
+        gen_len += step_len
+        ended = live & (torch.isin(tok, eos) | (gen_len >= gen.max_new_tokens))
+        go_on = live & ~ended
+        if k == 1:
+            return step_tok, step_len, ended
+        go_on &= self._wants_more(model.stop_head(h0), step_len, forced, step, gen.confidence)
+        for i in range(1, k):
+            if not bool(go_on.any()):  # the one host sync per micro-step: does any step go on?
+                break
+            x = model.embed(tok)[:, None]
+            if i == 1:  # the micro-step decoder's cache restarts each macro-step with the base's features
+                normed = [norm(f) for f, norm in zip(feats, model.micro.feature_norms)]
+                x = torch.cat([torch.stack(normed, 1), x], 1)
+            h = self._micro(x, micro_cache, 0 if i == 1 else model.micro.num_features + i - 1)
+            tok = sample(model.lm_head(h), gen.sampling, rng, warpers)
+            step_tok[:, i] = torch.where(go_on, tok, step_tok[:, i])
+            step_len += go_on.long()
+            gen_len += go_on.long()
+            now_ends = go_on & (torch.isin(tok, eos) | (gen_len >= gen.max_new_tokens))
+            ended |= now_ends
+            go_on = go_on & ~now_ends & (step_len < k)
+            go_on &= self._wants_more(model.stop_head(h), step_len, forced, step, gen.confidence)
+        return step_tok, step_len, ended
+
+    @staticmethod
+    def _wants_more(stop_logits, step_len, forced, step: int, confidence: float) -> torch.Tensor:
+        """The stop head's verdict, or the forced step length where one is given for this step."""
+        says = continues(stop_logits, confidence)
+        if forced is None:
+            return says
+        want = forced[:, min(step, forced.shape[1] - 1)]
+        return torch.where(want > 0, step_len < want, says)
+
+    def stream(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256, confidence: float | None = None,
+        sampling: SamplingParams | None = None, forced_steps: Sequence[Sequence[int]] | None = None,
+        eos_token_ids: set[int] | None = None,
+    ) -> EngineGeneration:
+        prompts = [list(map(int, p)) for p in prompts]
+        if not prompts or any(len(p) == 0 for p in prompts):
+            raise HamburgerError("every prompt must have at least one token")
+        if max_new_tokens <= 0:
+            raise HamburgerError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if forced_steps is not None:
+            forced_steps = [list(map(int, f)) for f in forced_steps]
+            if len(forced_steps) != len(prompts) or any(not 1 <= s <= self.k for f in forced_steps for s in f):
+                raise HamburgerError(f"forced_steps needs one list per prompt of step lengths in 1..{self.k}")
+        confidence = check_confidence(self.model.config.default_confidence if confidence is None else confidence)
+        return EngineGeneration(self, prompts, int(max_new_tokens), confidence, sampling or SamplingParams(),
+                                eos_ids(self.model) if eos_token_ids is None else set(eos_token_ids), forced_steps)
+
+    def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> GenerationOutput:
+        gen = self.stream(prompts, **kwargs)
+        for _ in gen:
+            pass
+        return gen.output()
