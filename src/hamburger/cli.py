@@ -23,6 +23,13 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default="cpu", help="torch device, e.g. cpu, cuda, cuda:1")
 
 
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=("auto", "fast", "reference"), default="auto",
+                        help="fast: static KV caches (Llama, Mistral, Qwen2, Qwen3); reference: transformers, any "
+                        "model; auto: fast where supported")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the fast engine's base step")
+
+
 def load_from_args(args: argparse.Namespace):
     """The model named by --model/--base/--dtype/--device: (HamburgerModel, is_trained_checkpoint)."""
     import torch
@@ -53,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="print one JSON object with the text and statistics")
+    add_engine_args(gen)
 
     gen.set_defaults(func=cmd_generate)
 
@@ -77,7 +85,7 @@ def _prompt_ids(tokenizer, text: str, raw: bool, system: str | None) -> list[int
 def cmd_generate(args: argparse.Namespace) -> int:
     # Validate what needs no model before spending seconds loading one.
     from hamburger.config import check_confidence
-    from hamburger.generate import stream
+    from hamburger.engine import make_engine
     from hamburger.sampling import SamplingParams
 
     if args.text == "-":
@@ -97,7 +105,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
               "(exactly the base model's output)", file=sys.stderr)
     tokenizer = model.tokenizer
     prompt = _prompt_ids(tokenizer, args.text, args.raw, args.system)
-    gen = stream(model, [prompt], max_new_tokens=args.max_new_tokens, confidence=args.confidence, sampling=sampling)
+    engine = make_engine(model, args.engine, args.compile)
+    gen = engine.stream([prompt], max_new_tokens=args.max_new_tokens, confidence=args.confidence, sampling=sampling)
     shown = ""
     for _ in gen:
         if not args.json:
@@ -135,7 +144,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         "parameters": model.parameter_counts() if trained else {"base": model.parameter_counts()["base"]},
     }
     if trained:
-        info.update(micro_layers=cfg.micro_layers, feature_layers=cfg.feature_layers)
+        info.update(micro_layers=cfg.micro_layers, feature_layers=cfg.feature_layers,
+                    slot_adapter_rank=cfg.slot_adapter_rank)
     if args.json:
         print(json.dumps(info))
         return 0

@@ -23,12 +23,14 @@ import torch.nn.functional as F
 
 from hamburger.config import check_confidence
 from hamburger.errors import HamburgerError
-from hamburger.generate import GenerationOutput, StepEvent, eos_ids
+from hamburger.generate import Generation, GenerationOutput, StepEvent, eos_ids
+from hamburger.generate import stream as reference_stream
 from hamburger.metrics import GenerationStats
 from hamburger.model import HamburgerModel
 from hamburger.sampling import SamplingParams, continues, sample
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+ENGINES = ("auto", "fast", "reference")
 
 
 class KVCache:
@@ -306,3 +308,31 @@ class Engine:
         for _ in gen:
             pass
         return gen.output()
+
+
+class ReferenceEngine:
+    """The transformers reference path (`generate.stream`) behind the engine's interface: any architecture."""
+
+    compiled = False
+
+    def __init__(self, model: HamburgerModel) -> None:
+        self.model = model
+
+    def stream(self, prompts: Sequence[Sequence[int]], **kwargs) -> Generation:
+        return reference_stream(self.model, prompts, **kwargs)
+
+    def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> GenerationOutput:
+        gen = self.stream(prompts, **kwargs)
+        for _ in gen:
+            pass
+        return gen.output()
+
+
+def make_engine(model: HamburgerModel, kind: str = "auto", compile: bool = False) -> Engine | ReferenceEngine:
+    """`fast` (static caches, Llama-style decoders), `reference` (any model), or `auto`: fast where supported."""
+    if kind not in ENGINES:
+        raise HamburgerError(f"engine must be one of {ENGINES}, got {kind!r}")
+    supported = getattr(model.base.config, "model_type", "") in SUPPORTED
+    if kind == "reference" or (kind == "auto" and not supported):
+        return ReferenceEngine(model)
+    return Engine(model, compile=compile)

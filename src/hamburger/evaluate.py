@@ -202,11 +202,13 @@ def load_items(task: str, args: argparse.Namespace) -> list[Prompt]:
 
 
 def run_system(model: HamburgerModel, prompts: list[list[int]], max_new_tokens: int, confidence: float,
-               batch_size: int, advance: Callable[[int], None] = lambda n: None,
+               batch_size: int, advance: Callable[[int], None] = lambda n: None, engine: str = "auto",
                ) -> tuple[list[list[int]], list[list[int]], GenerationStats]:
     """Greedy tokens and step lengths of every prompt (batches of similar prompt length), and the batches'
     `GenerationStats` summed field by field (counts and seconds add up; the measures derive from the sums)."""
-    from hamburger.generate import generate
+    from hamburger.engine import make_engine
+
+    decoder = make_engine(model, engine)
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less left padding per batch
     tokens: list[list[int]] = [[] for _ in prompts]
@@ -214,7 +216,7 @@ def run_system(model: HamburgerModel, prompts: list[list[int]], max_new_tokens: 
     parts = []
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
-        out = generate(model, [prompts[i] for i in chunk], max_new_tokens=max_new_tokens, confidence=confidence)
+        out = decoder.generate([prompts[i] for i in chunk], max_new_tokens=max_new_tokens, confidence=confidence)
         for i, toks, st in zip(chunk, out.tokens, out.steps):
             tokens[i], steps[i] = toks, st
         parts.append(out.stats)
@@ -268,7 +270,8 @@ def evaluate_task(task: str, items: list[Prompt], model: HamburgerModel, base_sy
         bar = progress.add_task(f"{task} {name}", total=len(items) * (2 if task == "humaneval" else 1))
         step = lambda n, bar=bar: progress.advance(bar, n)  # noqa: E731
         system = base_system if name == "base" else model
-        tokens, steps, stats = run_system(system, prompts, max_new, confidence, args.batch_size, step)
+        tokens, steps, stats = run_system(system, prompts, max_new, confidence, args.batch_size, step,
+                                          getattr(args, "engine", "auto"))
         base_tokens = base_tokens or tokens
         texts = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
         correct = score(task, items, texts, args.test_timeout, step)
@@ -431,6 +434,8 @@ def register(sub, add_model_args: Callable[[argparse.ArgumentParser], None]) -> 
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="per reply; default " + ", ".join(f"{t} {n}" for t, n in MAX_NEW_TOKENS.items()))
     parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--engine", choices=("auto", "fast", "reference"), default="auto",
+                        help="decoder: fast (static caches, Llama-style models), reference (transformers), auto")
     parser.add_argument("--prompts", default=None, help="JSONL of your prompts (`messages` or `prompt` per line)")
     parser.add_argument("--gsm-per-template", type=int, default=3, help="GSM variants per held-out template")
     parser.add_argument("--test-timeout", type=float, default=10.0, help="seconds per HumanEval test program")

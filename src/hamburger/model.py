@@ -251,7 +251,8 @@ class HamburgerModel(nn.Module):
     def parameter_counts(self) -> dict[str, int]:
         counts = {"base": sum(p.numel() for p in self.base.parameters())}
         for name in NEW_MODULES:
-            counts[name] = sum(p.numel() for p in getattr(self, name).parameters())
+            if n := sum(p.numel() for p in getattr(self, name).parameters()):  # slot adapters are optional
+                counts[name] = n
         return counts
 
 
