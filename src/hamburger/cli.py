@@ -12,7 +12,8 @@ from hamburger.base import DEFAULT_MODEL, encode_chat
 from hamburger.errors import HamburgerError
 
 DTYPES = ("float32", "bfloat16", "float16")
-COMMAND_MODULES: tuple[str, ...] = ("hamburger.distill", "hamburger.segment", "hamburger.train", "hamburger.evaluate")
+COMMAND_MODULES: tuple[str, ...] = ("hamburger.distill", "hamburger.segment", "hamburger.train", "hamburger.evaluate",
+                                    "hamburger.bench")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,485 @@
+"""`hamburger bench`: decode speed, time to first token, KV entries and memory of HAMburger against what a
+user would run instead, all on the same prompts in the same run, greedy, stopping at EOS or the same limit.
+
+Systems (`--systems`):
+- `hf_generate`: the base through transformers' `generate` (what users run today);
+- `engine_base`: the base through our fast engine (one token per step): the like-for-like baseline;
+- `prompt_lookup`: transformers assisted generation with prompt lookup (batch 1 only in transformers);
+- `spec_int8_k2`, `spec_int8_k4`: speculative decoding, an INT8 dynamically quantised copy of the base as
+  draft proposing k tokens (the paper's SD baseline; batch 1 only in transformers);
+- `hamburger_ref`: HAMburger on the transformers reference path; `hamburger_engine`: on the fast engine.
+
+Every system is timed the same way: time to first token (prefill and the first token), then decode
+tokens/s = (generated tokens - 1 per sequence) / time after the first token (`metrics.GenerationStats`).
+Each figure is the median over `--runs` runs after one short warm-up per system.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+
+from hamburger.errors import HamburgerError
+from hamburger.metrics import GenerationStats
+
+SETS = ("code", "math", "chat", "long")
+SYSTEMS = ("hf_generate", "engine_base", "prompt_lookup", "spec_int8_k2", "spec_int8_k4", "hamburger_ref",
+           "hamburger_engine")
+BATCH1_ONLY = ("prompt_lookup", "spec_int8_k2", "spec_int8_k4")
+HAMBURGER = ("hamburger_ref", "hamburger_engine")
+
+
+# --- prompts ------------------------------------------------------------------------------------------------
+
+
+def long_documents(count: int, min_chars: int = 1500, max_chars: int = 4000) -> list[tuple[str, str]]:
+    """(module, docstring) of standard-library modules with long docstrings: summarisation-style inputs."""
+    import ast
+    import sysconfig
+
+    out = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")))
+        except (SyntaxError, UnicodeDecodeError, OSError):
+            continue
+        if doc and min_chars <= len(doc) <= max_chars:
+            out.append((path.stem, doc))
+        if len(out) >= count:
+            break
+    return out
+
+
+def bench_messages(name: str, count: int) -> list[list[dict[str, str]]]:
+    """`count` held-out chat prompts of one built-in set (never the training prompts)."""
+    from hamburger import sources
+
+    if name == "code":
+        items = sources.code_prompts("heldout", limit=count)
+    elif name == "math":
+        items = sources.gsm_prompts("heldout", per_template=1)[:count]
+    elif name == "chat":
+        items = sources.chat_prompts("heldout")[:count]
+    elif name == "long":
+        return [[{"role": "user", "content": f"Summarise this documentation of Python's `{module}` module in a "
+                  f"few sentences.\n\n{doc}"}] for module, doc in long_documents(count)]
+    else:
+        raise HamburgerError(f"unknown prompt set {name!r}: choose from {', '.join(SETS)}")
+    return [item.messages for item in items]
+
+
+# --- measuring one call ---------------------------------------------------------------------------------------
+
+
+class PeakMemory:
+    """Peak memory above the level at entry: CUDA's allocator on a GPU, else the process RSS sampled every 2 ms."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.peak = 0
+
+    def __enter__(self) -> PeakMemory:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.start = torch.cuda.memory_allocated()
+            return self
+        import psutil
+
+        self.proc, self.start, self.stop = psutil.Process(), psutil.Process().memory_info().rss, False
+        self.peak_rss = self.start
+
+        def sample() -> None:
+            while not self.stop:
+                self.peak_rss = max(self.peak_rss, self.proc.memory_info().rss)
+                time.sleep(0.002)
+
+        self.thread = threading.Thread(target=sample, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.peak = torch.cuda.max_memory_allocated() - self.start
+        else:
+            self.stop = True
+            self.thread.join()
+            self.peak = self.peak_rss - self.start
+
+
+class FirstTokenClock:
+    """A transformers streamer that notes when the first generated token arrives (the first put is the prompt)."""
+
+    def __init__(self) -> None:
+        self.calls, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+def hf_call(base, prompts: list[list[int]], max_new_tokens: int, eos: set[int], pad: int,
+            **kwargs) -> GenerationStats:
+    """One `generate` call (left-padded batch); tokens after the first EOS of a row are not counted."""
+    dev = next(base.parameters()).device
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=dev)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(p, device=dev)
+        mask[b, width - len(p):] = 1
+    clock = FirstTokenClock()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = base.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, min_new_tokens=0,
+                            do_sample=False, eos_token_id=sorted(eos), pad_token_id=pad, streamer=clock, **kwargs)
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    end = time.perf_counter()
+    generated = 0
+    for row in out[:, width:].tolist():
+        n = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        generated += n
+    first = clock.first or end
+    return GenerationStats(sequences=len(prompts), prompt_tokens=sum(map(len, prompts)), generated_tokens=generated,
+                           macro_steps=generated, prefill_s=first - start, decode_s=end - first)
+
+
+def int8_draft(base):
+    """A dynamically quantised INT8 copy of the base (Linear layers), the paper's speculative-decoding draft."""
+    from torch.ao.quantization import quantize_dynamic
+
+    draft = copy.deepcopy(base).float().cpu()
+    draft = quantize_dynamic(draft, {torch.nn.Linear}, dtype=torch.qint8)
+    draft.generation_config.num_assistant_tokens_schedule = "constant"
+    draft.generation_config.assistant_confidence_threshold = 0.0  # always propose k tokens
+    return draft.eval()
+
+
+# --- the systems -----------------------------------------------------------------------------------------------
+
+
+def make_system(name: str, hamburger_model, plain_model, confidence: float, compile: bool
+                ) -> Callable[[list[list[int]], int], GenerationStats]:
+    """A function (prompts, max_new_tokens) -> GenerationStats for one named system."""
+    from hamburger.engine import Engine, ReferenceEngine
+    from hamburger.generate import eos_ids
+
+    base = plain_model.base
+    eos = eos_ids(plain_model)
+    pad = getattr(plain_model.tokenizer, "pad_token_id", None)
+    pad = pad if pad is not None else min(eos)
+    if name == "hf_generate":
+        return lambda prompts, n: hf_call(base, prompts, n, eos, pad)
+    if name == "prompt_lookup":
+        return lambda prompts, n: hf_call(base, prompts, n, eos, pad, prompt_lookup_num_tokens=10)
+    if name.startswith("spec_int8_k"):
+        if next(base.parameters()).device.type != "cpu":
+            raise HamburgerError("the INT8 draft (dynamic quantisation) runs on the CPU only")
+        draft = int8_draft(base)
+        draft.generation_config.num_assistant_tokens = int(name.removeprefix("spec_int8_k"))
+        return lambda prompts, n: hf_call(base, prompts, n, eos, pad, assistant_model=draft)
+    engines = {"engine_base": (Engine, plain_model), "hamburger_ref": (ReferenceEngine, hamburger_model),
+               "hamburger_engine": (Engine, hamburger_model)}
+    if name not in engines:
+        raise HamburgerError(f"unknown system {name!r}: choose from {', '.join(SYSTEMS)}")
+    cls, model = engines[name]
+    engine = cls(model, compile=compile) if cls is Engine else cls(model)
+    conf = confidence if name in HAMBURGER else 1.0
+    return lambda prompts, n: engine.generate(prompts, max_new_tokens=n, confidence=conf).stats
+
+
+def kv_bytes_per_entry(model) -> int:
+    """Bytes one KV entry takes over all layers of the base: keys and values."""
+    cfg = model.base.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    elem = next(model.base.parameters()).element_size()
+    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
+
+
+def measure(system: Callable, prompts: list[list[int]], batch: int, max_new: int, runs: int,
+            device: torch.device) -> dict:
+    """Median over runs of one system on all prompts in chunks of `batch`; one short warm-up first."""
+    system(prompts[:batch], min(8, max_new))
+    per_run = []
+    for _ in range(runs):
+        parts = []
+        with PeakMemory(device) as mem:
+            for i in range(0, len(prompts), batch):
+                parts.append(system(prompts[i:i + batch], max_new))
+        total = GenerationStats(**{f.name: sum(getattr(s, f.name) for s in parts) for f in fields(GenerationStats)})
+        per_run.append((total, mem.peak, statistics.mean(s.prefill_s for s in parts)))
+    tps = [r[0].decode_tokens_per_s for r in per_run]
+    median_run = sorted(per_run, key=lambda r: r[0].decode_tokens_per_s)[len(per_run) // 2]
+    stats = median_run[0]
+    return {"decode_tokens_per_s": statistics.median(tps), "runs_tokens_per_s": tps,
+            "ttft_s": statistics.median(r[2] for r in per_run), "peak_memory_mb": max(r[1] for r in per_run) / 2**20,
+            "tokens_per_step": stats.tokens_per_step, "generated_tokens": stats.generated_tokens,
+            "macro_steps": stats.macro_steps, "prompt_tokens": stats.prompt_tokens, "sequences": stats.sequences,
+            "kv_entries": stats.kv_entries}
+
+
+# --- the run ------------------------------------------------------------------------------------------------
+
+
+def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str], batch_sizes: Sequence[int],
+              confidences: Sequence[float], max_new: int, runs: int, compile: bool = False,
+              log: Callable[[str], None] = lambda s: None) -> dict:
+    """Every system at every batch size (HAMburger at every confidence): rows, a summary and the KV curve."""
+    from hamburger.model import HamburgerModel
+
+    plain = HamburgerModel.plain(hamburger_model.base, hamburger_model.tokenizer)
+    device = next(hamburger_model.parameters()).device
+    default_conf = hamburger_model.config.default_confidence
+    main_conf = default_conf if default_conf in confidences else confidences[0]
+    entry_bytes = kv_bytes_per_entry(hamburger_model)
+    rows = []
+    for name in systems:
+        for conf in (confidences if name in HAMBURGER else [None]):
+            system = make_system(name, hamburger_model, plain, conf or 1.0, compile)
+            for batch in batch_sizes:
+                if name in BATCH1_ONLY and batch > 1:
+                    continue
+                if conf is not None and conf != main_conf and (name != "hamburger_engine" or batch != 1):
+                    continue  # the sweep runs on the fast engine at batch 1
+                pool = (prompts * (batch // len(prompts) + 1))[:max(batch, len(prompts))]
+                log(f"{name}{'' if conf is None else f'@{conf:g}'} batch {batch}")
+                row = {"system": name, "confidence": conf, "batch_size": batch, "max_new_tokens": max_new,
+                       **measure(system, pool, batch, max_new, runs, device)}
+                drafts = 2 if name.startswith("spec_") else 1  # the draft keeps a cache of the same shape
+                row["kv_entries"] *= drafts
+                row["kv_bytes"] = row["kv_entries"] * entry_bytes
+                row["kv_entries_per_generated_token"] = row["macro_steps"] * drafts / max(1, row["generated_tokens"])
+                rows.append(row)
+            del system
+    summary = summarize(rows, main_conf)
+    return {"rows": rows, "summary": summary, "confidence": main_conf, "kv_curve": kv_curve(hamburger_model, prompts,
+            max_new, main_conf), "device": describe_device(device), "kv_bytes_per_entry": entry_bytes}
+
+
+def find(rows: list[dict], system: str, batch: int, conf: float | None = None) -> dict | None:
+    for row in rows:
+        if row["system"] == system and row["batch_size"] == batch and (conf is None or row["confidence"] == conf):
+            return row
+    return None
+
+
+def summarize(rows: list[dict], conf: float) -> dict:
+    """Ratios of HAMburger's decode tokens/s (fast engine, the main confidence) to the other systems."""
+    out: dict[str, float | None] = {}
+    for batch in sorted({r["batch_size"] for r in rows}):
+        ham = find(rows, "hamburger_engine", batch, conf)
+        if ham is None:
+            continue
+        for other, key in (("engine_base", "base"), ("hf_generate", "hf_generate"), ("prompt_lookup", "prompt_lookup"),
+                           ("spec_int8_k2", "spec_int8_k2"), ("spec_int8_k4", "spec_int8_k4"),
+                           ("hamburger_ref", "hamburger_ref")):
+            row = find(rows, other, batch, conf if other in HAMBURGER else None)
+            if row and row["decode_tokens_per_s"]:
+                out[f"hamburger_vs_{key}_b{batch}"] = ham["decode_tokens_per_s"] / row["decode_tokens_per_s"]
+        if batch == 1:
+            out["kv_entries_per_generated_token"] = ham["kv_entries_per_generated_token"]
+            out["tokens_per_step"] = ham["tokens_per_step"]
+    return out
+
+
+def kv_curve(model, prompts: list[list[int]], max_new: int, conf: float) -> dict:
+    """KV entries held after each macro-step of one long reply: HAMburger's against the base's one per token."""
+    from hamburger.engine import make_engine
+
+    out = make_engine(model).generate([max(prompts, key=len)], max_new_tokens=max_new, confidence=conf,
+                                      eos_token_ids=set())
+    prompt_len, generated, kv, points = len(max(prompts, key=len)), 0, len(max(prompts, key=len)), []
+    for n in out.steps[0]:
+        generated += n
+        kv += 1
+        points.append((generated, kv))
+    return {"prompt_tokens": prompt_len, "generated": [p[0] for p in points], "hamburger": [p[1] for p in points],
+            "base": [prompt_len + p[0] for p in points]}
+
+
+def describe_device(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    import os
+    import platform
+
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__})"
+
+
+# --- output -------------------------------------------------------------------------------------------------
+
+
+def table(result: dict) -> tuple[list[str], list[list[str]]]:
+    header = ["system", "conf", "batch", "decode tok/s", "× base engine", "TTFT s", "tok/step", "KV entries",
+              "KV MB", "KV/gen token", "peak MB"]
+    body = []
+    for r in result["rows"]:
+        base = find(result["rows"], "engine_base", r["batch_size"])
+        ratio = r["decode_tokens_per_s"] / base["decode_tokens_per_s"] if base and base["decode_tokens_per_s"] else None
+        body.append([r["system"], "-" if r["confidence"] is None else f"{r['confidence']:g}", str(r["batch_size"]),
+                     f"{r['decode_tokens_per_s']:.1f}", "-" if ratio is None else f"{ratio:.2f}×",
+                     f"{r['ttft_s']:.3f}", f"{r['tokens_per_step']:.2f}", str(r["kv_entries"]),
+                     f"{r['kv_bytes'] / 2**20:.1f}", f"{r['kv_entries_per_generated_token']:.2f}",
+                     f"{r['peak_memory_mb']:.0f}"])
+    return header, body
+
+
+def print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    header, body = table(result)
+    t = Table(title=f"hamburger bench on {result['device']}: {result['max_new_tokens']} new tokens, greedy, "
+                    f"median of {result['runs']} runs")
+    for h in header:
+        t.add_column(h, justify="left" if h == "system" else "right")
+    for row in body:
+        t.add_row(*row)
+    console = Console(width=200)
+    console.print(t)
+    console.print("summary: " + json.dumps({k: round(v, 3) for k, v in result["summary"].items()}))
+
+
+def plot(result: dict, directory: Path) -> list[Path]:
+    """tokens/s by system and batch size; KV entries against output length; the confidence sweep."""
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise HamburgerError("--plot needs matplotlib: pip install 'hamburger[bench]'") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    directory.mkdir(parents=True, exist_ok=True)
+    rows, conf, paths = result["rows"], result["confidence"], []
+    main = [r for r in rows if r["confidence"] in (None, conf)]
+    batches = sorted({r["batch_size"] for r in main})
+    names = list(dict.fromkeys(r["system"] for r in main))
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    width = 0.8 / len(batches)
+    for j, batch in enumerate(batches):
+        values = [(find(main, n, batch) or {}).get("decode_tokens_per_s", 0) for n in names]
+        ax.bar([i + j * width for i in range(len(names))], values, width, label=f"batch {batch}")
+    ax.set_xticks([i + width * (len(batches) - 1) / 2 for i in range(len(names))], names, rotation=20, ha="right")
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"Decode speed, {result['max_new_tokens']} new tokens (HAMburger at confidence {conf:g})")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(directory / "tokens_per_s.png")
+    fig.savefig(paths[-1], dpi=120)
+
+    curve = result["kv_curve"]
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    ax.plot(curve["generated"], curve["base"], label="base: one entry per token")
+    ax.plot(curve["generated"], curve["hamburger"], label=f"HAMburger @ {conf:g}: one entry per step")
+    ax.set_xlabel("generated tokens")
+    ax.set_ylabel("KV entries per layer")
+    ax.set_title("KV cache growth")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(directory / "kv_entries.png")
+    fig.savefig(paths[-1], dpi=120)
+
+    sweep = sorted((r for r in rows if r["system"] == "hamburger_engine" and r["batch_size"] == 1),
+                   key=lambda r: r["confidence"])
+    if len(sweep) > 1:
+        fig, ax = plt.subplots(figsize=(6, 4.5))
+        xs = [r["confidence"] for r in sweep]
+        ax.plot(xs, [r["decode_tokens_per_s"] for r in sweep], "o-", color="C0", label="decode tokens/s")
+        base = find(rows, "engine_base", 1)
+        if base:
+            ax.axhline(base["decode_tokens_per_s"], color="C0", linestyle=":", label="base (fast engine)")
+        ax.set_xlabel("confidence")
+        ax.set_ylabel("decode tokens/s")
+        ax2 = ax.twinx()
+        ax2.plot(xs, [r["tokens_per_step"] for r in sweep], "s--", color="C1", label="tokens per step")
+        ax2.set_ylabel("tokens per step")
+        fig.legend(loc="upper right")
+        ax.set_title("Confidence sweep (batch 1)")
+        fig.tight_layout()
+        paths.append(directory / "confidence_sweep.png")
+        fig.savefig(paths[-1], dpi=120)
+    plt.close("all")
+    return paths
+
+
+# --- the command ----------------------------------------------------------------------------------------------
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as exc:
+        raise HamburgerError(f"{what} must be a comma list of integers, got {text!r}") from exc
+    if not values or any(v < 1 for v in values):
+        raise HamburgerError(f"{what} must be positive integers, got {text!r}")
+    return values
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from hamburger.base import encode_chat
+    from hamburger.cli import load_from_args
+    from hamburger.evaluate import parse_confidences
+
+    batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
+    if args.max_new_tokens < 1 or args.runs < 1 or args.prompts_per_set < 1:
+        raise HamburgerError("--max-new-tokens, --runs and --prompts-per-set must be >= 1")
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if unknown := [s for s in systems if s not in SYSTEMS]:
+        raise HamburgerError(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
+    sets = [s.strip() for s in args.sets.split(",") if s.strip()]
+    if unknown := [s for s in sets if s not in SETS]:
+        raise HamburgerError(f"unknown prompt sets {unknown}: choose from {', '.join(SETS)}")
+    if args.json and Path(args.json).exists() and not args.force:
+        raise HamburgerError(f"{args.json} exists: pass --force to overwrite it")
+    model, trained = load_from_args(args)
+    if not trained:
+        systems = [s for s in systems if s not in HAMBURGER]
+        print(f"note: {args.model} is a base model, not a HAMburger checkpoint: HAMburger systems are skipped",
+              file=sys.stderr)
+    confidences = parse_confidences(args.confidence) or [model.config.default_confidence]
+    messages = [m for name in sets for m in bench_messages(name, args.prompts_per_set)]
+    prompts = [encode_chat(model.tokenizer, m) for m in messages]
+    result = run_bench(model, prompts, systems, batch_sizes, confidences, args.max_new_tokens, args.runs,
+                       args.compile, log=lambda s: print(f"bench: {s}", file=sys.stderr, flush=True))
+    result.update(model=args.model, dtype=args.dtype, sets=sets, prompts=len(prompts), runs=args.runs,
+                  max_new_tokens=args.max_new_tokens, compile=args.compile)
+    print_table(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot:
+        for path in plot(result, Path(args.plot)):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def register(sub, add_model_args) -> None:
+    p = sub.add_parser("bench", help="decode speed, TTFT, KV entries and memory against HF generate, prompt lookup, "
+                       "INT8 speculative decoding and the base in the same engine")
+    add_model_args(p)
+    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list from {', '.join(SYSTEMS)}")
+    p.add_argument("--sets", default=",".join(SETS), help=f"prompt sets, from {', '.join(SETS)}")
+    p.add_argument("--prompts-per-set", type=int, default=1)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--confidence", default=None, help="one value or a comma sweep (the sweep runs at batch 1)")
+    p.add_argument("--runs", type=int, default=3, help="timed runs per system (the median is reported)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the fast engine's base step")
+    p.add_argument("--json", default=None)
+    p.add_argument("--force", action="store_true", help="overwrite the --json file")
+    p.add_argument("--plot", default=None, help="write PNG plots to this folder")
+    p.set_defaults(func=cmd_bench)

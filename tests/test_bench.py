@@ -1,0 +1,55 @@
+"""`hamburger bench` end to end on a tiny checkpoint: every system, the table, JSON, plots, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hamburger.bench import bench_messages, long_documents
+from hamburger.cli import main
+
+
+def test_bench_runs_every_system(tmp_path, checkpoint, capsys):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", str(checkpoint), "--sets", "code,chat", "--batch-sizes", "1,2",
+                 "--max-new-tokens", "6", "--runs", "1", "--confidence", "0.3,0.8", "--json", str(out),
+                 "--plot", str(tmp_path / "plots")])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    systems = {(r["system"], r["batch_size"], r["confidence"]) for r in result["rows"]}
+    for name in ("hf_generate", "engine_base", "hamburger_ref", "hamburger_engine"):
+        assert any(s[0] == name and s[1] == 2 for s in systems)
+    for name in ("prompt_lookup", "spec_int8_k2", "spec_int8_k4"):  # batch 1 only in transformers
+        assert (name, 1, None) in systems and (name, 2, None) not in systems
+    assert ("hamburger_engine", 1, 0.3) in systems and ("hamburger_engine", 2, 0.3) not in systems
+    for row in result["rows"]:
+        assert row["generated_tokens"] > 0 and row["decode_tokens_per_s"] > 0
+        assert row["kv_entries"] >= row["prompt_tokens"]
+    base = next(r for r in result["rows"] if r["system"] == "engine_base" and r["batch_size"] == 1)
+    assert base["tokens_per_step"] == 1.0 and base["kv_entries_per_generated_token"] == 1.0
+    summary = result["summary"]
+    assert {"hamburger_vs_base_b1", "hamburger_vs_hf_generate_b1", "kv_entries_per_generated_token"} <= summary.keys()
+    assert "hamburger_vs_base_b16" not in summary  # 16 was not among the batch sizes
+    curve = result["kv_curve"]
+    assert curve["hamburger"][-1] <= curve["base"][-1]
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "confidence_sweep.png", "kv_entries.png", "tokens_per_s.png"]
+    assert "decode tok/s" in capsys.readouterr().out
+
+
+def test_bench_prompt_sets_are_held_out_and_long():
+    assert len(bench_messages("code", 2)) == 2 and len(bench_messages("chat", 2)) == 2
+    assert all(len(doc) >= 1500 for _, doc in long_documents(2))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch-sizes", "0"], "positive"),
+    (["--systems", "nope"], "unknown systems"),
+    (["--sets", "poems"], "unknown prompt sets"),
+    (["--runs", "0"], ">= 1"),
+    (["--confidence", "1.5"], "confidence"),
+])
+def test_bench_bad_input(checkpoint, capsys, args, message):
+    assert main(["bench", "--model", str(checkpoint), *args]) == 2
+    assert message in capsys.readouterr().err
