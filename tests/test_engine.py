@@ -96,3 +96,30 @@ def test_engine_bad_input():
         engine.generate([[5] * 200], max_new_tokens=100)
     with pytest.raises(HamburgerError, match="confidence"):
         engine.stream([[5]], confidence=0.0)
+
+
+def test_shortlist_of_the_whole_vocabulary_changes_nothing():
+    model = hamburger("llama", k=4)
+    ref = Engine(model).generate(PROMPTS, max_new_tokens=16, confidence=0.3)
+    model.micro_vocab = torch.arange(model.base.config.vocab_size)
+    fast = Engine(model).generate(PROMPTS, max_new_tokens=16, confidence=0.3)
+    assert fast.tokens == ref.tokens and fast.steps == ref.steps
+
+
+def test_micro_steps_choose_from_the_shortlist_only():
+    model = hamburger("llama", k=4)
+    model.micro_vocab = torch.tensor([1, 7, 11, 20, 33, 50, 64, 80])
+    out = Engine(model).generate(PROMPTS, max_new_tokens=24, confidence=0.05)
+    micro = [t for toks, steps in zip(out.tokens, out.steps) for t in _micro_tokens(toks, steps)]
+    assert micro and set(micro) <= set(model.micro_vocab.tolist())
+    full = Engine(model, shortlist=False).generate(PROMPTS, max_new_tokens=24, confidence=0.05)
+    assert not set(t for toks, steps in zip(full.tokens, full.steps) for t in _micro_tokens(toks, steps)) <= set(
+        model.micro_vocab.tolist())
+
+
+def _micro_tokens(tokens, steps):
+    out, i = [], 0
+    for n in steps:
+        out += tokens[i + 1:i + n]
+        i += n
+    return out

@@ -246,3 +246,15 @@ def test_continue_a_checkpoint_with_slot_adapters(tmp_path, checkpoint):
     assert fingerprint(after.base) == base_print
     assert all(p.abs().sum() > 0 for p in after.slot_adapters.up.parameters())  # B left zero would be untrained
     assert len(list(after.slot_adapters.up.parameters())) == 4 * 7  # 4 layers x q,k,v,o,gate,up,down
+
+
+def test_export_stores_a_micro_step_shortlist(tmp_path, checkpoint, capsys):
+    data = make_data(tmp_path / "data.jsonl")
+    assert main(["export", str(checkpoint), str(tmp_path / "short"), "--micro-vocab", str(data),
+                 "--micro-vocab-size", "10"]) == 0
+    assert "covering" in capsys.readouterr().err
+    loaded = HamburgerModel.from_pretrained(tmp_path / "short")
+    vocab = loaded.micro_vocab.tolist()
+    assert EOS in vocab and len(vocab) == 10 and vocab == sorted(vocab)
+    loaded.save_pretrained(tmp_path / "again")
+    assert HamburgerModel.from_pretrained(tmp_path / "again").micro_vocab.tolist() == vocab

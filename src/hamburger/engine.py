@@ -116,9 +116,15 @@ class EngineGeneration:
 class Engine:
     """Static-cache decoding of a `HamburgerModel` (or of its plain base with `max_step_tokens` 1)."""
 
-    def __init__(self, model: HamburgerModel, compile: bool = False) -> None:
+    def __init__(self, model: HamburgerModel, compile: bool = False, shortlist: bool = True) -> None:
         check_supported(model)
         self.model = model
+        # Micro-steps choose among the checkpoint's shortlist (if it has one): a head of |shortlist| rows
+        # instead of the whole vocabulary. Token 0 of every step always uses the full head.
+        self.vocab = model.micro_vocab if shortlist else None
+        if self.vocab is not None:
+            self.vocab = self.vocab.to(next(model.parameters()).device)
+            self.short_head = model.base.get_output_embeddings().weight[self.vocab].contiguous()
         self.base = model.base.base_model
         self.k = model.config.max_step_tokens
         p = next(model.parameters())
@@ -266,7 +272,7 @@ class Engine:
                 normed = [norm(f) for f, norm in zip(feats, model.micro.feature_norms)]
                 x = torch.cat([torch.stack(normed, 1), x], 1)
             h = self._micro(x, micro_cache, 0 if i == 1 else model.micro.num_features + i - 1)
-            tok = sample(model.lm_head(h), gen.sampling, rng, warpers)
+            tok = self._micro_token(h, gen.sampling, rng, warpers)
             step_tok[:, i] = torch.where(go_on, tok, step_tok[:, i])
             step_len += go_on.long()
             gen_len += go_on.long()
@@ -275,6 +281,11 @@ class Engine:
             go_on = go_on & ~now_ends & (step_len < k)
             go_on &= self._wants_more(model.stop_head(h), step_len, forced, step, gen.confidence)
         return step_tok, step_len, ended
+
+    def _micro_token(self, h: torch.Tensor, sampling: SamplingParams, rng, warpers) -> torch.Tensor:
+        if self.vocab is None:
+            return sample(self.model.lm_head(h), sampling, rng, warpers)
+        return self.vocab[sample(F.linear(h, self.short_head), sampling, rng, warpers)]
 
     @staticmethod
     def _wants_more(stop_logits, step_len, forced, step: int, confidence: float) -> torch.Tensor:

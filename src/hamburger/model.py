@@ -24,6 +24,7 @@ from hamburger.slot_adapters import SlotAdapters
 
 STOP_LOSS_WEIGHT = 0.5
 WEIGHTS_NAME = "model.safetensors"
+MICRO_VOCAB_KEY = "micro_vocab"
 NEW_MODULES = ("embedder", "micro", "stop_head", "slot_adapters")
 
 
@@ -80,6 +81,9 @@ class HamburgerModel(nn.Module):
             lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_targets,
                               lora_dropout=0.0)
             inject_adapter_in_model(lora, base)  # B starts at zero: the base's outputs are unchanged
+        # Optional shortlist of token ids the fast engine's micro-steps choose from (a cheaper LM head):
+        # set by `hamburger export --micro-vocab`, stored in the checkpoint as MICRO_VOCAB_KEY.
+        self.micro_vocab: torch.Tensor | None = None
         dtype = next(base.parameters()).dtype
         device = next(base.parameters()).device
         for name in NEW_MODULES:
@@ -119,7 +123,7 @@ class HamburgerModel(nn.Module):
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         self.config.save(directory)
-        if self.config.base_in_checkpoint and dtype is None:
+        if self.config.base_in_checkpoint and dtype is None and self.micro_vocab is None:
             save_model(self, str(directory / WEIGHTS_NAME))
             return
         keep = self.state_dict().items() if self.config.base_in_checkpoint else (
@@ -130,6 +134,8 @@ class HamburgerModel(nn.Module):
                 continue
             seen.add(v.data_ptr())
             state[k] = (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
+        if self.micro_vocab is not None:
+            state[MICRO_VOCAB_KEY] = self.micro_vocab.to("cpu", torch.int64).contiguous()
         save_file(state, str(directory / WEIGHTS_NAME))
 
     @classmethod
@@ -151,6 +157,7 @@ class HamburgerModel(nn.Module):
                 )
         model = cls(base, config, tokenizer)
         state = load_file(str(Path(directory) / WEIGHTS_NAME), device=str(device))
+        model.micro_vocab = state.pop(MICRO_VOCAB_KEY, None)
         missing, unexpected = model.load_state_dict(state, strict=False)
         missing_new = [k for k in missing if is_trained_key(k)]
         if missing_new or unexpected:

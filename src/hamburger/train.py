@@ -16,6 +16,7 @@ import math
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from hamburger.base import fingerprint, load_base
 from hamburger.config import HamburgerConfig
 from hamburger.data import SegmentedExample, collate
 from hamburger.errors import HamburgerError
+from hamburger.generate import eos_ids
 from hamburger.model import NEW_MODULES, HamburgerModel
 
 MODES = ("frozen", "lora", "full")
@@ -267,12 +269,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def micro_vocab(rows: list[tuple[str, SegmentedExample]], size: int, always: list[int]) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent response tokens of segmented data (plus `always`, e.g. EOS), and their coverage."""
+    if size < 1:
+        raise HamburgerError(f"--micro-vocab-size must be >= 1, got {size}")
+    counts = Counter(t for _, ex in rows for t in ex.input_ids[ex.prompt_len:])
+    chosen = list(dict.fromkeys(always + [t for t, _ in counts.most_common(size)]))[:max(size, len(always))]
+    covered = sum(counts[t] for t in set(chosen))
+    return torch.tensor(sorted(chosen), dtype=torch.long), covered / max(1, sum(counts.values()))
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """A checkpoint for shipping: optionally LoRA merged into the base, weights stored in a smaller dtype."""
     out = Path(args.out)
     if out.exists() and any(out.iterdir()) and not args.force:
         raise HamburgerError(f"{out} is not empty: pass --force to replace its files")
     model = HamburgerModel.from_pretrained(args.checkpoint)
+    if args.micro_vocab:
+        model.micro_vocab, coverage = micro_vocab(read_examples(Path(args.micro_vocab)), args.micro_vocab_size,
+                                                  sorted(eos_ids(model)))
+        print(f"micro-step shortlist: {len(model.micro_vocab)} tokens covering {coverage:.2%} of the response "
+              f"tokens in {args.micro_vocab}", file=sys.stderr)
     if args.merge_lora:
         if not model.config.lora_rank:
             raise HamburgerError(f"{args.checkpoint} has no LoRA adapters to merge")
@@ -289,6 +306,10 @@ def register(sub, add_model_args) -> None:
     e.add_argument("out")
     e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
     e.add_argument("--merge-lora", action="store_true")
+    e.add_argument("--micro-vocab", default=None, metavar="SEGMENTED_JSONL",
+                   help="store a shortlist of the most frequent response tokens of this data: the fast engine's "
+                   "micro-steps choose among them (a cheaper LM head)")
+    e.add_argument("--micro-vocab-size", type=int, default=8192)
     e.add_argument("--force", action="store_true")
     e.set_defaults(func=cmd_export)
 
