@@ -1,0 +1,104 @@
+"""Continuous batching: each request's output equals the fast engine's for it alone, whoever shares the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hamburger
+from hamburger import HamburgerError, HamburgerModel, SamplingParams
+from hamburger.engine import Engine
+from hamburger.scheduler import Scheduler
+
+PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51], [11], [64, 3, 70, 22], [30, 31, 32, 33, 34, 35]]
+LIMITS = [20, 7, 16, 12, 3, 18]
+
+
+def run_staggered(sched: Scheduler, jobs: list[tuple[int, list[int], int]], **kw) -> dict[int, list]:
+    """jobs: (step at which to submit, prompt, max_new_tokens). Returns {job index: events of it}."""
+    ids, out, step = {}, {}, 0
+    while len(ids) < len(jobs) or sched.has_work():
+        for j, (at, prompt, limit) in enumerate(jobs):
+            if at == step:
+                ids[sched.submit(prompt, limit, **kw)] = j
+        for ev in sched.step():
+            out.setdefault(ids[ev.id], []).append(ev)
+        step += 1
+        assert step < 500
+    return out
+
+
+def check_equals_alone(model, confidence: float, rows: int) -> None:
+    engine, sched = Engine(model), Scheduler(model, max_batch_size=rows, max_len=64)
+    jobs = [(2 * j if j % 2 else j, p, n) for j, (p, n) in enumerate(zip(PROMPTS, LIMITS))]
+    out = run_staggered(sched, jobs, confidence=confidence)
+    for j, (_, prompt, limit) in enumerate(jobs):
+        alone = engine.generate([prompt], max_new_tokens=limit, confidence=confidence)
+        events = out[j]
+        assert [t for e in events for t in e.tokens] == alone.tokens[0]
+        assert [len(e.tokens) for e in events] == alone.steps[0]
+        assert events[-1].finished and events[-1].finish_reason in ("stop", "length")
+        assert events[-1].stats.macro_steps == len(alone.steps[0])
+        assert events[-1].stats.generated_tokens == len(alone.tokens[0])
+    assert sched.running == 0 and sched.kv_entries() == 0
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_hamburger_multi_token_steps_equal_alone(arch, rows):
+    model = hamburger(arch, k=4)
+    torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
+    check_equals_alone(model, 0.3, rows)
+    out = Engine(model).generate(PROMPTS, max_new_tokens=20, confidence=0.3)
+    assert max(max(s) for s in out.steps) > 1  # the comparison covered multi-token steps
+
+
+def test_plain_base_equals_alone(arch):
+    check_equals_alone(HamburgerModel.plain(hamburger(arch).base, None), 1.0, 3)
+
+
+def test_shortlist_respected():
+    model = hamburger("llama", k=4)
+    model.micro_vocab = torch.tensor([1, 7, 11, 20, 33, 50, 64, 80])
+    check_equals_alone(model, 0.05, 3)
+
+
+def test_sampled_request_equals_alone_with_its_seed():
+    model = hamburger("llama", k=4)
+    params = SamplingParams(temperature=1.0, top_k=20, seed=3)
+    alone = Engine(model).generate([PROMPTS[0]], max_new_tokens=16, confidence=0.3, sampling=params)
+    sched = Scheduler(model, max_batch_size=3, max_len=64)
+    rid = sched.submit(PROMPTS[0], 16, confidence=0.3, sampling=params)
+    sched.submit(PROMPTS[1], 9, confidence=0.3)  # a greedy neighbour
+    tokens = []
+    while sched.has_work():
+        tokens += [t for e in sched.step() if e.id == rid for t in e.tokens]
+    assert tokens == alone.tokens[0]
+
+
+def test_cancel_frees_the_row_and_queue_drains():
+    model = hamburger("llama", k=4)
+    sched = Scheduler(model, max_batch_size=2, max_len=64)
+    first = sched.submit(PROMPTS[0], 30, eos_token_ids=set())
+    ids = [sched.submit(p, n) for p, n in zip(PROMPTS[1:], LIMITS[1:])]
+    sched.step()
+    assert sched.running == 2 and sched.waiting == len(ids) - 1
+    sched.cancel(first)
+    events = sched.step()
+    assert [e.finish_reason for e in events if e.id == first] == ["cancelled"]
+    assert sched.running == 2  # the freed row went to the next waiting request in the same step
+    finished = {first}
+    while sched.has_work():
+        finished |= {e.id for e in sched.step() if e.finished}
+    assert finished == {first, *ids} and sched.running == 0 and sched.waiting == 0
+
+
+def test_submit_rejects_what_cannot_fit():
+    sched = Scheduler(hamburger("llama", k=4), max_batch_size=1, max_len=32)
+    with pytest.raises(HamburgerError, match="context"):
+        sched.submit([5] * 30, 3)
+    with pytest.raises(HamburgerError, match="at least one"):
+        sched.submit([], 3)
+    with pytest.raises(HamburgerError, match=">= 1"):
+        sched.submit([5], 0)
+    with pytest.raises(HamburgerError, match="confidence"):
+        sched.submit([5], 3, confidence=1.5)
