@@ -135,13 +135,27 @@ class Engine:
             self.step_fn = self._compile(self._decode_base)
 
     def _compile(self, fn):
+        """`fn` compiled (dynamic shapes: the cache grows each step), falling back to eager if compiling fails.
+
+        torch.compile is lazy, so failures (no C++ compiler, an unsupported op) show at the first call.
+        """
         try:
             compiled = torch.compile(fn, dynamic=True)
-            self.compiled = True
-            return compiled
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager
             warnings.warn(f"torch.compile is unavailable ({exc}); running eagerly", stacklevel=2)
             return fn
+        self.compiled = True
+
+        def run(*args):
+            if self.compiled:
+                try:
+                    return compiled(*args)
+                except Exception as exc:  # noqa: BLE001
+                    warnings.warn(f"torch.compile failed ({type(exc).__name__}: {exc}); running eagerly", stacklevel=2)
+                    self.compiled = False
+            return fn(*args)
+
+        return run
 
     # --- the two networks ------------------------------------------------------------------------------
 

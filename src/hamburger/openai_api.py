@@ -1,0 +1,186 @@
+"""The OpenAI wire format the server speaks: request bodies, their validation, errors, and response shapes.
+
+Validation happens here, before anything reaches the model, and every problem becomes an `ApiError`
+whose body is OpenAI's: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+class _Body(BaseModel):
+    # Strict: "5" is not a number here; unknown fields (logprobs, user, ...) are ignored as OpenAI's clients send them.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+    confidence: float | None = None  # HAMburger's extra: P(continue) a step needs to take another token
+
+    def limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def stops(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return [s for s in stops if s]
+
+
+class Message(_Body):
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[dict[str, Any]] | None = None
+
+    def text(self) -> str:
+        """Content as text: a string, or the text parts of a content list (the only part type we accept)."""
+        if isinstance(self.content, list):
+            if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in self.content):
+                raise ApiError(400, "only text content parts are supported", "messages")
+            return "".join(part["text"] for part in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_Sampling):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int]
+
+    def prompt_value(self) -> str | list[int]:
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
+            if len(self.prompt) != 1:
+                raise ApiError(400, "only one prompt per request is supported", "prompt")
+            return self.prompt[0]
+        if not self.prompt:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        return self.prompt
+
+
+def parse(raw: bytes, schema: type[_Sampling]) -> _Sampling:
+    """The body as `schema`, or an ApiError naming the first problem."""
+    try:
+        body = schema.model_validate_json(raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        if err["type"] == "json_invalid":
+            raise ApiError(400, f"the request body is not valid JSON: {err['msg']}") from None
+        if err["type"] == "model_type":
+            raise ApiError(400, "the request body must be a JSON object") from None
+        param = ".".join(str(p) for p in err["loc"]) or None
+        raise ApiError(400, f"{param}: {err['msg']}" if param else err["msg"], param) from None
+    if body.n != 1:
+        raise ApiError(400, "only n=1 is supported", "n")
+    return body
+
+
+def check_limits(prompt_tokens: int, max_tokens: int | None, context: int, param: str) -> int:
+    """max_tokens checked against the context (None: all that is left of it)."""
+    if prompt_tokens >= context:
+        raise ApiError(400, f"the prompt has {prompt_tokens} tokens; this server's context is {context}", "messages"
+                       if param == "messages" else "prompt", "context_length_exceeded")
+    if max_tokens is None:
+        return context - prompt_tokens
+    if max_tokens <= 0:
+        raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
+    if prompt_tokens + max_tokens > context:
+        raise ApiError(400, f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceed this server's "
+                       f"context of {context} tokens", "max_tokens", "context_length_exceeded")
+    return max_tokens
+
+
+class Reply:
+    """The response objects of one request: chat.completion(.chunk) or text_completion."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat, self.model = chat, model
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    def _wrap(self, obj: str, choices: list[dict], usage: dict | None = None) -> dict:
+        out = {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            out["usage"] = usage
+        return out
+
+    def chunk(self, text: str, finish_reason: str | None, first: bool = False) -> dict:
+        if self.chat:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            return self._wrap("chat.completion.chunk", [choice])
+        return self._wrap("text_completion", [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}])
+
+    def usage_chunk(self, usage: dict) -> dict:
+        return self._wrap("chat.completion.chunk" if self.chat else "text_completion", [], usage)
+
+    def full(self, text: str, finish_reason: str, usage: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                      "finish_reason": finish_reason}
+            return self._wrap("chat.completion", [choice], usage)
+        return self._wrap("text_completion", [{"index": 0, "text": text, "logprobs": None,
+                                               "finish_reason": finish_reason}], usage)
+
+
+def usage(stats) -> dict:
+    """OpenAI's usage plus HAMburger's macro-steps and tokens per step (`metrics.GenerationStats`)."""
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens, "macro_steps": stats.macro_steps,
+            "tokens_per_step": round(stats.tokens_per_step, 4)}
+
+
+class TextStream:
+    """Incremental detokenisation with stop strings: `feed` returns text that is safe to send.
+
+    Text that might be the start of a stop string, or an incomplete UTF-8 character, is held back.
+    """
+
+    def __init__(self, tokenizer, stops: list[str]) -> None:
+        self.tokenizer, self.stops = tokenizer, stops
+        self.tokens: list[int] = []
+        self.text, self.sent, self.stopped = "", 0, False
+
+    def feed(self, tokens: list[int], final: bool = False) -> str:
+        self.tokens += tokens
+        self.text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        hits = [i for i in (self.text.find(s, max(0, self.sent - len(s))) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped, self.text = True, self.text[: min(hits)]
+            return self._send(len(self.text))
+        if final:
+            return self._send(len(self.text))
+        hold = max((n for s in self.stops for n in range(1, len(s)) if self.text.endswith(s[:n])), default=0)
+        if self.text.endswith("\ufffd"):
+            hold = max(hold, 1)
+        return self._send(len(self.text) - hold)
+
+    def _send(self, upto: int) -> str:
+        out = self.text[self.sent : upto] if upto > self.sent else ""
+        self.sent = max(self.sent, upto)
+        return out
