@@ -172,16 +172,25 @@ def test_wrong_or_missing_api_key(server):
         openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
 
 
-def test_disconnect_mid_stream_frees_the_row(server):
-    body = {"model": "tiny", "messages": messages(5), "max_tokens": 60, "stream": True, "confidence": 1.0}
+def test_disconnect_mid_stream_frees_the_row(server, monkeypatch):
+    sched = server.service.scheduler
+    step = sched.step
+
+    def slow_step():  # long enough that the request is surely still running when the client leaves
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(sched, "step", slow_step)
+    body = {"model": "tiny", "messages": messages(5), "max_tokens": 40, "stream": True, "confidence": 1.0}
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}) as client:
-        with client.stream("POST", "/v1/chat/completions", json={**body, "messages": messages(5)}) as resp:
+        with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+            assert resp.status_code == 200
             next(resp.iter_lines())
-            assert server.service.scheduler.running == 1
-    deadline = time.time() + 5
-    while server.service.scheduler.running and time.time() < deadline:
+            assert sched.running == 1
+    deadline = time.time() + 2
+    while sched.running and time.time() < deadline:
         time.sleep(0.01)
-    assert server.service.scheduler.running == 0
+    assert sched.running == 0 and server.service.queues == {}
     assert 'hamburger_requests_total{outcome="cancelled"}' in httpx.get(server.url + "/metrics").text
 
 
@@ -221,14 +230,18 @@ def test_sigterm_ends_streams_and_exits_0(checkpoint):
                 break
             except httpx.TransportError:
                 time.sleep(0.1)
-        body = {"model": "default", "messages": messages(3), "max_tokens": 40, "stream": True, "confidence": 1.0}
+        # Confidence 1.0: one token per chunk, so a long reply streams for many chunks after the signal.
+        body = {"model": "default", "messages": messages(1), "max_tokens": 100, "stream": True, "confidence": 1.0}
         with httpx.Client(base_url=url, timeout=30) as client:
             with client.stream("POST", "/v1/chat/completions", json=body) as resp:
                 lines = resp.iter_lines()
                 assert next(lines).startswith("data: ")
                 proc.send_signal(signal.SIGTERM)
                 rest = [line for line in lines if line]
-        assert rest[-1] == "data: [DONE]"
+        assert rest[-1] == "data: [DONE]" and len(rest) > 10  # the stream went on after the signal
+        assert json.loads(rest[-2][6:])["choices"][0]["finish_reason"] in ("stop", "length")
+        with pytest.raises(httpx.TransportError):  # and no new requests once it has stopped
+            httpx.get(url + "/health", timeout=1)
         assert proc.wait(timeout=30) == 0
     finally:
         if proc.poll() is None:
