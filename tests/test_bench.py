@@ -31,6 +31,8 @@ def test_bench_runs_every_system(tmp_path, checkpoint, capsys):
     summary = result["summary"]
     assert {"hamburger_vs_base_b1", "hamburger_vs_hf_generate_b1", "kv_entries_per_generated_token"} <= summary.keys()
     assert "hamburger_vs_base_b16" not in summary  # 16 was not among the batch sizes
+    costs = result["step_costs"]
+    assert costs["base_step_s"] > 0 and costs["micro_over_base"] > 0
     curve = result["kv_curve"]
     assert curve["hamburger"][-1] <= curve["base"][-1]
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [

@@ -161,10 +161,14 @@ def hf_call(base, prompts: list[list[int]], max_new_tokens: int, eos: set[int], 
 
 def int8_draft(base):
     """A dynamically quantised INT8 copy of the base (Linear layers), the paper's speculative-decoding draft."""
+    import warnings
+
     from torch.ao.quantization import quantize_dynamic
 
     draft = copy.deepcopy(base).float().cpu()
-    draft = quantize_dynamic(draft, {torch.nn.Linear}, dtype=torch.qint8)
+    with warnings.catch_warnings():  # deprecated in favour of torchao, still the plain-PyTorch way to do it
+        warnings.simplefilter("ignore")
+        draft = quantize_dynamic(draft, {torch.nn.Linear}, dtype=torch.qint8)
     draft.generation_config.num_assistant_tokens_schedule = "constant"
     draft.generation_config.assistant_confidence_threshold = 0.0  # always propose k tokens
     return draft.eval()
@@ -233,6 +237,78 @@ def measure(system: Callable, prompts: list[list[int]], batch: int, max_new: int
             "kv_entries": stats.kv_entries}
 
 
+# --- the cost model ---------------------------------------------------------------------------------------------
+
+
+def step_costs(model, context: int = 256, repeats: int = 20) -> dict:
+    """Wall time of one base decode step and of one micro-step (batch 1, `context` cached slots), median of repeats.
+
+    A base step = base forward over one slot + LM head + stop head; a micro-step = one micro-step decoder
+    input + LM head (full, and the shortlist if the checkpoint has one) + stop head. At t tokens per step a
+    macro-step costs 1 + c (t - 1) base steps (c = micro / base), so the reachable speed-up is t / (1 + c (t - 1)).
+    """
+    from hamburger.engine import Engine, KVCache
+
+    engine = Engine(model)
+    cfg, dev, dtype = model.base.config, engine.device, engine.dtype
+    attn = model.base.base_model.layers[0].self_attn
+    cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, context + 1, attn.head_dim, dtype, dev)
+    micro_attn = model.micro.layers[0].self_attn
+    m = model.micro.num_features
+    micro_cache = KVCache(len(model.micro.layers), 1, cfg.num_key_value_heads, m + 2, micro_attn.head_dim, dtype, dev)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (1, context + 1), generator=gen).to(dev)
+    mask = torch.ones(1, 1, context + 1, context + 1, dtype=torch.bool, device=dev).tril()
+
+    def timed(fn) -> float:
+        fn()
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    with torch.inference_mode():
+        engine._base(model.embed(ids[:, :context]), torch.arange(context, device=dev)[None], cache, 0,
+                     mask[:, :, :context, :context])
+        pos = torch.tensor([[context]], device=dev)
+
+        def base_step() -> None:
+            states = engine._decode_base(model.embed(ids[:, context:]), pos, cache, context, mask[:, :, -1:], None)
+            model.lm_head(states[0]).argmax(-1)
+            model.stop_head(states[0])
+
+        x0 = torch.randn(1, m + 1, cfg.hidden_size, generator=gen).to(dev, dtype)
+        engine._micro(x0, micro_cache, 0)
+        x1 = model.embed(ids[:, :1])
+
+        def micro_step(shortlist: bool) -> Callable[[], None]:
+            def run() -> None:
+                h = engine._micro(x1, micro_cache, m + 1)
+                if shortlist:
+                    torch.nn.functional.linear(h, engine.short_head).argmax(-1)
+                else:
+                    model.lm_head(h).argmax(-1)
+                model.stop_head(h)
+            return run
+
+        base_s = timed(base_step)
+        out = {"context": context, "base_step_s": base_s, "micro_step_s": timed(micro_step(False))}
+        out["micro_over_base"] = out["micro_step_s"] / base_s
+        if engine.vocab is not None:
+            out["shortlist"] = len(engine.vocab)
+            out["micro_step_shortlist_s"] = timed(micro_step(True))
+            out["micro_shortlist_over_base"] = out["micro_step_shortlist_s"] / base_s
+    return out
+
+
+def reachable_speedup(tokens_per_step: float, micro_over_base: float) -> float:
+    return tokens_per_step / (1 + micro_over_base * (tokens_per_step - 1))
+
+
 # --- the run ------------------------------------------------------------------------------------------------
 
 
@@ -267,7 +343,8 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
                 rows.append(row)
             del system
     summary = summarize(rows, main_conf)
-    return {"rows": rows, "summary": summary, "confidence": main_conf, "kv_curve": kv_curve(hamburger_model, prompts,
+    costs = step_costs(hamburger_model) if any(n in HAMBURGER for n in systems) else {}
+    return {"rows": rows, "summary": summary, "step_costs": costs, "confidence": main_conf, "kv_curve": kv_curve(hamburger_model, prompts,
             max_new, main_conf), "device": describe_device(device), "kv_bytes_per_entry": entry_bytes}
 
 
@@ -353,6 +430,16 @@ def print_table(result: dict) -> None:
     console = Console(width=200)
     console.print(t)
     console.print("summary: " + json.dumps({k: round(v, 3) for k, v in result["summary"].items()}))
+    if costs := result.get("step_costs"):
+        line = (f"cost model (batch 1, {costs['context']} cached slots): base step {costs['base_step_s'] * 1e3:.1f} ms, "
+                f"micro-step {costs['micro_step_s'] * 1e3:.1f} ms = {costs['micro_over_base']:.2f} of a base step")
+        if "micro_shortlist_over_base" in costs:
+            line += (f"; with the {costs['shortlist']}-token shortlist {costs['micro_step_shortlist_s'] * 1e3:.1f} ms = "
+                     f"{costs['micro_shortlist_over_base']:.2f}")
+        c = costs.get("micro_shortlist_over_base", costs["micro_over_base"])
+        line += "; reachable speed-up at 1.5/1.8/2.0/2.5 tokens/step: " + ", ".join(
+            f"{reachable_speedup(t, c):.2f}×" for t in (1.5, 1.8, 2.0, 2.5))
+        console.print(line)
 
 
 def plot(result: dict, directory: Path) -> list[Path]:
