@@ -26,7 +26,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from transformers import get_cosine_schedule_with_warmup
 
 from hamburger.base import fingerprint, load_base
-from hamburger.config import HamburgerConfig
+from hamburger.config import HamburgerConfig, check_confidence
 from hamburger.data import SegmentedExample, collate
 from hamburger.errors import HamburgerError
 from hamburger.generate import eos_ids
@@ -290,6 +290,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                                                   sorted(eos_ids(model)))
         print(f"micro-step shortlist: {len(model.micro_vocab)} tokens covering {coverage:.2%} of the response "
               f"tokens in {args.micro_vocab}", file=sys.stderr)
+    if args.default_confidence is not None:
+        model.config.default_confidence = check_confidence(args.default_confidence)
     if args.merge_lora:
         if not model.config.lora_rank:
             raise HamburgerError(f"{args.checkpoint} has no LoRA adapters to merge")
@@ -310,6 +312,8 @@ def register(sub, add_model_args) -> None:
                    help="store a shortlist of the most frequent response tokens of this data: the fast engine's "
                    "micro-steps choose among them (a cheaper LM head)")
     e.add_argument("--micro-vocab-size", type=int, default=8192)
+    e.add_argument("--default-confidence", type=float, default=None,
+                   help="the confidence generation uses when none is given (e.g. the best point of an eval sweep)")
     e.add_argument("--force", action="store_true")
     e.set_defaults(func=cmd_export)
 
