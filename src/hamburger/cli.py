@@ -13,7 +13,7 @@ from hamburger.errors import HamburgerError
 
 DTYPES = ("float32", "bfloat16", "float16")
 COMMAND_MODULES: tuple[str, ...] = ("hamburger.distill", "hamburger.segment", "hamburger.train", "hamburger.evaluate",
-                                    "hamburger.bench", "hamburger.server", "hamburger.bench_serve")
+                                    "hamburger.bench", "hamburger.server", "hamburger.bench_serve", "hamburger.demo")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

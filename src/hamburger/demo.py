@@ -1,0 +1,161 @@
+"""`hamburger demo`: the same prompt streamed side by side by the base model and by HAMburger.
+
+HAMburger's macro-steps are shown in alternating colours (each colour run is one base forward and one KV
+entry), with live decode tokens/s, tokens per step and KV entries for both, and the speed-up at the end.
+The two decoders take turns one macro-step at a time in one thread, and each one's clock runs only
+while it works, so neither is slowed by the other or by the drawing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from hamburger.errors import HamburgerError
+
+PROMPTS = (
+    "Write a Python function that returns the n-th Fibonacci number, with a short explanation.",
+    "A baker makes 12 loaves every hour for 7 hours and sells 5 dozen. How many loaves are left? Think step by step.",
+    "What are three good habits for staying healthy? Answer in a short list.",
+)
+STEP_STYLES = ("black on bright_cyan", "black on bright_yellow")
+
+
+@dataclass
+class Lane:
+    """One decoder's side of the demo: its stream, the text so far as styled steps, and its own clock."""
+
+    name: str
+    events: Iterator
+    tokenizer: object
+    prompt_tokens: int
+    colour_steps: bool
+    tokens: list[int] = field(default_factory=list)
+    text: Text = field(default_factory=Text)
+    steps: int = 0
+    busy: float = 0.0
+    first: float | None = None
+    done: bool = False
+
+    def advance(self) -> None:
+        start = time.perf_counter()
+        event = next(self.events, None)
+        self.busy += time.perf_counter() - start
+        if event is None:
+            self.done = True
+            return
+        if self.first is None:
+            self.first = self.busy  # time to first token: prefill and the first step
+        new = event.tokens[0]
+        if new:
+            before = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+            self.tokens += new
+            piece = self.tokenizer.decode(self.tokens, skip_special_tokens=True)[len(before):]
+            style = STEP_STYLES[self.steps % 2] if self.colour_steps and len(new) > 1 else ""
+            self.text.append(piece, style=style)
+            self.steps += 1
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Decode tokens/s as `metrics.GenerationStats` counts it: tokens after the first over time after it."""
+        decode = self.busy - (self.first or 0.0)
+        return (len(self.tokens) - 1) / decode if decode > 0 and len(self.tokens) > 1 else 0.0
+
+    def figures(self) -> str:
+        per_step = len(self.tokens) / self.steps if self.steps else 0.0
+        return (f"{len(self.tokens)} tokens, {self.steps} steps, {per_step:.2f} tokens/step, "
+                f"{self.prompt_tokens + self.steps} KV entries, {self.tokens_per_s:.1f} tokens/s")
+
+
+def render(prompt: str, lanes: list[Lane], speedup: str = "") -> Group:
+    table = Table.grid(expand=True, padding=(0, 1))
+    for _ in lanes:
+        table.add_column(ratio=1)
+    table.add_row(*(Panel(lane.text, title=lane.name, subtitle=lane.figures(), border_style="dim") for lane in lanes))
+    parts = [Text(f"> {prompt}", style="bold"), table]
+    if speedup:
+        parts.append(Text(speedup, style="bold green"))
+    return Group(*parts)
+
+
+def side_by_side(console: Console, prompt: str, messages: list[dict], engines: dict, confidence: float,
+                 max_new_tokens: int) -> tuple[Lane, Lane]:
+    from hamburger.base import encode_chat
+
+    base_engine, ham_engine = engines["base"], engines["hamburger"]
+    tokenizer = ham_engine.model.tokenizer
+    ids = encode_chat(tokenizer, messages)
+    base = Lane("base model: one token per forward", iter(base_engine.stream([ids], max_new_tokens=max_new_tokens,
+                                                                            confidence=1.0)),
+                tokenizer, len(ids), colour_steps=False)
+    ham = Lane(f"HAMburger @ confidence {confidence:g}: coloured runs = one forward",
+               iter(ham_engine.stream([ids], max_new_tokens=max_new_tokens, confidence=confidence)),
+               tokenizer, len(ids), colour_steps=True)
+    with Live(render(prompt, [base, ham]), console=console, refresh_per_second=8) as live:
+        while not (base.done and ham.done):
+            for lane in (base, ham):
+                if not lane.done:
+                    lane.advance()
+            live.update(render(prompt, [base, ham]))
+        ratio = ham.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
+        kv = (ham.prompt_tokens + ham.steps) / max(1, base.prompt_tokens + base.steps)
+        live.update(render(prompt, [base, ham], f"HAMburger: {ratio:.2f}× the base's decode tokens/s, "
+                                               f"{kv:.2f}× its KV entries"))
+    return base, ham
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from hamburger.cli import load_from_args
+    from hamburger.config import check_confidence
+    from hamburger.engine import make_engine
+    from hamburger.model import HamburgerModel
+
+    if args.max_new_tokens <= 0:
+        raise HamburgerError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.confidence is not None:
+        check_confidence(args.confidence)
+    model, trained = load_from_args(args)
+    if not trained:
+        raise HamburgerError(f"{args.model} is a base model: the demo compares a HAMburger checkpoint with its base "
+                             "(leave --model out for the shipped default)")
+    confidence = model.config.default_confidence if args.confidence is None else args.confidence
+    engines = {"base": make_engine(HamburgerModel.plain(model.base, model.tokenizer), args.engine),
+               "hamburger": make_engine(model, args.engine)}
+    console = Console()
+    if not args.chat:
+        for prompt in args.prompt or PROMPTS:
+            side_by_side(console, prompt, [{"role": "user", "content": prompt}], engines, confidence,
+                         args.max_new_tokens)
+        return 0
+    console.print("[bold]Chat with both models (an empty line or Ctrl-D ends).[/bold]")
+    while True:
+        try:
+            prompt = input("you> ") if sys.stdin.isatty() else sys.stdin.readline()
+        except EOFError:
+            return 0
+        if not prompt.strip():
+            return 0
+        side_by_side(console, prompt.strip(), [{"role": "user", "content": prompt.strip()}], engines, confidence,
+                     args.max_new_tokens)
+
+
+def register(sub, add_model_args) -> None:
+    from hamburger.cli import add_engine_args
+
+    p = sub.add_parser("demo", help="stream a prompt side by side: the base model and HAMburger, with live figures")
+    add_model_args(p)
+    add_engine_args(p)
+    p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable); default: three built-in")
+    p.add_argument("--chat", action="store_true", help="type your own prompts")
+    p.add_argument("--confidence", type=float, default=None, help="default: the checkpoint's")
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.set_defaults(func=cmd_demo)

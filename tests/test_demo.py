@@ -1,0 +1,25 @@
+"""`hamburger demo`: side-by-side streaming of the base and HAMburger on a tiny checkpoint."""
+
+from __future__ import annotations
+
+import io
+
+from hamburger.cli import main
+
+
+def test_demo_runs_built_in_prompts(checkpoint, capsys):
+    assert main(["demo", "--model", str(checkpoint), "--max-new-tokens", "8", "--confidence", "0.3"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("the base's decode tokens/s") == 3  # one line per built-in prompt
+    assert "KV entries" in out and "tokens/step" in out
+
+
+def test_demo_chat_reads_prompts_until_an_empty_line(checkpoint, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("w5 w6\nw7\n\n"))
+    assert main(["demo", "--model", str(checkpoint), "--chat", "--max-new-tokens", "4"]) == 0
+    assert capsys.readouterr().out.count("the base's decode tokens/s") == 2
+
+
+def test_demo_needs_a_checkpoint(tiny_model_dir, capsys):
+    assert main(["demo", "--model", str(tiny_model_dir)]) == 2
+    assert "base model" in capsys.readouterr().err
