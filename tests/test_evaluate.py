@@ -193,3 +193,15 @@ def test_bad_input_exits_2(capsys, tmp_path, tiny_model_dir, prompts_file, args,
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
     assert existing.read_text() == "{}"
+
+
+def test_eval_plot_and_replot_from_json(tmp_path, checkpoint, prompts_file, capsys):
+    run_eval(tmp_path, "--model", str(checkpoint), "--prompts", str(prompts_file), "--max-new-tokens", "6",
+             "--confidence", "0.3,0.8", "--batch-size", "2", "--plot", str(tmp_path / "fig"))
+    assert (tmp_path / "fig" / "quality_vs_kv_compression.png").stat().st_size > 1000
+    saved = tmp_path / "eval.json"
+    capsys.readouterr()
+    assert main(["eval", "--from-json", str(saved), "--plot", str(tmp_path / "fig2")]) == 0
+    assert "hamburger@0.3" in capsys.readouterr().out
+    assert (tmp_path / "fig2" / "quality_vs_kv_compression.png").is_file()
+    assert main(["eval", "--from-json", str(tmp_path / "nope.json")]) == 2

@@ -383,6 +383,22 @@ def _check_args(args: argparse.Namespace) -> tuple[list[str], list[float] | None
     return tasks, confidences
 
 
+def replot(args: argparse.Namespace) -> int:
+    """--from-json: the table and plots of a saved run, without decoding anything again."""
+    from hamburger.figures import plot_eval
+
+    try:
+        saved = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
+        rows, tasks = saved["rows"], saved["tasks"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise HamburgerError(f"{args.from_json} is not a `hamburger eval --json` file: {exc}") from exc
+    header, body = table_cells(rows, tasks)
+    _print_table(header, body, f"hamburger eval: {saved.get('model')}")
+    if args.plot:
+        print(f"wrote {plot_eval(rows, args.plot, str(saved.get('model', '')))}", file=sys.stderr)
+    return 0
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
@@ -390,6 +406,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from hamburger.cli import load_from_args
     from hamburger.model import HamburgerModel
 
+    if args.from_json:
+        return replot(args)
     tasks, confidences = _check_args(args)
     items = {task: load_items(task, args) for task in tasks}  # bad prompt files fail before the model loads
     for task, found in items.items():
@@ -419,6 +437,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
                            "table": {"columns": header, "rows": body}, "per_item": per_item}, f, indent=1)
         except OSError as exc:
             raise HamburgerError(f"could not write {args.json}: {exc}") from exc
+    if args.plot:
+        from hamburger.figures import plot_eval
+
+        print(f"wrote {plot_eval(rows, args.plot, args.model)}", file=sys.stderr)
     return 0
 
 
@@ -441,5 +463,7 @@ def register(sub, add_model_args: Callable[[argparse.ArgumentParser], None]) -> 
     parser.add_argument("--test-timeout", type=float, default=10.0, help="seconds per HumanEval test program")
     parser.add_argument("--json", default=None, help="write rows, the table and per-item outputs to this file")
     parser.add_argument("--force", action="store_true", help="overwrite the --json file if it exists")
+    parser.add_argument("--plot", default=None, help="write the quality vs KV compression figure to this folder")
+    parser.add_argument("--from-json", default=None, help="print the table (and --plot) of a saved --json run")
     parser.add_argument("--seed", type=int, default=0, help="chooses the --limit subset (decoding is greedy)")
     parser.set_defaults(func=cmd_eval)
