@@ -1,4 +1,5 @@
-# Quick start: `make generate` (set up if needed, then run the embedded default) and `make test`.
+# Quick start: `make demo` (set up if needed, then base vs HAMburger side by side on the embedded default)
+# and `make test`.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -7,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= Explain in two sentences why the sky is blue.
 ARGS ?=
 
-.PHONY: setup generate info test test-fast clean
+.PHONY: setup demo generate info serve bench test test-fast clean
 
 setup: $(VENV)/.installed
 
@@ -22,11 +23,20 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m pip install -q -e ".[data]"
 	touch $@
 
+demo: setup
+	HF_HUB_OFFLINE=1 $(VENV)/bin/hamburger demo $(ARGS)
+
 generate: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/hamburger generate "$(PROMPT)" $(ARGS)
 
 info: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/hamburger info $(ARGS)
+
+serve: setup
+	HF_HUB_OFFLINE=1 $(VENV)/bin/hamburger serve $(ARGS)
+
+bench: setup
+	HF_HUB_OFFLINE=1 $(VENV)/bin/hamburger bench $(ARGS)
 
 test: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(ARGS)
