@@ -89,3 +89,22 @@ def test_shipped_checkpoint_at_confidence_one_is_the_base_and_speeds_up_below():
         assert tokens == ref[0, len(prompt):].tolist()
     loose = generate(model, prompts, max_new_tokens=40, confidence=0.5)  # the trained stop head lets steps grow
     assert loose.stats.tokens_per_step > 1.0 and loose.stats.kv_entries < exact.stats.kv_entries
+
+
+def test_fast_engine_on_the_shipped_default():
+    """The fast engine on the real model: the base exactly at confidence 1.0, the reference path's tokens below."""
+    from hamburger.engine import Engine
+    from hamburger.model import load_model
+
+    model, trained = load_model("default")
+    prompts = [chat_ids(model.tokenizer, q) for q in QUESTIONS]
+    engine = Engine(model, shortlist=False)
+    exact = engine.generate(prompts, max_new_tokens=40, confidence=1.0)
+    for prompt, tokens in zip(prompts, exact.tokens):
+        ids = torch.tensor([prompt])
+        ref = model.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+        assert tokens == ref[0, len(prompt):].tolist()
+    if trained:
+        fast = engine.generate(prompts, max_new_tokens=40, confidence=0.5)
+        ref = generate(model, prompts, max_new_tokens=40, confidence=0.5)
+        assert fast.tokens == ref.tokens and fast.steps == ref.steps
