@@ -119,3 +119,14 @@ def test_training_forward_under_bf16_autocast():
         out = model(collate(EXAMPLES, 4, PAD))
     out.loss.backward()
     assert torch.isfinite(out.loss) and model.micro.layers[0].mlp.down_proj.weight.grad is not None
+
+
+def test_verified_stops_also_end_a_step_before_a_wrong_token():
+    model = hamburger("llama", k=4)
+    batch = collate(EXAMPLES, 4, PAD)
+    with torch.no_grad():
+        plain, verified = model(batch), model(batch, verified_stops=True)
+    wrong = (plain.logits.argmax(-1) != plain.targets).tolist()
+    expected = [max(s, float(w)) for s, w in zip(plain.stop_targets.tolist(), wrong[1:] + [1.0])]
+    assert verified.stop_targets.tolist() == expected
+    assert verified.stop_targets.sum() > plain.stop_targets.sum()  # a random model gets most tokens wrong

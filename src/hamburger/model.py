@@ -210,7 +210,13 @@ class HamburgerModel(nn.Module):
 
     # --- training forward ----------------------------------------------------------------------------
 
-    def forward(self, batch: SegmentedBatch) -> HamburgerOutput:
+    def forward(self, batch: SegmentedBatch, verified_stops: bool = False) -> HamburgerOutput:
+        """Teacher-forced loss on a segmented batch.
+
+        `verified_stops`: the stop head also learns to end a step before a token the micro-step decoder gets
+        wrong (its argmax differs from the data's token), not only where the segmentation ends it; with
+        self-distilled data this makes the confidence knob track agreement with the base.
+        """
         k = self.config.max_step_tokens
         b, s, _ = batch.slot_tokens.shape
         slots = self.smash(batch.slot_tokens.view(b * s, k), batch.slot_lengths.view(-1)).view(b, s, -1)
@@ -228,6 +234,11 @@ class HamburgerModel(nn.Module):
         stop_logits = self.stop_head(chosen).float()
         targets = batch.step_tokens[valid]
         stop_targets = (idx[None] == batch.step_lengths[:, None] - 1)[valid].float()
+        if verified_stops:
+            wrong = (logits.detach().argmax(-1) != targets).float()
+            wrong_next = torch.zeros_like(wrong)
+            wrong_next[:-1] = wrong[1:]  # the next token in sequence order; it is in this step unless this one ends it
+            stop_targets = torch.maximum(stop_targets, wrong_next)
         ce = F.cross_entropy(logits, targets)
         stop = F.binary_cross_entropy_with_logits(stop_logits, stop_targets)
         return HamburgerOutput(

@@ -53,6 +53,7 @@ class TrainArgs:
     eval_every: int = 100
     save_every: int = 100
     bf16: bool = True
+    verified_stops: bool = False  # the stop head also ends a step before a token the micro-decoder gets wrong
     seed: int = 0
 
 
@@ -195,7 +196,7 @@ class Trainer:
                 self.seen.extend(self.train_ids[j] for j in idx)
                 batch = collate([self.train[j] for j in idx], self.k, self.pad).to(self.acc.device)
                 with self.acc.accumulate(self.model):
-                    out = self.model(batch)
+                    out = self.model(batch, verified_stops=a.verified_stops)
                     self.acc.backward(out.loss)
                     if self.acc.sync_gradients:
                         self.acc.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)
@@ -329,8 +330,10 @@ def register(sub, add_model_args) -> None:
                    help="adapters on the base that act only at merged slots (the base stays exact on plain tokens)")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--no-bf16", dest="bf16", action="store_false")
+    p.add_argument("--verified-stops", action="store_true",
+                   help="train the stop head to also end a step before a token the micro-step decoder gets wrong")
     for name, f in TrainArgs.__dataclass_fields__.items():
-        if name in ("data", "out", "mode", "bf16"):
+        if name in ("data", "out", "mode", "bf16", "verified_stops"):
             continue
         p.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=f.default)
     p.set_defaults(func=cmd_train)
