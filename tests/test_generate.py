@@ -184,3 +184,19 @@ def test_slot_adapters_act_on_merged_slots_only():
     first_after_merge = 1 + 1 + 3  # tokens up to and including the first merged step's last token
     torch.testing.assert_close(a[:first_after_merge], b[:first_after_merge])
     assert not torch.allclose(a[first_after_merge:n], b[first_after_merge:n], atol=1e-4)
+
+
+def test_truncated_slot_adapters_keep_their_scale(tmp_path):
+    from hamburger import HamburgerModel
+
+    model = hamburger("llama", k=4, slot_adapter_rank=4)
+    forced = dict(max_new_tokens=12, forced_steps=[[3, 2, 4, 3]], return_logits=True, eos_token_ids=set())
+    before = generate(model, [PROMPTS[0]], **forced).logits[0]
+    assert model.truncate_slot_adapters(4) < 1e-5  # full rank: the same adapters
+    torch.testing.assert_close(generate(model, [PROMPTS[0]], **forced).logits[0], before, atol=1e-4, rtol=1e-4)
+    error = model.truncate_slot_adapters(2)
+    assert 0 < error < 1 and model.config.slot_adapter_rank == 2 and model.config.slot_adapter_alpha == 16.0
+    cut = generate(model, [PROMPTS[0]], **forced).logits[0]
+    model.save_pretrained(tmp_path / "cut")
+    loaded = HamburgerModel.from_pretrained(tmp_path / "cut", base=model.base, tokenizer=model.tokenizer)
+    torch.testing.assert_close(generate(loaded, [PROMPTS[0]], **forced).logits[0], cut)

@@ -199,6 +199,14 @@ class HamburgerModel(nn.Module):
             )
         return out.hidden_states
 
+    def truncate_slot_adapters(self, rank: int) -> float:
+        """Cut the slot adapters to rank `rank` (SVD); alpha follows so the scale alpha/rank is unchanged."""
+        old = self.config.slot_adapter_rank
+        error = self.slot_adapters.truncate(rank)
+        self.config.slot_adapter_alpha *= rank / old
+        self.config.slot_adapter_rank = rank
+        return error
+
     def attach_slot_adapters(self, rank: int, alpha: float | None = None) -> None:
         """Give a model (e.g. a checkpoint trained without them) fresh slot adapters; the outputs do not change."""
         self.slot_adapters.remove()

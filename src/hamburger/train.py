@@ -291,6 +291,11 @@ def cmd_export(args: argparse.Namespace) -> int:
                                                   sorted(eos_ids(model)))
         print(f"micro-step shortlist: {len(model.micro_vocab)} tokens covering {coverage:.2%} of the response "
               f"tokens in {args.micro_vocab}", file=sys.stderr)
+    if args.slot_adapter_rank is not None:
+        if not model.config.slot_adapter_rank:
+            raise HamburgerError(f"{args.checkpoint} has no slot adapters to cut")
+        error = model.truncate_slot_adapters(args.slot_adapter_rank)
+        print(f"slot adapters cut to rank {args.slot_adapter_rank}: largest relative error {error:.3f}", file=sys.stderr)
     if args.default_confidence is not None:
         model.config.default_confidence = check_confidence(args.default_confidence)
     if args.merge_lora:
@@ -313,6 +318,8 @@ def register(sub, add_model_args) -> None:
                    help="store a shortlist of the most frequent response tokens of this data: the fast engine's "
                    "micro-steps choose among them (a cheaper LM head)")
     e.add_argument("--micro-vocab-size", type=int, default=8192)
+    e.add_argument("--slot-adapter-rank", type=int, default=None,
+                   help="cut the slot adapters to this rank (best approximation by SVD) for a smaller checkpoint")
     e.add_argument("--default-confidence", type=float, default=None,
                    help="the confidence generation uses when none is given (e.g. the best point of an eval sweep)")
     e.add_argument("--force", action="store_true")
