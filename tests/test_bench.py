@@ -55,3 +55,21 @@ def test_bench_prompt_sets_are_held_out_and_long():
 def test_bench_bad_input(checkpoint, capsys, args, message):
     assert main(["bench", "--model", str(checkpoint), *args]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_forced_steps_replay_the_data_distribution(tmp_path, checkpoint, capsys):
+    import random
+
+    rows = []
+    rng = random.Random(0)
+    for i in range(8):
+        steps = [rng.choice([1, 2, 4]) for _ in range(6)]
+        rows.append({"id": f"x{i}", "input_ids": [5, 6] + [7] * sum(steps), "prompt_len": 2, "steps": steps})
+    data = tmp_path / "seg.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "b.json"
+    assert main(["bench", "--model", str(checkpoint), "--sets", "code", "--systems", "engine_base,hamburger_forced",
+                 "--batch-sizes", "1", "--max-new-tokens", "16", "--runs", "1", "--forced-steps", str(data),
+                 "--json", str(out)]) == 0, capsys.readouterr().err
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["forced_steps_tokens_per_step_b1"] > 1.5 and summary["forced_steps_vs_base_b1"] > 0

@@ -7,7 +7,9 @@ Systems (`--systems`):
 - `prompt_lookup`: transformers assisted generation with prompt lookup (batch 1 only in transformers);
 - `spec_int8_k2`, `spec_int8_k4`: speculative decoding, an INT8 dynamically quantised copy of the base as
   draft proposing k tokens (the paper's SD baseline; batch 1 only in transformers);
-- `hamburger_ref`: HAMburger on the transformers reference path; `hamburger_engine`: on the fast engine.
+- `hamburger_ref`: HAMburger on the transformers reference path; `hamburger_engine`: on the fast engine;
+- `hamburger_forced` (with `--forced-steps DATA`): the fast engine with step lengths drawn from segmented
+  data instead of the stop head: the speed at the data's tokens per step (the tokens are not the point).
 
 Every system is timed the same way: time to first token (prefill and the first token), then decode
 tokens/s = (generated tokens - 1 per sequence) / time after the first token (`metrics.GenerationStats`).
@@ -34,7 +36,7 @@ from hamburger.metrics import GenerationStats
 
 SETS = ("code", "math", "chat", "long")
 SYSTEMS = ("hf_generate", "engine_base", "prompt_lookup", "spec_int8_k2", "spec_int8_k4", "hamburger_ref",
-           "hamburger_engine")
+           "hamburger_engine", "hamburger_forced")
 BATCH1_ONLY = ("prompt_lookup", "spec_int8_k2", "spec_int8_k4")
 HAMBURGER = ("hamburger_ref", "hamburger_engine")
 
@@ -177,8 +179,28 @@ def int8_draft(base):
 # --- the systems -----------------------------------------------------------------------------------------------
 
 
-def make_system(name: str, hamburger_model, plain_model, confidence: float, compile: bool
-                ) -> Callable[[list[list[int]], int], GenerationStats]:
+class ForcedSteps:
+    """Step lengths drawn (seeded) from the step-length distribution of segmented data: the speed the engine
+    gives at the tokens per step of the training data, whatever the stop head of a checkpoint would choose."""
+
+    def __init__(self, path: str | Path, k: int, seed: int = 0) -> None:
+        from hamburger.train import read_examples
+
+        lengths = [s for _, ex in read_examples(Path(path)) for s in ex.steps]
+        if any(s > k for s in lengths):
+            raise HamburgerError(f"{path} has steps longer than the model's K = {k}")
+        self.lengths, self.seed = lengths, seed
+        self.tokens_per_step = sum(lengths) / len(lengths)
+
+    def draw(self, rows: int, max_new_tokens: int) -> list[list[int]]:
+        import random
+
+        rng = random.Random(self.seed)  # the same draw every run: runs differ only in time
+        return [[rng.choice(self.lengths) for _ in range(max_new_tokens)] for _ in range(rows)]
+
+
+def make_system(name: str, hamburger_model, plain_model, confidence: float, compile: bool,
+                forced: ForcedSteps | None = None) -> Callable[[list[list[int]], int], GenerationStats]:
     """A function (prompts, max_new_tokens) -> GenerationStats for one named system."""
     from hamburger.engine import Engine, ReferenceEngine
     from hamburger.generate import eos_ids
@@ -197,6 +219,11 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
         draft = int8_draft(base)
         draft.generation_config.num_assistant_tokens = int(name.removeprefix("spec_int8_k"))
         return lambda prompts, n: hf_call(base, prompts, n, eos, pad, assistant_model=draft)
+    if name == "hamburger_forced":
+        if forced is None:
+            raise HamburgerError("the hamburger_forced system needs --forced-steps SEGMENTED_JSONL")
+        engine = Engine(hamburger_model, compile=compile)
+        return lambda prompts, n: engine.generate(prompts, max_new_tokens=n, forced_steps=forced.draw(len(prompts), n)).stats
     engines = {"engine_base": (Engine, plain_model), "hamburger_ref": (ReferenceEngine, hamburger_model),
                "hamburger_engine": (Engine, hamburger_model)}
     if name not in engines:
@@ -314,7 +341,7 @@ def reachable_speedup(tokens_per_step: float, micro_over_base: float) -> float:
 
 def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str], batch_sizes: Sequence[int],
               confidences: Sequence[float], max_new: int, runs: int, compile: bool = False,
-              log: Callable[[str], None] = lambda s: None) -> dict:
+              log: Callable[[str], None] = lambda s: None, forced: ForcedSteps | None = None) -> dict:
     """Every system at every batch size (HAMburger at every confidence): rows, a summary and the KV curve."""
     from hamburger.model import HamburgerModel
 
@@ -326,7 +353,7 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
     rows = []
     for name in systems:
         for conf in (confidences if name in HAMBURGER else [None]):
-            system = make_system(name, hamburger_model, plain, conf or 1.0, compile)
+            system = make_system(name, hamburger_model, plain, conf or 1.0, compile, forced)
             for batch in batch_sizes:
                 if name in BATCH1_ONLY and batch > 1:
                     continue
@@ -343,7 +370,7 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
                 rows.append(row)
             del system
     summary = summarize(rows, main_conf)
-    costs = step_costs(hamburger_model) if any(n in HAMBURGER for n in systems) else {}
+    costs = step_costs(hamburger_model) if any(n in HAMBURGER + ("hamburger_forced",) for n in systems) else {}
     return {"rows": rows, "summary": summary, "step_costs": costs, "confidence": main_conf, "kv_curve": kv_curve(hamburger_model, prompts,
             max_new, main_conf), "device": describe_device(device), "kv_bytes_per_entry": entry_bytes}
 
@@ -359,6 +386,10 @@ def summarize(rows: list[dict], conf: float) -> dict:
     """Ratios of HAMburger's decode tokens/s (fast engine, the main confidence) to the other systems."""
     out: dict[str, float | None] = {}
     for batch in sorted({r["batch_size"] for r in rows}):
+        forced, base = find(rows, "hamburger_forced", batch), find(rows, "engine_base", batch)
+        if forced and base and base["decode_tokens_per_s"]:
+            out[f"forced_steps_vs_base_b{batch}"] = forced["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+            out[f"forced_steps_tokens_per_step_b{batch}"] = forced["tokens_per_step"]
         ham = find(rows, "hamburger_engine", batch, conf)
         if ham is None:
             continue
@@ -534,15 +565,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json and Path(args.json).exists() and not args.force:
         raise HamburgerError(f"{args.json} exists: pass --force to overwrite it")
     model, trained = load_from_args(args)
+    forced = ForcedSteps(args.forced_steps, model.config.max_step_tokens) if args.forced_steps else None
+    if not args.forced_steps:
+        systems = [s for s in systems if s != "hamburger_forced"]
     if not trained:
-        systems = [s for s in systems if s not in HAMBURGER]
+        systems = [s for s in systems if s not in HAMBURGER + ("hamburger_forced",)]
         print(f"note: {args.model} is a base model, not a HAMburger checkpoint: HAMburger systems are skipped",
               file=sys.stderr)
     confidences = parse_confidences(args.confidence) or [model.config.default_confidence]
     messages = [m for name in sets for m in bench_messages(name, args.prompts_per_set)]
     prompts = [encode_chat(model.tokenizer, m) for m in messages]
     result = run_bench(model, prompts, systems, batch_sizes, confidences, args.max_new_tokens, args.runs,
-                       args.compile, log=lambda s: print(f"bench: {s}", file=sys.stderr, flush=True))
+                       args.compile, log=lambda s: print(f"bench: {s}", file=sys.stderr, flush=True), forced=forced)
     result.update(model=args.model, dtype=args.dtype, sets=sets, prompts=len(prompts), runs=args.runs,
                   max_new_tokens=args.max_new_tokens, compile=args.compile)
     print_table(result)
@@ -566,6 +600,8 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--confidence", default=None, help="one value or a comma sweep (the sweep runs at batch 1)")
     p.add_argument("--runs", type=int, default=3, help="timed runs per system (the median is reported)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fast engine's base step")
+    p.add_argument("--forced-steps", default=None, metavar="SEGMENTED_JSONL",
+                   help="adds the system hamburger_forced: step lengths drawn from this data's segmentation")
     p.add_argument("--json", default=None)
     p.add_argument("--force", action="store_true", help="overwrite the --json file")
     p.add_argument("--plot", default=None, help="write PNG plots to this folder")
