@@ -70,6 +70,8 @@ def test_bench_forced_steps_replay_the_data_distribution(tmp_path, checkpoint, c
     out = tmp_path / "b.json"
     assert main(["bench", "--model", str(checkpoint), "--sets", "code", "--systems", "engine_base,hamburger_forced",
                  "--batch-sizes", "1", "--max-new-tokens", "16", "--runs", "1", "--forced-steps", str(data),
-                 "--json", str(out)]) == 0, capsys.readouterr().err
-    summary = json.loads(out.read_text())["summary"]
+                 "--profile", "--json", str(out)]) == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["profile"] and all(p["self_ms_per_step"] >= 0 for p in result["profile"])
+    summary = result["summary"]
     assert summary["forced_steps_tokens_per_step_b1"] > 1.5 and summary["forced_steps_vs_base_b1"] > 0

@@ -332,6 +332,28 @@ def step_costs(model, context: int = 256, repeats: int = 20) -> dict:
     return out
 
 
+def profile_steps(model, prompt: list[int], steps: int = 32, step_tokens: int = 2, top: int = 12) -> list[dict]:
+    """torch.profiler over `steps` macro-steps of `step_tokens` forced tokens (batch 1, after the prefill):
+    the ops that take the time, as (op, calls, self CPU ms per macro-step, share)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hamburger.engine import Engine
+
+    k = min(step_tokens, model.config.max_step_tokens)
+    gen = Engine(model).stream([prompt], max_new_tokens=1 + k * (steps + 1), forced_steps=[[1] + [k] * (steps + 2)],
+                               eos_token_ids=set())
+    events = iter(gen)
+    next(events)  # prefill and the first step stay outside the profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            next(events)
+    table = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in table) or 1
+    return [{"op": e.key, "calls_per_step": e.count / steps, "self_ms_per_step": e.self_cpu_time_total / 1e3 / steps,
+             "share": e.self_cpu_time_total / total} for e in table[:top]]
+
+
 def reachable_speedup(tokens_per_step: float, micro_over_base: float) -> float:
     return tokens_per_step / (1 + micro_over_base * (tokens_per_step - 1))
 
@@ -471,6 +493,9 @@ def print_table(result: dict) -> None:
         line += "; reachable speed-up at 1.5/1.8/2.0/2.5 tokens/step: " + ", ".join(
             f"{reachable_speedup(t, c):.2f}×" for t in (1.5, 1.8, 2.0, 2.5))
         console.print(line)
+    if prof := result.get("profile"):
+        console.print("profile of one macro-step (2 tokens, batch 1), top ops by self CPU time: " + "; ".join(
+            f"{p['op']} {p['self_ms_per_step']:.2f} ms ({p['share']:.0%})" for p in prof))
 
 
 def plot(result: dict, directory: Path) -> list[Path]:
@@ -579,6 +604,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                        args.compile, log=lambda s: print(f"bench: {s}", file=sys.stderr, flush=True), forced=forced)
     result.update(model=args.model, dtype=args.dtype, sets=sets, prompts=len(prompts), runs=args.runs,
                   max_new_tokens=args.max_new_tokens, compile=args.compile)
+    if args.profile:
+        result["profile"] = profile_steps(model, max(prompts, key=len))
     print_table(result)
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
@@ -602,6 +629,7 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--compile", action="store_true", help="torch.compile the fast engine's base step")
     p.add_argument("--forced-steps", default=None, metavar="SEGMENTED_JSONL",
                    help="adds the system hamburger_forced: step lengths drawn from this data's segmentation")
+    p.add_argument("--profile", action="store_true", help="also profile macro-steps of 2 tokens (torch.profiler)")
     p.add_argument("--json", default=None)
     p.add_argument("--force", action="store_true", help="overwrite the --json file")
     p.add_argument("--plot", default=None, help="write PNG plots to this folder")
