@@ -135,6 +135,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         for prompt in args.prompt or PROMPTS:
             side_by_side(console, prompt, [{"role": "user", "content": prompt}], engines, confidence,
                          args.max_new_tokens)
+            console.print()
         return 0
     console.print("[bold]Chat with both models (an empty line or Ctrl-D ends).[/bold]")
     while True:
@@ -146,6 +147,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
             return 0
         side_by_side(console, prompt.strip(), [{"role": "user", "content": prompt.strip()}], engines, confidence,
                      args.max_new_tokens)
+        console.print()
 
 
 def register(sub, add_model_args) -> None:
