@@ -56,8 +56,11 @@ class SlotAdapters(nn.Module):
             rows = self.rows
             if rows is None:
                 return None
+            x = args[0]
+            if rows.numel() == x.numel() // x.shape[-1]:  # every position is merged (e.g. batch-1 decoding)
+                return output + (self.up[key](self.down[key](x)) * self.scale).to(output.dtype)
             # Only the merged positions go through the adapter (a third or less of a training batch).
-            x = args[0].reshape(-1, args[0].shape[-1])[rows]
+            x = x.reshape(-1, x.shape[-1])[rows]
             delta = self.up[key](self.down[key](x)) * self.scale
             flat = output.reshape(-1, output.shape[-1])
             return flat.index_add(0, rows, delta.to(output.dtype)).view_as(output)
