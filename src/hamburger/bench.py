@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from hamburger.errors import HamburgerError
+from hamburger.generate import left_pad
 from hamburger.metrics import GenerationStats
 
 SETS = ("code", "math", "chat", "long")
@@ -138,12 +139,8 @@ def hf_call(base, prompts: list[list[int]], max_new_tokens: int, eos: set[int], 
             **kwargs) -> GenerationStats:
     """One `generate` call (left-padded batch); tokens after the first EOS of a row are not counted."""
     dev = next(base.parameters()).device
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=dev)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - len(p):] = torch.tensor(p, device=dev)
-        mask[b, width - len(p):] = 1
+    ids, mask = left_pad(prompts, pad, dev)
+    width = ids.shape[1]
     clock = FirstTokenClock()
     start = time.perf_counter()
     with torch.inference_mode():
@@ -304,7 +301,7 @@ def step_costs(model, context: int = 256, repeats: int = 20) -> dict:
         pos = torch.tensor([[context]], device=dev)
 
         def base_step() -> None:
-            states = engine._decode_base(model.embed(ids[:, context:]), pos, cache, context, mask[:, :, -1:], None)
+            states = engine.step_fn(model.embed(ids[:, context:]), pos, cache, context, mask[:, :, -1:], None)
             model.lm_head(states[0]).argmax(-1)
             model.stop_head(states[0])
 

@@ -21,6 +21,7 @@ from rich.table import Table
 from rich.text import Text
 
 from hamburger.errors import HamburgerError
+from hamburger.metrics import GenerationStats
 
 PROMPTS = (
     "Write a Python function that returns the n-th Fibonacci number, with a short explanation.",
@@ -65,15 +66,16 @@ class Lane:
             self.steps += 1
 
     @property
-    def tokens_per_s(self) -> float:
-        """Decode tokens/s as `metrics.GenerationStats` counts it: tokens after the first over time after it."""
-        decode = self.busy - (self.first or 0.0)
-        return (len(self.tokens) - 1) / decode if decode > 0 and len(self.tokens) > 1 else 0.0
+    def stats(self) -> GenerationStats:
+        """The figures so far, measured as everywhere else (`metrics.GenerationStats`)."""
+        first = self.first or 0.0
+        return GenerationStats(sequences=1, prompt_tokens=self.prompt_tokens, generated_tokens=len(self.tokens),
+                               macro_steps=self.steps, prefill_s=first, decode_s=self.busy - first)
 
     def figures(self) -> str:
-        per_step = len(self.tokens) / self.steps if self.steps else 0.0
-        return (f"{len(self.tokens)} tokens, {self.steps} steps, {per_step:.2f} tokens/step, "
-                f"{self.prompt_tokens + self.steps} KV entries, {self.tokens_per_s:.1f} tokens/s")
+        s = self.stats
+        return (f"{s.generated_tokens} tokens, {s.macro_steps} steps, {s.tokens_per_step:.2f} tokens/step, "
+                f"{s.kv_entries} KV entries, {s.decode_tokens_per_s:.1f} tokens/s")
 
 
 def render(prompt: str, lanes: list[Lane], speedup: str = "") -> Group:
@@ -106,8 +108,9 @@ def side_by_side(console: Console, prompt: str, messages: list[dict], engines: d
                 if not lane.done:
                     lane.advance()
             live.update(render(prompt, [base, ham]))
-        ratio = ham.tokens_per_s / base.tokens_per_s if base.tokens_per_s else 0.0
-        kv = (ham.prompt_tokens + ham.steps) / max(1, base.prompt_tokens + base.steps)
+        ham_s, base_s = ham.stats, base.stats
+        ratio = ham_s.decode_tokens_per_s / base_s.decode_tokens_per_s if base_s.decode_tokens_per_s else 0.0
+        kv = ham_s.kv_entries / max(1, base_s.kv_entries)
         live.update(render(prompt, [base, ham], f"HAMburger: {ratio:.2f}× the base's decode tokens/s, "
                                                f"{kv:.2f}× its KV entries"))
     return base, ham

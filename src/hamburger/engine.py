@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from hamburger.config import check_confidence
 from hamburger.errors import HamburgerError
-from hamburger.generate import Generation, GenerationOutput, StepEvent, eos_ids
+from hamburger.generate import Generation, GenerationOutput, StepEvent, check_request, drain, eos_ids, left_pad, timed
 from hamburger.generate import stream as reference_stream
 from hamburger.metrics import GenerationStats
 from hamburger.model import HamburgerModel
@@ -98,16 +98,7 @@ class EngineGeneration:
         self.stats = GenerationStats(sequences=n, prompt_tokens=sum(len(p) for p in self.prompts))
 
     def __iter__(self) -> Iterator[StepEvent]:
-        steps, busy = self.engine.run(self), 0.0
-        while True:
-            start = time.perf_counter()
-            with torch.inference_mode():
-                event = next(steps, None)
-            busy += time.perf_counter() - start
-            if event is None:
-                break
-            yield event
-        self.stats.decode_s = busy - self.stats.prefill_s
+        return timed(self.engine.run(self), self.stats)
 
     def output(self) -> GenerationOutput:
         return GenerationOutput(self.tokens, self.steps, self.stats)
@@ -129,10 +120,10 @@ class Engine:
         self.k = model.config.max_step_tokens
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
-        self.step_fn = self._decode_base
+        self.step_fn = self._base  # the decode step's base pass (compiled with --compile)
         self.compiled = False
         if compile:
-            self.step_fn = self._compile(self._decode_base)
+            self.step_fn = self._compile(self._base)
 
     def _compile(self, fn):
         """`fn` compiled (dynamic shapes: the cache grows each step), falling back to eager if compiling fails.
@@ -175,9 +166,6 @@ class Engine:
         final = base.norm(x[:, -1])
         return [final] + [feats[i] if i < last else final for i in wanted]
 
-    def _decode_base(self, embeds, positions, cache, start, mask, merged):
-        return self._base(embeds, positions, cache, start, mask, merged)
-
     def _micro(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         """Micro-step decoder over (B, T, d) new inputs following `start` cached ones -> normed (B, d) at the last."""
         micro = self.model.micro
@@ -203,13 +191,9 @@ class Engine:
                                  f"context of {cfg.max_position_embeddings} tokens")
         attn = model.base.base_model.layers[0].self_attn
         cache = KVCache(cfg.num_hidden_layers, bsz, cfg.num_key_value_heads, max_len, attn.head_dim, self.dtype, dev)
-        pad = getattr(model.tokenizer, "pad_token_id", None) or 0
-        ids = torch.full((bsz, width), pad, dtype=torch.long, device=dev)
-        valid = torch.zeros(bsz, max_len, dtype=torch.bool, device=dev)
-        for b, p in enumerate(gen.prompts):  # left padding: every row's next slot is the same
-            ids[b, width - len(p):] = torch.tensor(p, device=dev)
-            valid[b, width - len(p):] = True
-        valid[:, width:] = True
+        ids, prompt_mask = left_pad(gen.prompts, getattr(model.tokenizer, "pad_token_id", None) or 0, dev)
+        valid = torch.ones(bsz, max_len, dtype=torch.bool, device=dev)  # slots after the prompt: all in use
+        valid[:, :width] = prompt_mask.bool()
         positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
         mask = valid[:, None, None, :width] & torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None, None]
 
@@ -315,24 +299,13 @@ class Engine:
         sampling: SamplingParams | None = None, forced_steps: Sequence[Sequence[int]] | None = None,
         eos_token_ids: set[int] | None = None,
     ) -> EngineGeneration:
-        prompts = [list(map(int, p)) for p in prompts]
-        if not prompts or any(len(p) == 0 for p in prompts):
-            raise HamburgerError("every prompt must have at least one token")
-        if max_new_tokens <= 0:
-            raise HamburgerError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if forced_steps is not None:
-            forced_steps = [list(map(int, f)) for f in forced_steps]
-            if len(forced_steps) != len(prompts) or any(not 1 <= s <= self.k for f in forced_steps for s in f):
-                raise HamburgerError(f"forced_steps needs one list per prompt of step lengths in 1..{self.k}")
+        prompts, forced_steps = check_request(prompts, max_new_tokens, forced_steps, self.k)
         confidence = check_confidence(self.model.config.default_confidence if confidence is None else confidence)
         return EngineGeneration(self, prompts, int(max_new_tokens), confidence, sampling or SamplingParams(),
                                 eos_ids(self.model) if eos_token_ids is None else set(eos_token_ids), forced_steps)
 
     def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> GenerationOutput:
-        gen = self.stream(prompts, **kwargs)
-        for _ in gen:
-            pass
-        return gen.output()
+        return drain(self.stream(prompts, **kwargs))
 
 
 class ReferenceEngine:
@@ -347,10 +320,7 @@ class ReferenceEngine:
         return reference_stream(self.model, prompts, **kwargs)
 
     def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> GenerationOutput:
-        gen = self.stream(prompts, **kwargs)
-        for _ in gen:
-            pass
-        return gen.output()
+        return drain(self.stream(prompts, **kwargs))
 
 
 def make_engine(model: HamburgerModel, kind: str = "auto", compile: bool = False) -> Engine | ReferenceEngine:

@@ -67,17 +67,7 @@ class Generation:
         self.stats = GenerationStats(sequences=n, prompt_tokens=sum(len(p) for p in self.prompts))
 
     def __iter__(self) -> Iterator[StepEvent]:
-        # Inference mode and the clock cover our own work only, not what the consumer does between steps.
-        steps, busy = self._run(), 0.0
-        while True:
-            start = time.perf_counter()
-            with torch.inference_mode():
-                event = next(steps, None)
-            busy += time.perf_counter() - start
-            if event is None:
-                break
-            yield event
-        self.stats.decode_s = busy - self.stats.prefill_s
+        return timed(self._run(), self.stats)
 
     def output(self) -> GenerationOutput:
         logits = [torch.cat(rows) if rows else torch.empty(0) for rows in self.logits] if self.return_logits else None
@@ -94,11 +84,7 @@ class Generation:
         bsz = len(self.prompts)
         lengths = torch.tensor([len(p) for p in self.prompts], device=device)
         pad = getattr(model.tokenizer, "pad_token_id", None) or 0
-        ids = torch.full((bsz, int(lengths.max())), pad, dtype=torch.long, device=device)
-        mask = torch.zeros_like(ids)
-        for b, p in enumerate(self.prompts):  # left padding: every row's next slot is the last column
-            ids[b, ids.shape[1] - len(p) :] = torch.tensor(p, device=device)
-            mask[b, ids.shape[1] - len(p) :] = 1
+        ids, mask = left_pad(self.prompts, pad, device)
         self._warpers, self._generator = self.sampling.warpers(), self.sampling.generator(device)
         done = [False] * bsz
 
@@ -177,6 +163,58 @@ class Generation:
         return stop_head_says if forced is None else len(step_tokens) < forced
 
 
+def left_pad(prompts: Sequence[Sequence[int]], pad: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, width) ids and 0/1 mask, prompts aligned to the right: every row's next slot is the same column."""
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(p, device=device)
+        mask[b, width - len(p):] = 1
+    return ids, mask
+
+
+def timed(steps: Iterator[StepEvent], stats: GenerationStats) -> Iterator[StepEvent]:
+    """Run a decoder's macro-steps under inference mode, and set `stats.decode_s` when they end.
+
+    The clock covers the decoder's own work only, not what the consumer does between steps; the decoder
+    sets `stats.prefill_s` (time to first token) itself.
+    """
+    busy = 0.0
+    while True:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            event = next(steps, None)
+        busy += time.perf_counter() - start
+        if event is None:
+            break
+        yield event
+    stats.decode_s = busy - stats.prefill_s
+
+
+def check_request(prompts: Sequence[Sequence[int]], max_new_tokens: int, forced_steps: Sequence[Sequence[int]] | None,
+                  max_step_tokens: int) -> tuple[list[list[int]], list[list[int]] | None]:
+    """Validate a generation request (the same rules for every decoder); returns plain-int copies."""
+    prompts = [list(map(int, p)) for p in prompts]
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise HamburgerError("every prompt must have at least one token")
+    if max_new_tokens <= 0:
+        raise HamburgerError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    k = max_step_tokens
+    if forced_steps is not None:
+        forced_steps = [list(map(int, f)) for f in forced_steps]
+        if len(forced_steps) != len(prompts) or any(not 1 <= s <= k for f in forced_steps for s in f):
+            raise HamburgerError(f"forced_steps needs one list per prompt of step lengths in 1..{k}")
+    return prompts, forced_steps
+
+
+def drain(gen) -> GenerationOutput:
+    """Run a generation (any decoder's) to its end and return its output."""
+    for _ in gen:
+        pass
+    return gen.output()
+
+
 def eos_ids(model: HamburgerModel) -> set[int]:
     ids: set[int] = set()
     for source in (model.base.generation_config.eos_token_id, model.base.config.eos_token_id,
@@ -197,16 +235,7 @@ def stream(
     eos_token_ids: set[int] | None = None,
 ) -> Generation:
     """Validate inputs and return a `Generation` to iterate over, one `StepEvent` per macro-step."""
-    prompts = [list(map(int, p)) for p in prompts]
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise HamburgerError("every prompt must have at least one token")
-    if max_new_tokens <= 0:
-        raise HamburgerError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    k = model.config.max_step_tokens
-    if forced_steps is not None:
-        forced_steps = [list(map(int, f)) for f in forced_steps]
-        if len(forced_steps) != len(prompts) or any(not 1 <= s <= k for f in forced_steps for s in f):
-            raise HamburgerError(f"forced_steps needs one list per prompt of step lengths in 1..{k}")
+    prompts, forced_steps = check_request(prompts, max_new_tokens, forced_steps, model.config.max_step_tokens)
     confidence = check_confidence(model.config.default_confidence if confidence is None else confidence)
     return Generation(
         model=model,
@@ -222,7 +251,4 @@ def stream(
 
 def generate(model: HamburgerModel, prompts: Sequence[Sequence[int]], **kwargs) -> GenerationOutput:
     """Run `stream` to the end. Takes the same keyword arguments."""
-    gen = stream(model, prompts, **kwargs)
-    for _ in gen:
-        pass
-    return gen.output()
+    return drain(stream(model, prompts, **kwargs))
