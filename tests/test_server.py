@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -42,6 +44,51 @@ def server(model):
                       api_key=KEY)
     with BackgroundServer(service) as srv:
         yield srv
+
+
+def wait_up(proc: subprocess.Popen, url: str) -> None:
+    deadline = time.time() + 60
+    while True:
+        assert proc.poll() is None and time.time() < deadline, "server did not start"
+        try:
+            httpx.get(url + "/health", timeout=1)
+            return
+        except httpx.TransportError:
+            time.sleep(0.1)
+
+
+def raw_post(url: str, path: str, body: bytes, length: int | None = None) -> socket.socket:
+    """A connection that has sent `POST path` with `body`, under a Content-Length of `length` (default: its own)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    head = (f"POST {path} HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEY}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body) if length is None else length}\r\n\r\n")
+    sock.sendall(head.encode() + body)
+    return sock
+
+
+def outcomes(url: str) -> dict[str, int]:
+    """hamburger_requests_total by outcome."""
+    lines = httpx.get(url + "/metrics").text.splitlines()
+    return {line.split('"')[1]: int(line.split()[-1]) for line in lines if line.startswith("hamburger_requests_total{")}
+
+
+def until(condition, seconds: float = 3.0) -> bool:
+    deadline = time.time() + seconds
+    while not condition() and time.time() < deadline:
+        time.sleep(0.01)
+    return condition()
+
+
+def slow_steps(monkeypatch, sched) -> None:
+    """20 ms a step: long enough that a request is surely still running when its client leaves."""
+    step = sched.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(sched, "step", slow_step)
 
 
 def messages(i: int) -> list[dict]:
@@ -148,6 +195,15 @@ BAD = [  # (description, body or raw bytes, status, param)
     ("n=2", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "n": 2}, 400, "n"),
     ("temperature -1", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "temperature": -1}, 400,
      "temperature"),
+    ("content null", {"model": "tiny", "messages": [{"role": "user", "content": None}]}, 400, "messages.0.content"),
+    ("content missing", {"model": "tiny", "messages": [{"role": "system", "content": "w1"}, {"role": "user"}]}, 400,
+     "messages.1.content"),
+    ("image content part", {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content"),
+    ("tool calls in a message", {"model": "tiny", "messages": [
+        {"role": "assistant", "content": "w1", "tool_calls": [{"id": "c", "type": "function",
+                                                               "function": {"name": "f", "arguments": "{}"}}]},
+        {"role": "user", "content": "w2"}]}, 400, "messages.0.tool_calls"),
 ]
 
 
@@ -163,6 +219,53 @@ def test_bad_input_gets_4xx_and_openai_error(server, case):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
 
 
+UNSUPPORTED = [  # (endpoint, field, a value that asks for something this server would otherwise silently ignore)
+    ("chat", "logprobs", True), ("chat", "top_logprobs", 2), ("chat", "presence_penalty", 0.5),
+    ("chat", "frequency_penalty", -1), ("chat", "logit_bias", {"7": 100}), ("chat", "n", 3),
+    ("chat", "response_format", {"type": "json_object"}), ("chat", "tool_choice", "required"),
+    ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("chat", "top_k", 5), ("chat", "repetition_penalty", 1.3), ("chat", "modalities", ["text", "audio"]),
+    ("completions", "logprobs", 0), ("completions", "logprobs", 3), ("completions", "logprobs", True),
+    ("completions", "echo", True), ("completions", "best_of", 2), ("completions", "suffix", "w9"),
+    ("completions", "presence_penalty", 1),
+]
+
+
+def _post(server, endpoint: str, fields: dict) -> httpx.Response:
+    base = {"model": "tiny", "max_tokens": 2}
+    base.update({"messages": [{"role": "user", "content": "w1"}]} if endpoint == "chat" else {"prompt": "w1 w2"})
+    return httpx.post(f"{server.url}/v1/{'chat/' if endpoint == 'chat' else ''}completions", json={**base, **fields},
+                      headers={"Authorization": f"Bearer {KEY}"})
+
+
+@pytest.mark.parametrize("case", UNSUPPORTED, ids=[f"{e}-{f}={json.dumps(v)}" for e, f, v in UNSUPPORTED])
+def test_unsupported_fields_are_refused_not_ignored(server, case):
+    endpoint, field, value = case
+    resp = _post(server, endpoint, {field: value})
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["param"] == field and "not supported" in err["message"] and err["type"] == "invalid_request_error"
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(server):
+    chat = {"logprobs": False, "top_logprobs": 0, "n": 1, "presence_penalty": 0, "frequency_penalty": 0.0,
+            "logit_bias": {}, "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+            "modalities": ["text"], "repetition_penalty": 1.0, "user": "u1", "metadata": {"k": "v"}, "store": False}
+    nulls = {name: None for name in ("logprobs", "top_logprobs", "n", "presence_penalty", "logit_bias", "tools",
+                                     "response_format", "stream", "stop", "seed")}
+    completions = {"logprobs": None, "echo": False, "best_of": 1, "suffix": "", "n": 1, "frequency_penalty": 0}
+    for endpoint, fields in (("chat", chat), ("chat", nulls), ("completions", completions)):
+        resp = _post(server, endpoint, fields)
+        assert resp.status_code == 200, (fields, resp.text)
+        assert resp.json()["usage"]["completion_tokens"] >= 1
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "w1", "name": "me"}],
+                                           max_tokens=2, logprobs=False, n=1, presence_penalty=0)
+    assert reply.choices[0].logprobs is None
+    with pytest.raises(openai.BadRequestError, match="not supported"):
+        client.chat.completions.create(model="tiny", messages=messages(1), max_tokens=2, logprobs=True, top_logprobs=2)
+
+
 def test_wrong_or_missing_api_key(server):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "max_tokens": 2}
     for headers in ({"Authorization": "Bearer nope"}, {}):
@@ -174,13 +277,7 @@ def test_wrong_or_missing_api_key(server):
 
 def test_disconnect_mid_stream_frees_the_row(server, monkeypatch):
     sched = server.service.scheduler
-    step = sched.step
-
-    def slow_step():  # long enough that the request is surely still running when the client leaves
-        time.sleep(0.02)
-        return step()
-
-    monkeypatch.setattr(sched, "step", slow_step)
+    slow_steps(monkeypatch, sched)
     body = {"model": "tiny", "messages": messages(5), "max_tokens": 40, "stream": True, "confidence": 1.0}
     with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}) as client:
         with client.stream("POST", "/v1/chat/completions", json=body) as resp:
@@ -192,6 +289,76 @@ def test_disconnect_mid_stream_frees_the_row(server, monkeypatch):
         time.sleep(0.01)
     assert sched.running == 0 and server.service.queues == {}
     assert 'hamburger_requests_total{outcome="cancelled"}' in httpx.get(server.url + "/metrics").text
+
+
+def test_disconnect_before_a_plain_answer_cancels_it(server, monkeypatch):
+    sched = server.service.scheduler
+    slow_steps(monkeypatch, sched)
+    before = outcomes(server.url)
+    body = {"model": "tiny", "messages": messages(1), "max_tokens": 40, "confidence": 1.0}  # 40 steps: 0.8 s or more
+    sock = raw_post(server.url, "/v1/chat/completions", json.dumps(body).encode())
+    assert until(lambda: sched.running == 1)
+    sock.close()
+    assert until(lambda: sched.running == 0 and server.service.queues == {})
+    after = outcomes(server.url)  # cancelled, where it used to run all its 40 steps and count as "length"
+    assert after.get("cancelled", 0) == before.get("cancelled", 0) + 1
+    assert (after.get("length"), after.get("stop")) == (before.get("length"), before.get("stop"))
+
+
+def test_leaving_mid_stream_while_the_loop_lags_logs_nothing(server, caplog):
+    body = {"model": "tiny", "messages": messages(1), "max_tokens": 40, "confidence": 1.0}
+    assert _post(server, "chat", body).json()["choices"][0]["finish_reason"] == "length"  # a long reply: 40 chunks
+    caplog.set_level(logging.WARNING)
+    for _ in range(2):
+        sock = raw_post(server.url, "/v1/chat/completions", json.dumps({**body, "stream": True}).encode())
+        assert sock.recv(100).startswith(b"HTTP/1.1 200")
+        server.service.loop.call_soon_threadsafe(time.sleep, 0.3)  # the loop falls behind: the chunks pile up
+        time.sleep(0.05)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+        sock.close()
+        assert until(lambda: server.service.queues == {})
+    # Without a turn of the loop between chunks, asyncio logged "socket.send() raised exception." per chunk.
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_clients_that_leave_early_leave_one_line_and_no_traceback(checkpoint, tmp_path):
+    port, log = free_port(), tmp_path / "serve.log"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as stderr:
+        proc = subprocess.Popen([sys.executable, "-m", "hamburger.cli", "serve", "--model", str(checkpoint), "--port",
+                                 str(port), "--max-len", "128", "--api-key", KEY], env=env, stderr=stderr)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_up(proc, url)
+        start = log.stat().st_size  # what loading the model printed is not ours to count
+        chat = json.dumps({"model": "default", "messages": messages(1), "max_tokens": 60, "confidence": 1.0}).encode()
+        half, clients = 0, 3
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            for sent in (0, 12):  # headers only, or a piece of the body, then gone
+                raw_post(url, path, chat[:sent], length=len(chat)).close()
+                half += 1
+        raw_post(url, "/v1/chat/completions", chat).close()  # a whole request, gone before the answer
+        stream = json.dumps({**json.loads(chat), "stream": True}).encode()
+        raw_post(url, "/v1/chat/completions", stream).close()  # the same, streaming
+        sock = raw_post(url, "/v1/chat/completions", stream)
+        sock.recv(100)
+        sock.close()  # gone mid-stream
+        body = {"model": "default", "messages": messages(1), "max_tokens": 2}
+        resp = httpx.post(url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+        assert resp.status_code == 200  # and the server is fine
+        assert until(lambda: httpx.get(url + "/health").json()["running"] == 0)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    text = log.read_bytes()[start:].decode()
+    assert "Traceback" not in text and "Exception in ASGI application" not in text, text
+    lines = text.splitlines()  # one for each half body; the others may get one if they leave before it is read
+    assert half <= len(lines) <= half + clients, text
+    assert all("disconnected before its request body was read (POST /v1/" in line for line in lines), text
 
 
 def test_soak_500_short_requests_keeps_memory_flat(server):
@@ -222,14 +389,7 @@ def test_sigterm_ends_streams_and_exits_0(checkpoint):
                              str(port), "--max-len", "128"], env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 60
-        while True:
-            assert proc.poll() is None and time.time() < deadline, "server did not start"
-            try:
-                httpx.get(url + "/health", timeout=1)
-                break
-            except httpx.TransportError:
-                time.sleep(0.1)
+        wait_up(proc, url)
         # Confidence 1.0: one token per chunk, so a long reply streams for many chunks after the signal.
         body = {"model": "default", "messages": messages(1), "max_tokens": 100, "stream": True, "confidence": 1.0}
         with httpx.Client(base_url=url, timeout=30) as client:

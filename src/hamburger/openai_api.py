@@ -6,6 +6,7 @@ whose body is OpenAI's: {"error": {"message", "type", "param", "code"}}.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Literal
@@ -24,8 +25,37 @@ class ApiError(Exception):
 
 
 class _Body(BaseModel):
-    # Strict: "5" is not a number here; unknown fields (logprobs, user, ...) are ignored as OpenAI's clients send them.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Strict: "5" is not a number here. Unknown fields are kept (extra="allow") only so that `_refuse_unsupported`
+    # can see them; the rest (user, metadata, store, ...) are ignored as OpenAI's clients send them.
+    model_config = ConfigDict(strict=True, extra="allow")
+
+
+# Fields OpenAI's clients (and vLLM's: top_k, min_p, repetition_penalty) may send that this server cannot honour,
+# each with the values that ask for nothing. Any other value is a 400: a reply that silently ignored the request
+# for more choices, log-probabilities, a JSON format, a penalty or a tool would look like a correct answer.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1), "logprobs": (None, False), "top_logprobs": (None, 0), "logit_bias": (None, {}),
+    "presence_penalty": (None, 0), "frequency_penalty": (None, 0), "repetition_penalty": (None, 1),
+    "top_k": (None, 0, -1), "min_p": (None, 0), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "functions": (None, []),
+    "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"), "tool_calls": (None, []),
+    "audio": (None,), "modalities": (None, ["text"]), "web_search_options": (None,),
+}
+
+
+def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    # Booleans apart: in Python False == 0, but completions' logprobs: 0 asks for the chosen tokens' log-probabilities.
+    return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
+
+
+def _refuse_unsupported(fields: dict[str, Any] | None, where: str = "") -> None:
+    for name, value in (fields or {}).items():
+        if name in UNSUPPORTED and not _neutral(value, neutral := UNSUPPORTED[name]):
+            sent = json.dumps(value)
+            sent = sent if len(sent) <= 40 else sent[:37] + "..."  # a list of tools can be long
+            allowed = " or ".join(json.dumps(n) for n in neutral if n is not None)
+            raise ApiError(400, f"{where}{name}={sent} is not supported by this server: leave it out"
+                           + (f" or send {allowed}" if allowed else ""), f"{where}{name}")
 
 
 class StreamOptions(_Body):
@@ -40,10 +70,13 @@ class _Sampling(_Body):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     seed: int | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    n: int = 1
     confidence: float | None = None  # HAMburger's extra: P(continue) a step needs to take another token
+
+    def check(self) -> None:
+        """Nothing asked for that would be silently ignored (the schema cannot say it)."""
+        _refuse_unsupported(self.model_extra)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -55,19 +88,31 @@ class _Sampling(_Body):
 
 class Message(_Body):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[dict[str, Any]] | None = None
+    content: str | list[dict[str, Any]] | None = None  # None here so that `check` can say what is wrong
+
+    def check(self, where: str) -> None:
+        """Content is required (no tool calls here to stand in for it): a string or a list of text parts."""
+        if self.content is None:
+            got = "null" if "content" in self.model_fields_set else "missing"
+            raise ApiError(400, f"{where}.content: a {self.role} message needs content, a string or a list of text "
+                           f"parts (it is {got})", f"{where}.content")
+        if isinstance(self.content, list) and any(
+                part.get("type") != "text" or not isinstance(part.get("text"), str) for part in self.content):
+            raise ApiError(400, "only text content parts are supported", f"{where}.content")
+        _refuse_unsupported(self.model_extra, f"{where}.")
 
     def text(self) -> str:
-        """Content as text: a string, or the text parts of a content list (the only part type we accept)."""
-        if isinstance(self.content, list):
-            if any(part.get("type") != "text" or not isinstance(part.get("text"), str) for part in self.content):
-                raise ApiError(400, "only text content parts are supported", "messages")
-            return "".join(part["text"] for part in self.content)
-        return self.content or ""
+        """Content as text: the string, or its text parts joined (`check` has passed)."""
+        return self.content if isinstance(self.content, str) else "".join(part["text"] for part in self.content)
 
 
 class ChatRequest(_Sampling):
     messages: list[Message] = Field(min_length=1)
+
+    def check(self) -> None:
+        super().check()
+        for i, message in enumerate(self.messages):
+            message.check(f"messages.{i}")
 
 
 class CompletionRequest(_Sampling):
@@ -95,8 +140,7 @@ def parse(raw: bytes, schema: type[_Sampling]) -> _Sampling:
             raise ApiError(400, "the request body must be a JSON object") from None
         param = ".".join(str(p) for p in err["loc"]) or None
         raise ApiError(400, f"{param}: {err['msg']}" if param else err["msg"], param) from None
-    if body.n != 1:
-        raise ApiError(400, "only n=1 is supported", "n")
+    body.check()
     return body
 
 

@@ -2,7 +2,8 @@
 
 One background thread owns the model and calls `Scheduler.step()` in a loop; each step's events go to the
 asyncio side with `loop.call_soon_threadsafe`, one queue per request. New requests join the batch at the
-next macro-step, finished ones leave it, and a client that goes away mid-stream cancels its request.
+next macro-step, finished ones leave it, and a client that goes away before its answer is complete (streaming
+or not) cancels its request.
 Streaming sends one server-sent event per macro-step and ends with `data: [DONE]`.
 """
 
@@ -12,18 +13,21 @@ import argparse
 import asyncio
 import hmac
 import json
+import logging
 import signal
 import sys
 import threading
 import time
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from importlib import resources
+from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from hamburger.base import encode_chat
 from hamburger.config import check_confidence
@@ -35,6 +39,9 @@ from hamburger.sampling import SamplingParams
 from hamburger.scheduler import RequestEvent, Scheduler
 
 DEFAULT_MAX_LEN = 2048  # per row: 8 rows of SmolLM2-135M then hold 0.7 GB of float32 keys and values
+CLIENT_CLOSED = 499  # nginx's "client closed request": the status of an answer nobody is left to read
+log = logging.getLogger("uvicorn.error")  # uvicorn's own: our one-line warnings look like its and share its level
+T = TypeVar("T")
 
 
 class Handle:
@@ -158,8 +165,6 @@ class Service:
             raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
         try:
             return encode_chat(self.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
-        except ApiError:
-            raise
         except Exception as exc:  # noqa: BLE001 - the template's own complaint (e.g. roles must alternate)
             raise ApiError(400, f"the chat template rejected the messages: {exc}", "messages") from None
 
@@ -203,6 +208,9 @@ async def _stream(steps: AsyncIterator, reply: Reply, include_usage: bool) -> As
             chunk["hamburger"] = {"tokens": len(event.tokens), "prompt_tokens": event.stats.prompt_tokens}
             yield _sse(chunk)
             first = False
+            # Events pile up while the loop is busy; sent in one go to a client that has just gone, each write past
+            # the fifth logs asyncio's "socket.send() raised exception.". A turn of the loop lets the disconnect land.
+            await asyncio.sleep(0)
     except ApiError as exc:
         yield _sse(exc.body())
     finally:
@@ -210,6 +218,39 @@ async def _stream(steps: AsyncIterator, reply: Reply, include_usage: bool) -> As
     if include_usage and event is not None:
         yield _sse(reply.usage_chunk(usage(event.stats)))
     yield _sse("[DONE]")
+
+
+async def _collect(steps: AsyncIterator) -> tuple[str, str, RequestEvent]:
+    parts, reason, event = [], "stop", None
+    try:
+        async for delta, reason, event in steps:
+            parts.append(delta)
+    finally:
+        await steps.aclose()  # on a cancel, cancels the request in the scheduler now rather than when collected
+    return "".join(parts), reason, event
+
+
+async def _disconnect(request: Request) -> None:
+    """Returns once the client has gone away; its body has been read, so nothing else is left to receive."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+    """work's result, or None when the client goes away first: work is then cancelled (and waited for).
+
+    A non-streaming answer is only sent at the end, so nothing else would notice that its reader has left.
+    """
+    task, gone = asyncio.ensure_future(work), asyncio.ensure_future(_disconnect(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        task.cancel()  # a no-op once it is done
+    if task.done():
+        return task.result()
+    await asyncio.wait((task,))
+    return None
 
 
 async def _complete(service: Service, request: Request, chat: bool) -> Response:
@@ -222,13 +263,10 @@ async def _complete(service: Service, request: Request, chat: bool) -> Response:
     if body.stream:
         include = body.stream_options is not None and body.stream_options.include_usage
         return StreamingResponse(_stream(steps, reply, include), media_type="text/event-stream")
-    parts, reason, event = [], "stop", None
-    try:
-        async for delta, reason, event in steps:
-            parts.append(delta)
-    finally:
-        await steps.aclose()
-    return JSONResponse(reply.full("".join(parts), reason, usage(event.stats)))
+    if (done := await _unless_disconnected(request, _collect(steps))) is None:
+        return Response(status_code=CLIENT_CLOSED)
+    text, reason, event = done
+    return JSONResponse(reply.full(text, reason, usage(event.stats)))
 
 
 def create_app(service: Service) -> FastAPI:
@@ -247,6 +285,14 @@ def create_app(service: Service) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
         return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, exc: ClientDisconnect) -> Response:
+        # The client closed the connection before its body was read (most often: before sending all of it). Its
+        # own doing, not the server's: one line, not a traceback, and an answer that no one will read.
+        who = f"{request.client.host}:{request.client.port}" if request.client else "a client"
+        log.warning("%s disconnected before its request body was read (%s %s)", who, request.method, request.url.path)
+        return Response(status_code=CLIENT_CLOSED)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
