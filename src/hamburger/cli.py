@@ -13,6 +13,7 @@ from hamburger.errors import HamburgerError
 
 DTYPES = ("float32", "bfloat16", "float16")
 COMMAND_MODULES: tuple[str, ...] = ("hamburger.distill", "hamburger.segment", "hamburger.train", "hamburger.evaluate",
+                                    "hamburger.merger",
                                     "hamburger.bench", "hamburger.server", "hamburger.bench_serve", "hamburger.demo")
 
 
