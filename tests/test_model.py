@@ -7,9 +7,11 @@ import json
 import pytest
 import torch
 
-from conftest import PAD, hamburger, tiny_base, tiny_tokenizer
+from conftest import EOS, PAD, hamburger, tiny_base, tiny_tokenizer
 from hamburger import HamburgerConfig, HamburgerError, HamburgerModel, SegmentedExample, collate, generate
 from hamburger.micro_decoder import MicroStepDecoder
+from hamburger.model import metrics_from_counts
+from hamburger.train import evaluate
 
 EXAMPLES = [
     SegmentedExample([5, 6, 7, 8, 9, 10, 11, 12, 13, 14], 4, [2, 1, 3]),
@@ -43,8 +45,10 @@ def test_training_forward_loss_and_metrics(arch):
     # steps [2, 1, 3] then [4, 1]
     assert out.in_step_index.tolist() == [0, 1, 0, 0, 1, 2, 0, 1, 2, 3, 0]
     assert out.stop_targets.tolist() == [0, 1, 1, 0, 0, 1, 0, 0, 0, 1, 1]
+    assert out.stop_mask.tolist() == [True] * 9 + [False, True]  # in-step index K-1 = 3 does not count
+    keep = out.stop_mask
     expected = torch.nn.functional.cross_entropy(out.logits, out.targets) + 0.5 * torch.nn.functional.binary_cross_entropy_with_logits(
-        out.stop_logits, out.stop_targets)
+        out.stop_logits[keep], out.stop_targets[keep])
     torch.testing.assert_close(out.loss, expected)
     out.loss.backward()
     for name in ("embedder", "micro", "stop_head"):
@@ -130,3 +134,105 @@ def test_verified_stops_also_end_a_step_before_a_wrong_token():
     expected = [max(s, float(w)) for s, w in zip(plain.stop_targets.tolist(), wrong[1:] + [1.0])]
     assert verified.stop_targets.tolist() == expected
     assert verified.stop_targets.sum() > plain.stop_targets.sum()  # a random model gets most tokens wrong
+
+
+def reference_forward(model: HamburgerModel, batch) -> dict[str, torch.Tensor]:
+    """The training forward as first written: the micro-step decoder over every step, padded to K."""
+    import torch.nn.functional as F
+
+    k = model.config.max_step_tokens
+    b, s, _ = batch.slot_tokens.shape
+    slots = model.smash(batch.slot_tokens.view(b * s, k), batch.slot_lengths.view(-1)).view(b, s, -1)
+    hidden = model.base_forward(slots, batch.attention_mask, batch.position_ids, merged=batch.slot_lengths > 1)
+    at = (batch.step_batch, batch.step_slot)
+    micro_in = torch.cat([model.micro.features(hidden, at), model.embed(batch.step_tokens[:, : k - 1])], dim=1)
+    states = torch.cat([hidden[-1][at][:, None], model.micro(micro_in)[:, model.micro.num_features:]], dim=1)
+    idx = torch.arange(k)
+    valid = idx[None] < batch.step_lengths[:, None]
+    logits, stop_logits = model.lm_head(states[valid]).float(), model.stop_head(states[valid]).float()
+    targets = batch.step_tokens[valid]
+    stop_targets = (idx[None] == batch.step_lengths[:, None] - 1)[valid].float()
+    keep = (idx.expand_as(valid)[valid] < k - 1) & (targets != EOS)
+    loss = F.cross_entropy(logits, targets) + 0.5 * F.binary_cross_entropy_with_logits(stop_logits[keep],
+                                                                                      stop_targets[keep])
+    return {"loss": loss, "logits": logits, "stop_logits": stop_logits}
+
+
+SHORT_STEPS = [  # the longest step is 2 tokens; the second batch has one-token steps only
+    [SegmentedExample([5, 6, 7, 30, 31, 32, 33, EOS], 3, [1, 2, 1, 1]), SegmentedExample([8, 9, 40, 41], 2, [1, 1])],
+    [SegmentedExample([5, 6, 7, 30, 31, EOS], 3, [1, 1, 1]), SegmentedExample([8, 40], 1, [1])],
+]
+
+
+@pytest.mark.parametrize("examples,micro_rows,micro_width", [(EXAMPLES, 3, 3), (SHORT_STEPS[0], 1, 1),
+                                                              (SHORT_STEPS[1], 0, 0)])
+def test_micro_decoder_runs_only_over_multi_token_steps_and_the_loss_is_unchanged(arch, examples, micro_rows,
+                                                                                   micro_width):
+    """Steps of one token need no micro-step pass, and the rest only as far as the batch's longest step:
+    the loss, logits and gradients equal the reference computation over every step padded to K."""
+    model = hamburger(arch, k=4)
+    torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
+    batch = collate(examples, 4, PAD)
+    calls = []
+    hook = model.micro.register_forward_hook(lambda mod, args, out: calls.append(tuple(args[0].shape[:2])))
+    out = model(batch)
+    hook.remove()
+    m = model.micro.num_features
+    assert calls == ([(micro_rows, m + micro_width)] if micro_rows else [])
+    ref = reference_forward(model, batch)
+    torch.testing.assert_close(out.logits, ref["logits"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.stop_logits, ref["stop_logits"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.loss, ref["loss"], atol=1e-5, rtol=1e-5)
+    grads = []
+    for loss in (out.loss, ref["loss"]):
+        model.zero_grad()
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.embedder.parameters() if p.grad is not None])
+    assert grads[0]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_stop_labels_at_the_last_index_and_on_eos_do_not_count():
+    """A step ends at K tokens and at EOS whatever the stop head says: those labels (always 1) are masked."""
+    model = hamburger("llama", k=4)
+    examples = [SegmentedExample([5, 6, 20, 21, 22, 23, 24, EOS], 2, [4, 2]),  # EOS closes a 2-token step
+                SegmentedExample([5, 30, 31, EOS], 1, [1, 2])]  # ... and a 2-token step, not at K-1
+    with torch.no_grad():
+        out = model(collate(examples, 4, PAD))
+    assert out.targets.tolist() == [20, 21, 22, 23, 24, EOS, 30, 31, EOS]
+    assert out.stop_targets.tolist() == [0, 0, 0, 1, 0, 1, 1, 0, 1]
+    assert out.stop_mask.tolist() == [True, True, True, False, True, False, True, True, False]
+    stop = torch.nn.functional.binary_cross_entropy_with_logits(out.stop_logits[out.stop_mask],
+                                                                out.stop_targets[out.stop_mask])
+    torch.testing.assert_close(out.stop_loss, stop)
+    out.stop_logits = torch.full_like(out.stop_logits, -30.0)  # "go on" everywhere: wrong at every label 1
+    assert out.metrics(4)["stop_acc"] == pytest.approx(5 / 6)  # 6 labels count, one of them a 1
+
+def test_held_out_metrics_are_means_over_the_whole_set_not_over_batches():
+    """acc@k = right at k / targets at k over all examples, whatever the batching (the same as one batch)."""
+    model = hamburger("llama", k=4)
+    examples = []
+    for n, steps in enumerate(([1, 1, 1, 1, 1, 1, 1, 1], [4, 4], [2], [3, 1, 4], [1, 2, 1], [4], [2, 3])):
+        prompt = [5 + n, 6]
+        if n % 2:  # the model's own greedy tokens: right at every position
+            reply = generate(model, [prompt], max_new_tokens=sum(steps), forced_steps=[steps], eos_token_ids=set())
+            examples.append(SegmentedExample(prompt + reply.tokens[0], 2, steps))
+        else:  # mostly wrong
+            examples.append(SegmentedExample(prompt + list(range(20, 20 + sum(steps))), 2, steps))
+    with torch.no_grad():
+        one_batch = model(collate(examples, 4, PAD))
+    correct = one_batch.logits.argmax(-1) == one_batch.targets
+    assert 0 < correct.float().mean() < 1
+    for batch_size in (1, 2, 7):
+        got = evaluate(model, examples, 4, PAD, batch_size, "cpu")
+        for k in range(4):
+            at_k = one_batch.in_step_index == k
+            assert got[f"token_acc@{k}"] == pytest.approx(correct[at_k].float().mean().item()), (batch_size, k)
+        counted = one_batch.stop_mask
+        stop_right = ((one_batch.stop_logits > 0).float() == one_batch.stop_targets)[counted].float().mean()
+        assert got["stop_acc"] == pytest.approx(stop_right.item())
+        assert got["ce_loss"] == pytest.approx(one_batch.ce_loss.item(), rel=1e-5)
+        assert got["stop_loss"] == pytest.approx(one_batch.stop_loss.item(), rel=1e-5)
+        assert got["loss"] == pytest.approx(one_batch.loss.item(), rel=1e-5)
+    assert metrics_from_counts({"ce_loss": (6.0, 3), "token_acc@3": (0.0, 0)}) == {"loss": 2.0, "ce_loss": 2.0}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import EOS, tiny_base, tiny_tokenizer
-from hamburger import HamburgerConfig, HamburgerModel, fingerprint, generate, load_base
+from hamburger import HamburgerConfig, HamburgerError, HamburgerModel, fingerprint, generate, load_base
 from hamburger.cli import main
 from hamburger.segment import Thresholds, chat_example, segment, segment_rows, summarize
 from hamburger.train import Trainer, TrainArgs, epoch_batches
@@ -91,21 +91,22 @@ def test_segment_rows_uses_the_base_entropy():
     assert summarize([{"steps": loose}], 4)["mean_tokens_per_step"] == 3.0
 
 
-def make_data(path: Path, n: int = 48, seed: int = 0) -> Path:
+def make_data(path: Path, n: int = 48, seed: int = 0, reply_vocab: int = 91) -> Path:
+    """Random examples; replies draw from the first `reply_vocab` plain tokens (fewer: something to learn)."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
         prompt = [rng.randrange(5, 96) for _ in range(rng.randrange(2, 6))]
         steps = [rng.randint(1, 4) for _ in range(rng.randrange(2, 6))]
-        response = [rng.randrange(5, 96) for _ in range(sum(steps))]
+        response = [rng.randrange(5, 5 + reply_vocab) for _ in range(sum(steps))]
         rows.append({"id": f"ex{i}", "input_ids": prompt + response, "prompt_len": len(prompt), "steps": steps})
     return write_jsonl(path, rows)
 
 
-def train_run(tmp_path, name, base_dir, **kw) -> Trainer:
+def train_run(tmp_path, name, base_dir, lora_rank=0, **kw) -> Trainer:
     base, tok = load_base(str(base_dir))
     torch.manual_seed(0)  # the new modules' initialisation
-    model = HamburgerModel.wrap(base, tok, HamburgerConfig(max_step_tokens=4, micro_layers=2))
+    model = HamburgerModel.wrap(base, tok, HamburgerConfig(max_step_tokens=4, micro_layers=2, lora_rank=lora_rank))
     args = TrainArgs(data=str(tmp_path / "data.jsonl"), out=str(tmp_path / name), batch_size=4, lr=3e-3,
                      eval_every=2, save_every=2, bf16=False, eval_fraction=0.1, **kw)
     (tmp_path / name).mkdir(exist_ok=True)
@@ -117,8 +118,25 @@ def new_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items() if not k.startswith("base.")}
 
 
+def all_weights(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in trainer.acc.unwrap_model(trainer.model).state_dict().items()}
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+
+
+def state_keys(run: Path) -> list[str]:
+    from safetensors import safe_open
+
+    with safe_open(str(run / "state" / "model.safetensors"), "pt") as f:
+        return list(f.keys())
+
+
 def test_frozen_training_learns_keeps_base_and_resumes_exactly(tmp_path, tiny_model_dir):
-    make_data(tmp_path / "data.jsonl")
+    make_data(tmp_path / "data.jsonl", reply_vocab=16)
     straight = train_run(tmp_path, "straight", tiny_model_dir, max_steps=6)
     before = fingerprint(straight.hamburger.base)
     start = straight.evaluate()
@@ -132,16 +150,46 @@ def test_frozen_training_learns_keeps_base_and_resumes_exactly(tmp_path, tiny_mo
     first = train_run(tmp_path, "resumed", tiny_model_dir, max_steps=6)
     first.total_steps = 4  # stop early, as if killed after the checkpoint at step 4
     first.fit(progress=False)
+    # The state holds the new modules (and optimizer, scheduler, RNG), not the frozen base.
+    keys = state_keys(tmp_path / "resumed")
+    assert keys and all(k.split(".")[0] in ("embedder", "micro", "stop_head") for k in keys)
     second = train_run(tmp_path, "resumed", tiny_model_dir, max_steps=6)
     assert second.resume() and second.step == 4
+    assert_same_weights(all_weights(second), all_weights(first))  # the weights at step 4, base included
     second.fit(progress=False)
-    a, b = new_weights(straight), new_weights(second)
-    assert a.keys() == b.keys()
-    for key in a:
-        torch.testing.assert_close(a[key], b[key], msg=key)
+    assert_same_weights(all_weights(straight), all_weights(second))  # then exactly the uninterrupted run
+
+    other = tmp_path / "other-base"  # the base is not in the state: resuming on another one is refused
+    tiny_base("llama", seed=5).save_pretrained(other)
+    tiny_tokenizer().save_pretrained(other)
+    with pytest.raises(HamburgerError, match="base"):
+        train_run(tmp_path, "resumed", other, max_steps=6).resume()
 
     loaded = HamburgerModel.from_pretrained(tmp_path / "straight" / "hamburger")
     assert fingerprint(loaded.stop_head) == fingerprint(straight.hamburger.stop_head)
+
+
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_resume_is_exact_and_the_state_holds_what_trains(tmp_path, tiny_model_dir, mode):
+    """lora: the state holds the new modules and the adapters, not the base; full: the whole model."""
+    make_data(tmp_path / "data.jsonl")
+    kw = dict(mode=mode, lora_rank=4 if mode == "lora" else 0, base_lr=3e-3, max_steps=4)
+    straight = train_run(tmp_path, "straight", tiny_model_dir, **kw)
+    straight.fit(progress=False)
+    first = train_run(tmp_path, "resumed", tiny_model_dir, **kw)
+    first.total_steps = 2
+    first.fit(progress=False)
+    keys = state_keys(tmp_path / "resumed")
+    base_keys = [k for k in keys if k.startswith("base.")]
+    if mode == "lora":
+        assert base_keys and all(".lora_" in k for k in base_keys)
+    else:
+        assert any(k.endswith("q_proj.weight") for k in base_keys)
+    second = train_run(tmp_path, "resumed", tiny_model_dir, **kw)
+    assert second.resume() and second.step == 2
+    assert_same_weights(all_weights(second), all_weights(first))
+    second.fit(progress=False)
+    assert_same_weights(all_weights(straight), all_weights(second))
 
 
 def test_full_mode_trains_the_base_and_ships_it(tmp_path, tiny_model_dir):
@@ -187,6 +235,34 @@ def test_epoch_batches_are_seeded_and_disjoint():
     a, b = epoch_batches(10, 3, 0, 0), epoch_batches(10, 3, 1, 0)
     assert a == epoch_batches(10, 3, 0, 0) and a != b and len(a) == 3
     assert len({i for batch in a for i in batch}) == 9
+    order = list(range(10))
+    random.Random(0 * 1_000_003 + 0).shuffle(order)
+    assert a == [order[0:3], order[3:6], order[6:9]]  # without lengths: the plain seeded permutation, as before
+
+
+def test_length_bucketed_batches_have_little_padding_and_still_vary():
+    rng = random.Random(1)
+    lengths = [rng.randrange(5, 400) for _ in range(203)]
+    n, size = len(lengths), 8
+
+    def real_fraction(batches):
+        return sum(lengths[i] for b in batches for i in b) / sum(len(b) * max(lengths[i] for i in b) for b in batches)
+
+    plain = epoch_batches(n, size, 0, 0, lengths, pool=0)
+    assert plain == epoch_batches(n, size, 0, 0)
+    fractions = []
+    for pool in (4, 32):
+        epochs = [epoch_batches(n, size, e, 0, lengths, pool) for e in range(3)]
+        assert epochs[0] == epoch_batches(n, size, 0, 0, lengths, pool)  # seeded: a resumed run sees the same
+        for batches in epochs:
+            assert len(batches) == n // size and all(len(b) == size for b in batches)
+            assert len({i for b in batches for i in b}) == n - n % size  # disjoint; the ragged tail dropped
+            assert real_fraction(batches) > 0.75 > 0.65 > real_fraction(plain)
+            fractions.append(real_fraction(batches))
+        assert epochs[0] != epochs[1] and sorted(epochs[0]) != sorted(epochs[1])  # other batches, other order
+        assert epochs[0][0] != sorted(epochs[0], key=lambda b: lengths[b[0]])[0] or epochs[1][0] != sorted(
+            epochs[1], key=lambda b: lengths[b[0]])[0]  # the batches are not served shortest first
+    assert min(fractions[3:]) > 0.9 > max(fractions[:3])  # larger pools: less padding
 
 
 def test_ddp_two_processes_see_different_data_and_agree(tmp_path, tiny_model_dir):
@@ -209,6 +285,8 @@ def test_ddp_two_processes_see_different_data_and_agree(tmp_path, tiny_model_dir
     assert len(p0["seen"]) == len(p1["seen"]) == 12 and not set(p0["seen"]) & set(p1["seen"])
     assert p0["weights"] == p1["weights"]
     assert (out / "hamburger" / "model.safetensors").is_file()
+    keys = state_keys(out)  # DDP names the model `module`: the frozen base stays out of the state all the same
+    assert keys and not any(k.removeprefix("module.").startswith("base.") for k in keys)
 
 
 @pytest.mark.parametrize("args,message", [

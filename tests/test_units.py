@@ -87,7 +87,9 @@ def test_step_positions_are_last_token_indices():
 
 
 def test_collate_builds_slots_and_step_targets():
-    batch = collate([SegmentedExample([10, 11, 12, 20, 21, 22, 23, 24], 3, [2, 3])], 4, 0)
+    example = SegmentedExample([10, 11, 12, 20, 21, 22, 23, 24], 3, [2, 3])
+    batch = collate([example], 4, 0)
+    assert example.num_slots == batch.slot_tokens.shape[1] == 4  # what length bucketing sorts by
     assert batch.slot_tokens[0, :, :].tolist() == [[10, 0, 0, 0], [11, 0, 0, 0], [12, 0, 0, 0], [20, 21, 0, 0]]
     assert batch.slot_lengths[0].tolist() == [1, 1, 1, 2]
     assert batch.position_ids[0].tolist() == [0, 1, 2, 4]

@@ -21,6 +21,11 @@ class SegmentedExample:
     prompt_len: int
     steps: list[int]
 
+    @property
+    def num_slots(self) -> int:
+        """Base slots this example takes in a batch: one per prompt token, one per response step but the last."""
+        return self.prompt_len + len(self.steps) - 1
+
     def validate(self, max_step_tokens: int) -> None:
         response = len(self.input_ids) - self.prompt_len
         if self.prompt_len < 1 or response < 1:

@@ -45,18 +45,36 @@ class HamburgerOutput:
     in_step_index: torch.Tensor  # (T,) index of each token inside its step, 0..K-1
     stop_logits: torch.Tensor  # (T,)
     stop_targets: torch.Tensor  # (T,) 1 on the last token of each step
+    # (T,) the stop labels that count (loss and accuracy): not at in-step index K-1 nor on an EOS token, where
+    # a step always ends at inference whatever the stop head says, so the label is always 1 and never used
+    stop_mask: torch.Tensor
 
-    def metrics(self, max_step_tokens: int) -> dict[str, float]:
-        """Loss parts, token accuracy by position in the step, and stop accuracy."""
-        correct = (self.logits.argmax(-1) == self.targets).float()
-        out = {"loss": self.loss.item(), "ce_loss": self.ce_loss.item(), "stop_loss": self.stop_loss.item()}
-        out["token_acc"] = correct.mean().item()
+    def metric_counts(self, max_step_tokens: int) -> dict[str, tuple[float, int]]:
+        """(sum, count) of each metric over this batch's tokens: add them up over batches, then
+        `metrics_from_counts` gives set-wide means (acc@k = right at k / targets at k over the whole set)."""
+        correct = self.logits.argmax(-1) == self.targets
+        t, m = self.targets.numel(), int(self.stop_mask.sum())
+        out = {"ce_loss": (self.ce_loss.item() * t, t), "stop_loss": (self.stop_loss.item() * m, m),
+               "token_acc": (correct.sum().item(), t)}
         for k in range(max_step_tokens):
             at_k = self.in_step_index == k
-            if at_k.any():
-                out[f"token_acc@{k}"] = correct[at_k].mean().item()
-        out["stop_acc"] = ((self.stop_logits > 0).float() == self.stop_targets).float().mean().item()
+            out[f"token_acc@{k}"] = (correct[at_k].sum().item(), int(at_k.sum()))
+        stop_right = ((self.stop_logits > 0) == (self.stop_targets > 0.5))[self.stop_mask]
+        out["stop_acc"] = (stop_right.sum().item(), m)
         return out
+
+    def metrics(self, max_step_tokens: int) -> dict[str, float]:
+        """Loss parts, token accuracy by position in the step, and stop accuracy (on the stop labels that count)."""
+        return metrics_from_counts(self.metric_counts(max_step_tokens))
+
+
+def metrics_from_counts(counts: dict[str, tuple[float, int]]) -> dict[str, float]:
+    """Means from (sum, count) pairs summed over batches; a metric with no count (e.g. acc@3 with no 4-token
+    step) is left out. `loss` is recombined from its parts as the training loss is."""
+    out = {key: total / n for key, (total, n) in counts.items() if n}
+    if "ce_loss" in out:
+        out = {"loss": out["ce_loss"] + STOP_LOSS_WEIGHT * out.get("stop_loss", 0.0), **out}
+    return out
 
 
 class HamburgerModel(nn.Module):
@@ -225,39 +243,58 @@ class HamburgerModel(nn.Module):
         wrong (its argmax differs from the data's token), not only where the segmentation ends it; with
         self-distilled data this makes the confidence knob track agreement with the base.
         """
+        from hamburger.generate import eos_ids  # noqa: PLC0415 - generate imports this module
+
         k = self.config.max_step_tokens
         b, s, _ = batch.slot_tokens.shape
         slots = self.smash(batch.slot_tokens.view(b * s, k), batch.slot_lengths.view(-1)).view(b, s, -1)
         hidden = self.base_forward(slots, batch.attention_mask, batch.position_ids, merged=batch.slot_lengths > 1)
-        at = (batch.step_batch, batch.step_slot)
-        h0 = hidden[-1][at]  # (N, d): the state that predicts token 0 of each step
-        feats = self.micro.features(hidden, at)  # (N, m, d)
-        micro_in = torch.cat([feats, self.embed(batch.step_tokens[:, : k - 1])], dim=1)
-        micro_out = self.micro(micro_in)[:, self.micro.num_features :]  # (N, K-1, d): predict tokens 1..K-1
-        states = torch.cat([h0[:, None], micro_out], dim=1)  # (N, K, d)
-        idx = torch.arange(k, device=states.device)
-        valid = idx[None] < batch.step_lengths[:, None]
-        chosen = states[valid]  # (T, d) in sequence order
+        h0 = hidden[-1][batch.step_batch, batch.step_slot]  # (N, d): the state that predicts token 0 of each step
+        n, d = h0.shape
+        lengths = batch.step_lengths
+        span = int(lengths.max())  # tokens in the longest step of the batch
+        idx = torch.arange(span, device=h0.device)
+        valid = idx[None] < lengths[:, None]  # (N, span)
+        if span > 1:
+            # The micro-step decoder only runs over steps of >= 2 tokens (a one-token step's only target comes
+            # from the base) and only as far as the longest of them; it is causal, so cutting the padding
+            # changes no output. States: [h0 of every step; micro outputs of the multi-token steps, flattened].
+            rows = (lengths > 1).nonzero().squeeze(1)  # (M,)
+            feats = self.micro.features(hidden, (batch.step_batch[rows], batch.step_slot[rows]))  # (M, m, d)
+            micro_in = torch.cat([feats, self.embed(batch.step_tokens[rows, : span - 1])], dim=1)
+            micro_out = self.micro(micro_in)[:, self.micro.num_features :]  # (M, span-1, d): tokens 1..span-1
+            row_of = torch.zeros(n, dtype=torch.long, device=h0.device)
+            row_of[rows] = torch.arange(len(rows), device=h0.device)
+            where = torch.cat([torch.arange(n, device=h0.device)[:, None],  # token 0: h0 of its own step
+                               n + row_of[:, None] * (span - 1) + idx[None, : span - 1]], dim=1)  # (N, span)
+            chosen = torch.cat([h0, micro_out.reshape(-1, d)])[where[valid]]  # (T, d) in sequence order
+        else:
+            chosen = h0
         logits = self.lm_head(chosen).float()
         stop_logits = self.stop_head(chosen).float()
-        targets = batch.step_tokens[valid]
-        stop_targets = (idx[None] == batch.step_lengths[:, None] - 1)[valid].float()
+        targets = batch.step_tokens[:, :span][valid]
+        in_step = idx.expand_as(valid)[valid]
+        stop_targets = (idx[None] == lengths[:, None] - 1)[valid].float()
         if verified_stops:
             wrong = (logits.detach().argmax(-1) != targets).float()
             wrong_next = torch.zeros_like(wrong)
             wrong_next[:-1] = wrong[1:]  # the next token in sequence order; it is in this step unless this one ends it
             stop_targets = torch.maximum(stop_targets, wrong_next)
+        eos = torch.tensor(sorted(eos_ids(self)), dtype=targets.dtype, device=targets.device)
+        stop_mask = (in_step < k - 1) & ~torch.isin(targets, eos)
         ce = F.cross_entropy(logits, targets)
-        stop = F.binary_cross_entropy_with_logits(stop_logits, stop_targets)
+        bce = F.binary_cross_entropy_with_logits(stop_logits, stop_targets, reduction="none")
+        stop = (bce * stop_mask).sum() / stop_mask.sum().clamp(min=1)
         return HamburgerOutput(
             loss=ce + STOP_LOSS_WEIGHT * stop,
             ce_loss=ce,
             stop_loss=stop,
             logits=logits,
             targets=targets,
-            in_step_index=idx.expand_as(valid)[valid],
+            in_step_index=in_step,
             stop_logits=stop_logits,
             stop_targets=stop_targets,
+            stop_mask=stop_mask,
         )
 
     def merge_lora(self) -> None:

@@ -3,8 +3,10 @@
 Modes: `frozen` (base untouched, only the embedder, micro-step decoder and stop head learn: a small
 checkpoint), `lora` (adapters on the base's attention learn too, at the base learning rate; still small,
 mergeable), `full` (the base learns too, at its own learning rate; the checkpoint carries the base). Batches are cut and sharded by
-this module itself (a seeded permutation per epoch, global batch i goes to process i % world), so a
-run resumes exactly from (epoch, batch) with the optimizer, scheduler and RNG states that accelerate saves.
+this module itself (a seeded permutation per epoch, length-bucketed so a batch holds examples of similar
+length; each global batch is split over the processes), so a run resumes exactly from (epoch, batch) with
+the optimizer, scheduler and RNG states that accelerate saves. The resumable state holds only the weights
+that train (the base is reloaded from its reference, and checked by fingerprint) unless the base trains too.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from hamburger.config import HamburgerConfig, check_confidence
 from hamburger.data import SegmentedExample, collate
 from hamburger.errors import HamburgerError
 from hamburger.generate import eos_ids
-from hamburger.model import NEW_MODULES, HamburgerModel
+from hamburger.model import NEW_MODULES, HamburgerModel, is_trained_key, metrics_from_counts
 
 MODES = ("frozen", "lora", "full")
 
@@ -49,6 +51,7 @@ class TrainArgs:
     warmup_ratio: float = 0.03
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
+    bucket_pool: int = 32  # global batches per length-sorted pool (length bucketing); 0 = plain random batches
     eval_fraction: float = 0.05
     eval_every: int = 100
     save_every: int = 100
@@ -80,10 +83,27 @@ def split_eval(rows: list[tuple[str, SegmentedExample]], fraction: float) -> tup
     return [r for r in rows if not held(r[0])], [r for r in rows if held(r[0])]
 
 
-def epoch_batches(n: int, batch_size: int, epoch: int, seed: int) -> list[list[int]]:
+def epoch_batches(n: int, batch_size: int, epoch: int, seed: int, lengths: list[int] | None = None,
+                  pool: int = 0) -> list[list[int]]:
+    """One epoch's global batches: a seeded permutation of the n examples cut into batches, the ragged tail dropped.
+
+    With `lengths` and `pool` > 0 the batches are length-bucketed: the permutation is cut into pools of
+    `pool` batches, each pool is sorted by length (ties keep the random order) and cut into batches, and
+    then the order of the epoch's batches is shuffled. A batch then holds examples of similar length (little
+    padding) while which examples share a batch, and the order of the batches, still change every epoch.
+    """
+    rng = random.Random(seed * 1_000_003 + epoch)
     order = list(range(n))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    return [order[i : i + batch_size] for i in range(0, n - batch_size + 1, batch_size)]  # drop the ragged tail
+    rng.shuffle(order)
+    order = order[: n - n % batch_size]  # drop the ragged tail
+    if lengths is None or pool <= 0:
+        return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    batches = []
+    for start in range(0, len(order), pool * batch_size):
+        chunk = sorted(order[start : start + pool * batch_size], key=lambda i: lengths[i])
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
 
 
 def configure_optimizer(model: HamburgerModel, args: TrainArgs) -> torch.optim.Optimizer:
@@ -105,16 +125,20 @@ def configure_optimizer(model: HamburgerModel, args: TrainArgs) -> torch.optim.O
 
 @torch.no_grad()
 def evaluate(model, examples: list[SegmentedExample], k: int, pad: int, batch_size: int, device) -> dict[str, float]:
-    """Loss, token accuracy by position in the step and stop accuracy over held-out examples (token-weighted)."""
-    totals: dict[str, float] = {}
-    weight = 0
+    """Loss, token accuracy by position in the step and stop accuracy over held-out examples.
+
+    Each metric is a mean over the whole set's items it counts (tokens; tokens at in-step index k for
+    acc@k; the stop labels that count for the stop loss and accuracy), not a mean of batch means.
+    Examples are batched in length order (less padding; the results do not depend on the batching).
+    """
+    examples = sorted(examples, key=lambda ex: ex.num_slots)
+    counts: dict[str, tuple[float, int]] = {}
     for i in range(0, len(examples), batch_size):
         out = model(collate(examples[i : i + batch_size], k, pad).to(device))
-        n = out.targets.numel()
-        for key, value in out.metrics(k).items():
-            totals[key] = totals.get(key, 0.0) + value * n
-        weight += n
-    return {key: value / weight for key, value in totals.items()} if weight else {}
+        for key, (total, n) in out.metric_counts(k).items():
+            before = counts.get(key, (0.0, 0))
+            counts[key] = (before[0] + total, before[1] + n)
+    return metrics_from_counts(counts)
 
 
 class Trainer:
@@ -133,6 +157,7 @@ class Trainer:
         train, held = split_eval(rows, args.eval_fraction)
         self.train_ids, self.train = [r[0] for r in train], [r[1] for r in train]
         self.held = [r[1] for r in held]
+        self.lengths = [ex.num_slots for ex in self.train]
         self.k = model.config.max_step_tokens
         for ex in self.train + self.held:
             ex.validate(self.k)
@@ -150,15 +175,49 @@ class Trainer:
         self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
         self.hamburger = model
         self.step, self.seen = 0, []  # optimizer steps done; ids this process trained on (for tests and logs)
+        # Without the base training, the resumable state stores only the weights that train (not the whole base).
+        from accelerate.utils import DistributedType  # noqa: PLC0415
+
+        self.base_in_state = args.mode == "full" or self.acc.distributed_type in (
+            DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+        if not self.base_in_state:
+            self.acc.register_save_state_pre_hook(self._keep_trained_weights)
+            self.acc.register_load_state_pre_hook(self._load_trained_weights)
 
     # --- checkpoints ---------------------------------------------------------------------------------
 
+    @staticmethod
+    def _trained(key: str) -> bool:
+        return is_trained_key(key.removeprefix("module."))  # DDP wraps the model as `module`
+
+    def _keep_trained_weights(self, models, weights: list[dict], output_dir: str) -> None:
+        """accelerate save hook: drop the frozen base's weights from the state to be written."""
+        for state in weights:
+            for key in [key for key in state if not self._trained(key)]:
+                del state[key]
+
+    def _load_trained_weights(self, models: list, input_dir: str) -> None:
+        """accelerate load hook: load the trained weights (strictly: all of them, nothing else) ourselves."""
+        from safetensors.torch import load_file  # noqa: PLC0415
+
+        for i, model in enumerate(models):
+            path = Path(input_dir) / ("model.safetensors" if i == 0 else f"model_{i}.safetensors")
+            state = load_file(str(path), device=str(self.acc.device))
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            missing = [key for key in missing if self._trained(key)]
+            if missing or unexpected:
+                raise HamburgerError(f"{path} does not match this model: missing {missing[:5]}, "
+                                     f"unexpected {unexpected[:5]}")
+        models.clear()  # loaded: accelerate goes on with the optimizer, scheduler and RNG states
+
     def save(self) -> None:
-        """Resumable state (model, optimizer, scheduler, RNG) plus a plain HAMburger checkpoint to ship."""
+        """Resumable state (trained weights, optimizer, scheduler, RNG) plus a plain HAMburger checkpoint to ship."""
         self.acc.wait_for_everyone()
         self.acc.save_state(str(self.out / "state"))
         if self.acc.is_main_process:
-            (self.out / "state" / "trainer.json").write_text(json.dumps({"step": self.step, "args": asdict(self.args)}))
+            row = {"step": self.step, "args": asdict(self.args), "base_in_state": self.base_in_state,
+                   "base_fingerprint": self.hamburger.config.base_fingerprint}
+            (self.out / "state" / "trainer.json").write_text(json.dumps(row))
             self.acc.unwrap_model(self.model).save_pretrained(self.out / "hamburger")
         self.acc.wait_for_everyone()
 
@@ -166,8 +225,17 @@ class Trainer:
         state = self.out / "state" / "trainer.json"
         if not state.is_file():
             return False
+        saved = json.loads(state.read_text())
+        if not saved.get("base_in_state", True):  # (states written before this key held the whole model)
+            if self.base_in_state:
+                raise HamburgerError(f"{state.parent} holds no base weights (saved in --mode "
+                                     f"{saved['args']['mode']}): resume in that mode, not --mode {self.args.mode}")
+            if saved.get("base_fingerprint") != self.hamburger.config.base_fingerprint:
+                raise HamburgerError(f"{state.parent} was trained on base {saved.get('base_fingerprint')} (not stored "
+                                     f"in the state) but this run's base is {self.hamburger.config.base_fingerprint}: "
+                                     "resume with the same --model")
         self.acc.load_state(str(self.out / "state"))
-        self.step = json.loads(state.read_text())["step"]
+        self.step = saved["step"]
         return True
 
     # --- the loop ------------------------------------------------------------------------------------
@@ -177,10 +245,13 @@ class Trainer:
         a, world, rank = self.args, self.acc.num_processes, self.acc.process_index
         per_epoch = (self.batches_per_epoch // a.grad_accum) * a.grad_accum
         start = self.step * a.grad_accum
+        cached = (None, None)
         for micro in range(start, self.total_steps * a.grad_accum):
             epoch, i = divmod(micro, per_epoch)
-            batches = epoch_batches(len(self.train), a.batch_size * world, epoch, a.seed)
-            yield batches[i][rank * a.batch_size : (rank + 1) * a.batch_size]
+            if cached[0] != epoch:
+                cached = (epoch, epoch_batches(len(self.train), a.batch_size * world, epoch, a.seed, self.lengths,
+                                               a.bucket_pool))
+            yield cached[1][i][rank * a.batch_size : (rank + 1) * a.batch_size]
 
     def fit(self, progress: bool = True) -> dict[str, float]:
         a = self.args
