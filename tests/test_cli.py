@@ -37,7 +37,7 @@ def test_generate_streams_text_and_sampling_is_seeded(capsys, checkpoint):
     assert run_json(capsys, *args)["text"] == run_json(capsys, *args)["text"]
     assert main(["generate", "w5", "--model", str(checkpoint), "--max-new-tokens", "6", "--raw"]) == 0
     captured = capsys.readouterr()
-    assert captured.out.strip() and "tokens/step" in captured.err
+    assert captured.out.strip() and "tokens/forward" in captured.err
 
 
 def test_info(capsys, checkpoint, tiny_model_dir):

@@ -63,7 +63,7 @@ def test_padding_in_a_batch_does_not_change_logits():
     with torch.no_grad():
         together = model(collate(EXAMPLES, 4, PAD))
         alone = [model(collate([ex], 4, PAD)) for ex in EXAMPLES]
-    torch.testing.assert_close(together.logits, torch.cat([a.logits for a in alone]), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(together.logits, torch.cat([a.logits for a in alone]), atol=1e-4, rtol=1e-4)
 
 
 def test_save_load_roundtrip_gives_identical_outputs(tmp_path, arch):

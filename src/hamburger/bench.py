@@ -9,7 +9,9 @@ Systems (`--systems`):
   draft proposing k tokens (the paper's SD baseline; batch 1 only in transformers);
 - `hamburger_ref`: HAMburger on the transformers reference path; `hamburger_engine`: on the fast engine;
 - `hamburger_forced` (with `--forced-steps DATA`): the fast engine with step lengths drawn from segmented
-  data instead of the stop head: the speed at the data's tokens per step (the tokens are not the point).
+  data instead of the stop head: the speed at the data's tokens per step (the tokens are not the point);
+- `hamburger_verify`: verify mode on the fast engine: the micro-step decoder drafts, the base checks, the
+  output is exactly the base's (at the checkpoint's verify confidence, or `--verify-confidence`).
 
 Every system is timed the same way: time to first token (prefill and the first token), then decode
 tokens/s = (generated tokens - 1 per sequence) / time after the first token (`metrics.GenerationStats`).
@@ -37,9 +39,10 @@ from hamburger.metrics import GenerationStats
 
 SETS = ("code", "math", "chat", "long")
 SYSTEMS = ("hf_generate", "engine_base", "prompt_lookup", "spec_int8_k2", "spec_int8_k4", "hamburger_ref",
-           "hamburger_engine", "hamburger_forced")
+           "hamburger_engine", "hamburger_forced", "hamburger_verify")
 BATCH1_ONLY = ("prompt_lookup", "spec_int8_k2", "spec_int8_k4")
 HAMBURGER = ("hamburger_ref", "hamburger_engine")
+TRAINED_ONLY = HAMBURGER + ("hamburger_forced", "hamburger_verify")  # systems that need a trained checkpoint
 
 
 # --- prompts ------------------------------------------------------------------------------------------------
@@ -197,7 +200,8 @@ class ForcedSteps:
 
 
 def make_system(name: str, hamburger_model, plain_model, confidence: float, compile: bool,
-                forced: ForcedSteps | None = None) -> Callable[[list[list[int]], int], GenerationStats]:
+                forced: ForcedSteps | None = None,
+                verify_confidence: float | None = None) -> Callable[[list[list[int]], int], GenerationStats]:
     """A function (prompts, max_new_tokens) -> GenerationStats for one named system."""
     from hamburger.engine import Engine, ReferenceEngine
     from hamburger.generate import eos_ids
@@ -221,6 +225,10 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
             raise HamburgerError("the hamburger_forced system needs --forced-steps SEGMENTED_JSONL")
         engine = Engine(hamburger_model, compile=compile)
         return lambda prompts, n: engine.generate(prompts, max_new_tokens=n, forced_steps=forced.draw(len(prompts), n)).stats
+    if name == "hamburger_verify":
+        engine = Engine(hamburger_model, compile=compile)
+        return lambda prompts, n: engine.generate(prompts, max_new_tokens=n, mode="verify",
+                                                  confidence=verify_confidence).stats
     engines = {"engine_base": (Engine, plain_model), "hamburger_ref": (ReferenceEngine, hamburger_model),
                "hamburger_engine": (Engine, hamburger_model)}
     if name not in engines:
@@ -228,7 +236,7 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
     cls, model = engines[name]
     engine = cls(model, compile=compile) if cls is Engine else cls(model)
     conf = confidence if name in HAMBURGER else 1.0
-    return lambda prompts, n: engine.generate(prompts, max_new_tokens=n, confidence=conf).stats
+    return lambda prompts, n: engine.generate(prompts, max_new_tokens=n, confidence=conf, mode="trust").stats
 
 
 def kv_bytes_per_entry(model) -> int:
@@ -258,7 +266,8 @@ def measure(system: Callable, prompts: list[list[int]], batch: int, max_new: int
             "ttft_s": statistics.median(r[2] for r in per_run), "peak_memory_mb": max(r[1] for r in per_run) / 2**20,
             "tokens_per_step": stats.tokens_per_step, "generated_tokens": stats.generated_tokens,
             "macro_steps": stats.macro_steps, "prompt_tokens": stats.prompt_tokens, "sequences": stats.sequences,
-            "kv_entries": stats.kv_entries}
+            "kv_entries": stats.kv_entries, "tokens_per_forward": stats.tokens_per_forward,
+            "acceptance": stats.acceptance}
 
 
 # --- the cost model ---------------------------------------------------------------------------------------------
@@ -360,7 +369,8 @@ def reachable_speedup(tokens_per_step: float, micro_over_base: float) -> float:
 
 def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str], batch_sizes: Sequence[int],
               confidences: Sequence[float], max_new: int, runs: int, compile: bool = False,
-              log: Callable[[str], None] = lambda s: None, forced: ForcedSteps | None = None) -> dict:
+              log: Callable[[str], None] = lambda s: None, forced: ForcedSteps | None = None,
+              verify_confidence: float | None = None) -> dict:
     """Every system at every batch size (HAMburger at every confidence): rows, a summary and the KV curve."""
     from hamburger.model import HamburgerModel
 
@@ -372,7 +382,7 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
     rows = []
     for name in systems:
         for conf in (confidences if name in HAMBURGER else [None]):
-            system = make_system(name, hamburger_model, plain, conf or 1.0, compile, forced)
+            system = make_system(name, hamburger_model, plain, conf or 1.0, compile, forced, verify_confidence)
             for batch in batch_sizes:
                 if name in BATCH1_ONLY and batch > 1:
                     continue
@@ -380,16 +390,19 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
                     continue  # the sweep runs on the fast engine at batch 1
                 pool = (prompts * (batch // len(prompts) + 1))[:max(batch, len(prompts))]
                 log(f"{name}{'' if conf is None else f'@{conf:g}'} batch {batch}")
+                if name == "hamburger_verify":
+                    conf = verify_confidence or hamburger_model.config.verify_confidence
                 row = {"system": name, "confidence": conf, "batch_size": batch, "max_new_tokens": max_new,
                        **measure(system, pool, batch, max_new, runs, device)}
                 drafts = 2 if name.startswith("spec_") else 1  # the draft keeps a cache of the same shape
+                generated_entries = row["kv_entries"] - row["prompt_tokens"]
                 row["kv_entries"] *= drafts
                 row["kv_bytes"] = row["kv_entries"] * entry_bytes
-                row["kv_entries_per_generated_token"] = row["macro_steps"] * drafts / max(1, row["generated_tokens"])
+                row["kv_entries_per_generated_token"] = generated_entries * drafts / max(1, row["generated_tokens"])
                 rows.append(row)
             del system
     summary = summarize(rows, main_conf)
-    costs = step_costs(hamburger_model) if any(n in HAMBURGER + ("hamburger_forced",) for n in systems) else {}
+    costs = step_costs(hamburger_model) if any(n in TRAINED_ONLY for n in systems) else {}
     return {"rows": rows, "summary": summary, "step_costs": costs, "confidence": main_conf, "kv_curve": kv_curve(hamburger_model, prompts,
             max_new, main_conf), "device": describe_device(device), "kv_bytes_per_entry": entry_bytes}
 
@@ -409,6 +422,10 @@ def summarize(rows: list[dict], conf: float) -> dict:
         if forced and base and base["decode_tokens_per_s"]:
             out[f"forced_steps_vs_base_b{batch}"] = forced["decode_tokens_per_s"] / base["decode_tokens_per_s"]
             out[f"forced_steps_tokens_per_step_b{batch}"] = forced["tokens_per_step"]
+        verify = find(rows, "hamburger_verify", batch)
+        if verify and base and base["decode_tokens_per_s"]:
+            out[f"verify_vs_base_b{batch}"] = verify["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+            out[f"verify_tokens_per_forward_b{batch}"] = verify["tokens_per_forward"]
         ham = find(rows, "hamburger_engine", batch, conf)
         if ham is None:
             continue
@@ -452,7 +469,7 @@ def describe_device(device: torch.device) -> str:
 
 
 def table(result: dict) -> tuple[list[str], list[list[str]]]:
-    header = ["system", "conf", "batch", "decode tok/s", "× base engine", "TTFT s", "tok/step", "KV entries",
+    header = ["system", "conf", "batch", "decode tok/s", "× base engine", "TTFT s", "tok/step", "tok/forward", "KV entries",
               "KV MB", "KV/gen token", "peak MB"]
     body = []
     for r in result["rows"]:
@@ -460,7 +477,8 @@ def table(result: dict) -> tuple[list[str], list[list[str]]]:
         ratio = r["decode_tokens_per_s"] / base["decode_tokens_per_s"] if base and base["decode_tokens_per_s"] else None
         body.append([r["system"], "-" if r["confidence"] is None else f"{r['confidence']:g}", str(r["batch_size"]),
                      f"{r['decode_tokens_per_s']:.1f}", "-" if ratio is None else f"{ratio:.2f}×",
-                     f"{r['ttft_s']:.3f}", f"{r['tokens_per_step']:.2f}", str(r["kv_entries"]),
+                     f"{r['ttft_s']:.3f}", f"{r['tokens_per_step']:.2f}",
+                     f"{r['tokens_per_forward']:.2f}" if "tokens_per_forward" in r else "-", str(r["kv_entries"]),
                      f"{r['kv_bytes'] / 2**20:.1f}", f"{r['kv_entries_per_generated_token']:.2f}",
                      f"{r['peak_memory_mb']:.0f}"])
     return header, body
@@ -591,14 +609,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if not args.forced_steps:
         systems = [s for s in systems if s != "hamburger_forced"]
     if not trained:
-        systems = [s for s in systems if s not in HAMBURGER + ("hamburger_forced",)]
+        systems = [s for s in systems if s not in TRAINED_ONLY]
         print(f"note: {args.model} is a base model, not a HAMburger checkpoint: HAMburger systems are skipped",
               file=sys.stderr)
     confidences = parse_confidences(args.confidence) or [model.config.default_confidence]
     messages = [m for name in sets for m in bench_messages(name, args.prompts_per_set)]
     prompts = [encode_chat(model.tokenizer, m) for m in messages]
     result = run_bench(model, prompts, systems, batch_sizes, confidences, args.max_new_tokens, args.runs,
-                       args.compile, log=lambda s: print(f"bench: {s}", file=sys.stderr, flush=True), forced=forced)
+                       args.compile, log=lambda s: print(f"bench: {s}", file=sys.stderr, flush=True), forced=forced,
+                       verify_confidence=args.verify_confidence)
     result.update(model=args.model, dtype=args.dtype, sets=sets, prompts=len(prompts), runs=args.runs,
                   max_new_tokens=args.max_new_tokens, compile=args.compile)
     if args.profile:
@@ -622,6 +641,8 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--confidence", default=None, help="one value or a comma sweep (the sweep runs at batch 1)")
+    p.add_argument("--verify-confidence", type=float, default=None,
+                   help="hamburger_verify's drafting threshold (default: the checkpoint's verify confidence)")
     p.add_argument("--runs", type=int, default=3, help="timed runs per system (the median is reported)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fast engine's base step")
     p.add_argument("--forced-steps", default=None, metavar="SEGMENTED_JSONL",

@@ -12,7 +12,8 @@ from hamburger.base import DEFAULT_MODEL, encode_chat
 from hamburger.errors import HamburgerError
 
 DTYPES = ("float32", "bfloat16", "float16")
-COMMAND_MODULES: tuple[str, ...] = ("hamburger.distill", "hamburger.segment", "hamburger.train", "hamburger.evaluate",
+COMMAND_MODULES: tuple[str, ...] = ("hamburger.distill", "hamburger.segment", "hamburger.train", "hamburger.drafter",
+                                    "hamburger.evaluate",
                                     "hamburger.merger",
                                     "hamburger.bench", "hamburger.server", "hamburger.bench_serve", "hamburger.demo")
 
@@ -30,6 +31,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="fast: static KV caches (Llama, Mistral, Qwen2, Qwen3); reference: transformers, any "
                         "model; auto: fast where supported")
     parser.add_argument("--compile", action="store_true", help="torch.compile the fast engine's base step")
+    parser.add_argument("--mode", choices=("trust", "verify"), default=None,
+                        help="trust: HAMburger (drafts kept, one KV entry per step); verify: the base checks every "
+                        "draft, exactly the base's output (fast engine only); default: the checkpoint's")
 
 
 def load_from_args(args: argparse.Namespace):
@@ -108,7 +112,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tokenizer = model.tokenizer
     prompt = _prompt_ids(tokenizer, args.text, args.raw, args.system)
     engine = make_engine(model, args.engine, args.compile)
-    gen = engine.stream([prompt], max_new_tokens=args.max_new_tokens, confidence=args.confidence, sampling=sampling)
+    gen = engine.stream([prompt], max_new_tokens=args.max_new_tokens, confidence=args.confidence, sampling=sampling,
+                        mode=args.mode)
     shown = ""
     for _ in gen:
         if not args.json:
@@ -119,10 +124,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stats = out.stats
     text = tokenizer.decode(out.tokens[0], skip_special_tokens=True)
     if args.json:
-        print(json.dumps({"model": args.model, "hamburger": trained, "text": text, "steps": out.steps[0], **stats.to_dict()}))
+        print(json.dumps({"model": args.model, "hamburger": trained, "mode": gen.mode, "text": text,
+                          "steps": out.steps[0], **stats.to_dict()}))
     else:
         print()
-        print(f"[{stats.generated_tokens} tokens in {stats.macro_steps} steps: {stats.tokens_per_step:.2f} tokens/step, "
+        print(f"[{gen.mode}: {stats.generated_tokens} tokens in {stats.base_forwards} base forwards "
+              f"({stats.tokens_per_forward:.2f} tokens/forward), {stats.macro_steps} steps, "
               f"{stats.kv_entries} KV entries (base: {stats.kv_entries_base}), "
               f"{stats.decode_tokens_per_s:.1f} decode tokens/s]", file=sys.stderr)
     return 0

@@ -28,6 +28,10 @@ class HamburgerConfig:
     position_dim: int = 64  # size of the learned relative-position vector the embedder concatenates
     stop_hidden: int = 0  # hidden width of the stop head MLP; 0 = half the model width
     default_confidence: float = 0.8
+    # Decoding mode when a request names none: "trust" (drafts are kept, steps are smashed) or "verify" (the
+    # base checks every draft: its exact output, one KV entry per token); verify's own confidence default.
+    default_mode: str = "trust"
+    verify_confidence: float = 0.3
     base_in_checkpoint: bool = False  # the checkpoint also carries (fine-tuned) base weights
     lora_rank: int = 0  # > 0: LoRA adapters on the base's attention projections (trained, shipped, mergeable)
     lora_alpha: float = 32.0
@@ -43,6 +47,8 @@ class HamburgerConfig:
         if self.micro_layers < 1 or self.num_features < 1:
             raise HamburgerError("micro_layers and num_features must be >= 1")
         check_confidence(self.default_confidence)
+        check_confidence(self.verify_confidence)
+        check_mode(self.default_mode)
 
     def resolve(self, num_base_layers: int, hidden_size: int) -> HamburgerConfig:
         """Fill the fields that depend on the base: evenly spaced feature layers ending at the final output."""
@@ -78,6 +84,15 @@ class HamburgerConfig:
             return path.is_file() and "hamburger" in json.loads(path.read_text())
         except (OSError, ValueError):
             return False
+
+
+MODES = ("trust", "verify")
+
+
+def check_mode(mode: str) -> str:
+    if mode not in MODES:
+        raise HamburgerError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
 
 
 def check_confidence(confidence: float) -> float:

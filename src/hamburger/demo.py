@@ -40,6 +40,7 @@ class Lane:
     tokenizer: object
     prompt_tokens: int
     colour_steps: bool
+    unmerged: bool = False  # verify mode: every token keeps its own KV entry
     tokens: list[int] = field(default_factory=list)
     text: Text = field(default_factory=Text)
     steps: int = 0
@@ -70,12 +71,13 @@ class Lane:
         """The figures so far, measured as everywhere else (`metrics.GenerationStats`)."""
         first = self.first or 0.0
         return GenerationStats(sequences=1, prompt_tokens=self.prompt_tokens, generated_tokens=len(self.tokens),
-                               macro_steps=self.steps, prefill_s=first, decode_s=self.busy - first)
+                               macro_steps=self.steps, base_forwards=self.steps, prefill_s=first,
+                               decode_s=self.busy - first, unmerged=self.unmerged)
 
     def figures(self) -> str:
         s = self.stats
-        return (f"{s.generated_tokens} tokens, {s.macro_steps} steps, {s.tokens_per_step:.2f} tokens/step, "
-                f"{s.kv_entries} KV entries, {s.decode_tokens_per_s:.1f} tokens/s")
+        return (f"{s.generated_tokens} tokens in {s.base_forwards} forwards, {s.kv_entries} KV entries, "
+                f"{s.decode_tokens_per_s:.1f} tokens/s")
 
 
 def render(prompt: str, lanes: list[Lane], speedup: str = "") -> Group:
@@ -90,7 +92,7 @@ def render(prompt: str, lanes: list[Lane], speedup: str = "") -> Group:
 
 
 def side_by_side(console: Console, prompt: str, messages: list[dict], engines: dict, confidence: float,
-                 max_new_tokens: int) -> tuple[Lane, Lane]:
+                 max_new_tokens: int, mode: str = "trust") -> tuple[Lane, Lane]:
     from hamburger.base import encode_chat
 
     base_engine, ham_engine = engines["base"], engines["hamburger"]
@@ -99,9 +101,10 @@ def side_by_side(console: Console, prompt: str, messages: list[dict], engines: d
     base = Lane("base model: one token per forward", iter(base_engine.stream([ids], max_new_tokens=max_new_tokens,
                                                                             confidence=1.0)),
                 tokenizer, len(ids), colour_steps=False)
-    ham = Lane(f"HAMburger @ confidence {confidence:g}: coloured runs = one forward",
-               iter(ham_engine.stream([ids], max_new_tokens=max_new_tokens, confidence=confidence)),
-               tokenizer, len(ids), colour_steps=True)
+    title = (f"HAMburger verify @ {confidence:g} (exactly the base's text): coloured runs = one forward"
+             if mode == "verify" else f"HAMburger @ confidence {confidence:g}: coloured runs = one forward")
+    ham = Lane(title, iter(ham_engine.stream([ids], max_new_tokens=max_new_tokens, confidence=confidence, mode=mode)),
+               tokenizer, len(ids), colour_steps=True, unmerged=mode == "verify")
     with Live(render(prompt, [base, ham]), console=console, refresh_per_second=8) as live:
         while not (base.done and ham.done):
             for lane in (base, ham):
@@ -130,14 +133,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not trained:
         raise HamburgerError(f"{args.model} is a base model: the demo compares a HAMburger checkpoint with its base "
                              "(leave --model out for the shipped default)")
-    confidence = model.config.default_confidence if args.confidence is None else args.confidence
+    mode = args.mode or model.config.default_mode
+    default = model.config.verify_confidence if mode == "verify" else model.config.default_confidence
+    confidence = default if args.confidence is None else args.confidence
     engines = {"base": make_engine(HamburgerModel.plain(model.base, model.tokenizer), args.engine),
                "hamburger": make_engine(model, args.engine)}
     console = Console()
     if not args.chat:
         for prompt in args.prompt or PROMPTS:
             side_by_side(console, prompt, [{"role": "user", "content": prompt}], engines, confidence,
-                         args.max_new_tokens)
+                         args.max_new_tokens, mode)
             console.print()
         return 0
     console.print("[bold]Chat with both models (an empty line or Ctrl-D ends).[/bold]")
@@ -149,7 +154,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if not prompt.strip():
             return 0
         side_by_side(console, prompt.strip(), [{"role": "user", "content": prompt.strip()}], engines, confidence,
-                     args.max_new_tokens)
+                     args.max_new_tokens, mode)
         console.print()
 
 

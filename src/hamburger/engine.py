@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from hamburger.config import check_confidence
+from hamburger.config import check_confidence, check_mode
 from hamburger.errors import HamburgerError
 from hamburger.generate import Generation, GenerationOutput, StepEvent, check_request, drain, eos_ids, left_pad, timed
 from hamburger.generate import stream as reference_stream
@@ -41,12 +41,27 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write (B, h, T, hd) at slots start.. and return the keys and values of slots 0..start+T-1."""
-        end = start + k.shape[2]
-        self.k[layer, :, :, start:end] = k
-        self.v[layer, :, :, start:end] = v
+    def update(self, layer: int, start: int | RowSlots, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write (B, h, T, hd) at slots start.. (the same for every row, or each row's own `RowSlots`) and
+        return the keys and values of slots 0..end-1."""
+        if isinstance(start, RowSlots):  # rows at different cache lengths (verify mode)
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]
+            self.k[layer, rows, :, start.slots] = k.transpose(1, 2)
+            self.v[layer, rows, :, start.slots] = v.transpose(1, 2)
+            end = start.end
+        else:
+            end = start + k.shape[2]
+            self.k[layer, :, :, start:end] = k
+            self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+@dataclass
+class RowSlots:
+    """Per-row cache slots (B, T) of a multi-position pass, and `end`: one past the largest slot of any row."""
+
+    slots: torch.Tensor
+    end: int
 
 
 def check_supported(model: HamburgerModel) -> None:
@@ -57,7 +72,7 @@ def check_supported(model: HamburgerModel) -> None:
 
 
 def layer_forward(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, index: int,
-                  start: int, mask: torch.Tensor) -> torch.Tensor:
+                  start: int | RowSlots, mask: torch.Tensor) -> torch.Tensor:
     """One decoder layer of the base's own type over (B, T, d) at cache slots start..start+T-1."""
     attn = layer.self_attn
     b, t, _ = x.shape
@@ -88,6 +103,7 @@ class EngineGeneration:
     sampling: SamplingParams
     eos_token_ids: set[int]
     forced_steps: list[list[int]] | None = None
+    mode: str = "trust"
     tokens: list[list[int]] = field(init=False)
     steps: list[list[int]] = field(init=False)
     stats: GenerationStats = field(init=False)
@@ -98,6 +114,10 @@ class EngineGeneration:
         self.stats = GenerationStats(sequences=n, prompt_tokens=sum(len(p) for p in self.prompts))
 
     def __iter__(self) -> Iterator[StepEvent]:
+        if self.mode == "verify":
+            from hamburger.verify import run_verify  # noqa: PLC0415 - verify builds on this module
+
+            return timed(run_verify(self.engine, self), self.stats)
         return timed(self.engine.run(self), self.stats)
 
     def output(self) -> GenerationOutput:
@@ -150,21 +170,23 @@ class Engine:
 
     # --- the two networks ------------------------------------------------------------------------------
 
-    def _base(self, embeds, positions, cache: KVCache, start: int, mask, merged=None) -> list[torch.Tensor]:
-        """Base pass over (B, T, d) at cache slots start.. -> [feature_1 .. feature_m] at the last slot, each (B, d)."""
+    def _base(self, embeds, positions, cache: KVCache, start: int | RowSlots, mask, merged=None,
+              last: bool = True) -> list[torch.Tensor]:
+        """Base pass over (B, T, d) at cache slots start.. -> [final normed state, feature_1 .. feature_m] at the
+        last position, each (B, d); with `last=False` at every position, each (B, T, d)."""
         model, base = self.model, self.base
         wanted = model.micro.feature_layers if self.k > 1 else []
-        last = len(base.layers)
+        depth = len(base.layers)
         rope = base.rotary_emb(embeds, positions)
         feats: dict[int, torch.Tensor] = {}
         x = embeds
         with model.slot_adapters.gated(merged):
             for i, layer in enumerate(base.layers):
                 x = layer_forward(layer, x, rope, cache, i, start, mask)
-                if i + 1 in wanted and i + 1 < last:
-                    feats[i + 1] = x[:, -1]
-        final = base.norm(x[:, -1])
-        return [final] + [feats[i] if i < last else final for i in wanted]
+                if i + 1 in wanted and i + 1 < depth:
+                    feats[i + 1] = x[:, -1] if last else x
+        final = base.norm(x[:, -1] if last else x)
+        return [final] + [feats[i] if i < depth else final for i in wanted]
 
     def _micro(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
         """Micro-step decoder over (B, T, d) new inputs following `start` cached ones -> normed (B, d) at the last."""
@@ -297,12 +319,21 @@ class Engine:
     def stream(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256, confidence: float | None = None,
         sampling: SamplingParams | None = None, forced_steps: Sequence[Sequence[int]] | None = None,
-        eos_token_ids: set[int] | None = None,
+        eos_token_ids: set[int] | None = None, mode: str | None = None,
     ) -> EngineGeneration:
+        """`mode`: "trust" (HAMburger: drafts kept, steps smashed) or "verify" (the base checks every draft and
+        the output is exactly the base's); None takes the checkpoint's default. `confidence` None takes the
+        checkpoint's default for that mode."""
         prompts, forced_steps = check_request(prompts, max_new_tokens, forced_steps, self.k)
-        confidence = check_confidence(self.model.config.default_confidence if confidence is None else confidence)
+        cfg = self.model.config
+        mode = check_mode(cfg.default_mode if mode is None else mode)
+        if mode == "verify" and forced_steps is not None:
+            raise HamburgerError("forced steps replay trust-mode step lengths: they do not apply to verify mode")
+        default = cfg.verify_confidence if mode == "verify" else cfg.default_confidence
+        confidence = check_confidence(default if confidence is None else confidence)
         return EngineGeneration(self, prompts, int(max_new_tokens), confidence, sampling or SamplingParams(),
-                                eos_ids(self.model) if eos_token_ids is None else set(eos_token_ids), forced_steps)
+                                eos_ids(self.model) if eos_token_ids is None else set(eos_token_ids), forced_steps,
+                                mode)
 
     def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> GenerationOutput:
         return drain(self.stream(prompts, **kwargs))
@@ -316,7 +347,9 @@ class ReferenceEngine:
     def __init__(self, model: HamburgerModel) -> None:
         self.model = model
 
-    def stream(self, prompts: Sequence[Sequence[int]], **kwargs) -> Generation:
+    def stream(self, prompts: Sequence[Sequence[int]], mode: str | None = None, **kwargs) -> Generation:
+        if check_mode(mode or self.model.config.default_mode) != "trust":
+            raise HamburgerError(f"{mode} mode runs on the fast engine only (Llama, Mistral, Qwen2, Qwen3 bases)")
         return reference_stream(self.model, prompts, **kwargs)
 
     def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> GenerationOutput:

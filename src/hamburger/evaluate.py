@@ -203,7 +203,7 @@ def load_items(task: str, args: argparse.Namespace) -> list[Prompt]:
 
 def run_system(model: HamburgerModel, prompts: list[list[int]], max_new_tokens: int, confidence: float,
                batch_size: int, advance: Callable[[int], None] = lambda n: None, engine: str = "auto",
-               ) -> tuple[list[list[int]], list[list[int]], GenerationStats]:
+               mode: str = "trust") -> tuple[list[list[int]], list[list[int]], GenerationStats]:
     """Greedy tokens and step lengths of every prompt (batches of similar prompt length), and the batches'
     `GenerationStats` summed field by field (counts and seconds add up; the measures derive from the sums)."""
     from hamburger.engine import make_engine
@@ -216,7 +216,8 @@ def run_system(model: HamburgerModel, prompts: list[list[int]], max_new_tokens: 
     parts = []
     for start in range(0, len(order), batch_size):
         chunk = order[start:start + batch_size]
-        out = decoder.generate([prompts[i] for i in chunk], max_new_tokens=max_new_tokens, confidence=confidence)
+        out = decoder.generate([prompts[i] for i in chunk], max_new_tokens=max_new_tokens, confidence=confidence,
+                               mode=mode)
         for i, toks, st in zip(chunk, out.tokens, out.steps):
             tokens[i], steps[i] = toks, st
         parts.append(out.stats)
@@ -257,7 +258,7 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 def evaluate_task(task: str, items: list[Prompt], model: HamburgerModel, base_system: HamburgerModel,
-                  systems: list[tuple[str, float]], args: argparse.Namespace, progress: Progress,
+                  systems: list[tuple[str, float, str]], args: argparse.Namespace, progress: Progress,
                   ) -> tuple[list[dict], list[dict]]:
     """Decode a task with every system (the base first) and score it: one row per system, one record per item."""
     tokenizer = model.tokenizer
@@ -266,12 +267,12 @@ def evaluate_task(task: str, items: list[Prompt], model: HamburgerModel, base_sy
     rows: list[dict] = []
     per_item: list[dict] = []
     base_tokens: list[list[int]] = []
-    for name, confidence in systems:
+    for name, confidence, mode in systems:
         bar = progress.add_task(f"{task} {name}", total=len(items) * (2 if task == "humaneval" else 1))
         step = lambda n, bar=bar: progress.advance(bar, n)  # noqa: E731
         system = base_system if name == "base" else model
         tokens, steps, stats = run_system(system, prompts, max_new, confidence, args.batch_size, step,
-                                          getattr(args, "engine", "auto"))
+                                          getattr(args, "engine", "auto"), mode)
         base_tokens = base_tokens or tokens
         texts = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
         correct = score(task, items, texts, args.test_timeout, step)
@@ -280,7 +281,8 @@ def evaluate_task(task: str, items: list[Prompt], model: HamburgerModel, base_sy
         nll = nll_sum / nll_count if nll_count else None
         base_row_nll = rows[0]["nll"] if rows else nll
         rows.append({
-            "task": task, "system": name, "confidence": confidence, "items": len(items), "max_new_tokens": max_new,
+            "task": task, "system": name, "mode": mode, "confidence": confidence, "items": len(items),
+            "max_new_tokens": max_new,
             "metric": QUALITY.get(task), "quality": _mean(correct) if correct is not None else None,
             "nll": nll, "nll_tokens": nll_count,
             "nll_ratio": nll / base_row_nll if nll is not None and base_row_nll else None,
@@ -329,7 +331,7 @@ def _print_table(header: list[str], body: list[list[str]], title: str) -> None:
         console.width = max(console.width, 40 + 16 * len(header))
     table = Table(title=title, caption="NLL: mean per-token NLL of the output under the base (× the base's own greedy "
                   "output); agree: positional token agreement with the base's greedy output; tok/step: generated "
-                  "tokens / macro-steps")
+                  "tokens / macro-steps (verify mode: per base forward)")
     for i, name in enumerate(header):
         table.add_column(name.replace(" ", "\n", 1), justify="left" if i == 0 else "right")
     for line in body:
@@ -348,6 +350,16 @@ def parse_tasks(text: str | None, prompts: str | None) -> list[str]:
     if ("prompts" in tasks) != bool(prompts):
         raise HamburgerError("the task 'prompts' and --prompts PATH go together")
     return tasks
+
+
+def parse_modes(text: str) -> list[str]:
+    """--mode as a list: trust, verify or both (comma-separated)."""
+    from hamburger.config import check_mode
+
+    modes = [check_mode(m.strip()) for m in text.split(",") if m.strip()]
+    if not modes:
+        raise HamburgerError("--mode is empty")
+    return modes
 
 
 def parse_confidences(text: str | None) -> list[float] | None:
@@ -409,6 +421,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.from_json:
         return replot(args)
     tasks, confidences = _check_args(args)
+    modes = parse_modes(args.mode)
     items = {task: load_items(task, args) for task in tasks}  # bad prompt files fail before the model loads
     for task, found in items.items():
         if not found:
@@ -416,11 +429,15 @@ def cmd_eval(args: argparse.Namespace) -> int:
     model, trained = load_from_args(args)
     if trained:
         base_system = HamburgerModel.plain(model.base, model.tokenizer)  # the same base weights, one token per step
-        systems = [("base", 1.0)] + [(f"hamburger@{c:g}", c) for c in confidences or [model.config.default_confidence]]
+        systems = [("base", 1.0, "trust")]
+        if "trust" in modes:
+            systems += [(f"hamburger@{c:g}", c, "trust") for c in confidences or [model.config.default_confidence]]
+        if "verify" in modes:  # lossless: one system at the checkpoint's verify confidence
+            systems.append((f"verify@{model.config.verify_confidence:g}", model.config.verify_confidence, "verify"))
     else:
         print(f"note: {args.model} is a base model, not a HAMburger checkpoint: evaluating the base only",
               file=sys.stderr)
-        base_system, systems = model, [("base", 1.0)]
+        base_system, systems = model, [("base", 1.0, "trust")]
     rows: list[dict] = []
     per_item: list[dict] = []
     with Progress(console=Console(stderr=True)) as progress:
@@ -452,6 +469,8 @@ def register(sub, add_model_args: Callable[[argparse.ArgumentParser], None]) -> 
                         f"(default: {','.join(DEFAULT_TASKS)}; with --prompts: prompts)")
     parser.add_argument("--confidence", default=None,
                         help="one confidence or a comma sweep, e.g. 0.5,0.6,0.7,0.8,0.9 (default: the checkpoint's)")
+    parser.add_argument("--mode", default="trust", help="trust (the confidence sweep), verify (lossless drafts "
+                        "checked by the base, at the checkpoint's verify confidence), or trust,verify")
     parser.add_argument("--limit", type=int, default=None, help="items per task (a seeded random subset)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="per reply; default " + ", ".join(f"{t} {n}" for t, n in MAX_NEW_TOKENS.items()))

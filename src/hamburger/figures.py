@@ -25,7 +25,9 @@ def plot_eval(rows: list[dict], directory: str | Path, title: str = "") -> Path:
     for ax, task in zip(axes[0], tasks):
         task_rows = [r for r in rows if r["task"] == task]
         base = next((r for r in task_rows if r["system"] == "base"), None)
-        points = sorted((r for r in task_rows if r["system"] != "base"), key=lambda r: r["confidence"])
+        # Verify mode keeps one KV entry per token (no compression) and is exactly the base: the base line shows it.
+        points = sorted((r for r in task_rows if r["system"] != "base" and r.get("mode", "trust") == "trust"),
+                        key=lambda r: r["confidence"])
         key, label = ("quality", task_rows[0].get("metric") or "quality") if task_rows[0].get("quality") is not None \
             else ("nll", "base-NLL per token (lower is better)")
         xs = [r["tokens_per_step"] for r in points]

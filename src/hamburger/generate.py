@@ -53,6 +53,7 @@ class Generation:
     eos_token_ids: set[int]
     forced_steps: list[list[int]] | None = None
     return_logits: bool = False
+    mode: str = field(init=False, default="trust")  # the reference path runs trust mode only
     tokens: list[list[int]] = field(init=False)
     steps: list[list[int]] = field(init=False)
     stats: GenerationStats = field(init=False)

@@ -10,8 +10,11 @@ class GenerationStats:
     """Counts and timings of one generation call (summed over the sequences of a batch).
 
     - generated_tokens: tokens emitted, EOS included, never more than max_new_tokens per sequence.
-    - macro_steps: steps emitted; each would add one KV entry per layer to the base's cache.
-    - micro_steps: tokens produced by the micro-step decoder (= generated_tokens - macro_steps).
+    - macro_steps: steps emitted; each adds one KV entry per layer to the base's cache (trust mode). In verify
+      mode a step is what one base forward emitted (its accepted drafts and the base's own next token), and
+      every token keeps its own KV entry (`unmerged`).
+    - micro_steps: tokens produced by the micro-step decoder and kept (= generated_tokens - macro_steps).
+    - drafted_tokens: verify mode: tokens the micro-step decoder proposed to the base (kept or not).
     - base_forwards: forward passes of the base model (the prefill counts as one; a batch counts once).
     - prompt_tokens: unpadded prompt tokens (each holds one KV entry).
     - prefill_s: time to first token: the prefill forward and choosing the first token.
@@ -25,9 +28,11 @@ class GenerationStats:
     generated_tokens: int = 0
     macro_steps: int = 0
     micro_steps: int = 0
+    drafted_tokens: int = 0
     base_forwards: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
+    unmerged: bool = False  # verify mode: one KV entry per generated token
 
     @property
     def tokens_per_step(self) -> float:
@@ -36,13 +41,23 @@ class GenerationStats:
 
     @property
     def kv_entries(self) -> int:
-        """KV-cache entries per layer: one per prompt token plus one per macro-step."""
-        return self.prompt_tokens + self.macro_steps
+        """KV-cache entries per layer: one per prompt token plus one per macro-step (per token in verify mode)."""
+        return self.prompt_tokens + (self.generated_tokens if self.unmerged else self.macro_steps)
 
     @property
     def kv_entries_base(self) -> int:
         """What the base model would hold for the same output: one per prompt and generated token."""
         return self.prompt_tokens + self.generated_tokens
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Generated tokens per base forward (the prefill included): the speed-up's upper bound in either mode."""
+        return self.generated_tokens / self.base_forwards if self.base_forwards else 0.0
+
+    @property
+    def acceptance(self) -> float:
+        """Verify mode: the fraction of drafted tokens the base accepted."""
+        return self.micro_steps / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -51,6 +66,7 @@ class GenerationStats:
 
     def to_dict(self) -> dict:
         out = asdict(self)
-        for name in ("tokens_per_step", "kv_entries", "kv_entries_base", "decode_tokens_per_s"):
+        for name in ("tokens_per_step", "tokens_per_forward", "acceptance", "kv_entries", "kv_entries_base",
+                     "decode_tokens_per_s"):
             out[name] = getattr(self, name)
         return out
