@@ -117,6 +117,30 @@ def test_verify_keeps_long_agreeing_drafts_with_rows_at_different_lengths(monkey
     assert out.stats.micro_steps > 0 and out.stats.acceptance < 1.0
 
 
+def test_a_row_that_ends_early_does_not_outgrow_the_cache(monkeypatch):
+    """One row drafts perfectly and ends after a few forwards, the other drafts nothing and needs one forward
+    per token: the finished row must not keep taking cache slots while the other goes on."""
+    model = hamburger("llama", k=4)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    n = 40
+    expected = [base_greedy(model, p, n) for p in prompts]
+
+    def oracle(engine, states, t0, limit, confidence, sampling, rng, warpers, cache):
+        width = engine.k - 1
+        row = expected[0][len(gen.tokens[0]): len(gen.tokens[0]) + width]
+        drafts = torch.zeros(2, width, dtype=torch.long)
+        drafts[0, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return drafts, torch.tensor([min(len(row), max(0, int(limit[0]))), 0]), None
+
+    monkeypatch.setattr(verify_mod, "draft", oracle)
+    gen = Engine(model).stream(prompts, max_new_tokens=n, confidence=0.5, mode="verify")
+    for _ in gen:
+        pass
+    out = gen.output()
+    assert out.tokens == expected
+    assert len(out.steps[0]) < len(out.steps[1]) - model.config.max_step_tokens
+
+
 def test_verify_respects_eos_and_the_token_budget():
     model = hamburger("llama", k=4)
     engine = Engine(model)

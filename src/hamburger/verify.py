@@ -176,8 +176,10 @@ def run_verify(engine: Engine, gen: EngineGeneration) -> Iterator[StepEvent]:
         states = [s.gather(1, at).squeeze(1) for s in states]
         kept_l, t0_l, drafts_l = kept.tolist(), t0.tolist(), drafts.tolist()  # the one transfer per step
         new = [[] if done[b] else drafts_l[b][: kept_l[b]] + [t0_l[b]] for b in range(bsz)]
-        cache_len = [c + 1 + n for c, n in zip(cache_len, kept_l)]
-        next_pos += 1 + kept
+        # A row that ended before this pass stays where it is: it is still computed (the batch is rectangular)
+        # but writes over its own unused slots, so the cache never grows past its last live entry.
+        cache_len = [c if done[b] else c + 1 + kept_l[b] for b, c in enumerate(cache_len)]
+        next_pos += (1 + kept) * torch.tensor([not d for d in done], device=dev)
 
 
 def pick(logits: torch.Tensor, sampling: SamplingParams, rng, warpers) -> torch.Tensor:
