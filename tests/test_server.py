@@ -227,7 +227,7 @@ UNSUPPORTED = [  # (endpoint, field, a value that asks for something this server
     ("chat", "top_k", 5), ("chat", "repetition_penalty", 1.3), ("chat", "modalities", ["text", "audio"]),
     ("completions", "logprobs", 0), ("completions", "logprobs", 3), ("completions", "logprobs", True),
     ("completions", "echo", True), ("completions", "best_of", 2), ("completions", "suffix", "w9"),
-    ("completions", "presence_penalty", 1),
+    ("completions", "presence_penalty", 1), ("chat", "mode", "verify"), ("completions", "mode", "verify"),
 ]
 
 
