@@ -289,6 +289,10 @@ def evaluate_task(task: str, items: list[Prompt], model: HamburgerModel, base_sy
             "agreement": _mean(agreement), "identical": _mean([t == b for t, b in zip(tokens, base_tokens)]),
             **stats.to_dict(),
         })
+        if not sys.stderr.isatty():  # the progress bars draw only on a terminal: one plain line per system for logs
+            r = rows[-1]
+            print(f"eval: {task} {name}: {len(items)} items, quality {r['quality']}, base-NLL x{r['nll_ratio'] or 0:.3f}, "
+                  f"agreement {r['agreement']:.3f}, {r['tokens_per_step']:.2f} tokens/step", file=sys.stderr, flush=True)
         per_item += [{"task": task, "system": name, "id": item.id, "text": text, "tokens": len(toks), "steps": st,
                       "correct": None if correct is None else correct[i], "agreement": agreement[i]}
                      for i, (item, text, toks, st) in enumerate(zip(items, texts, tokens, steps))]
