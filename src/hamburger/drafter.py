@@ -57,7 +57,7 @@ class DrafterArgs:
 
 @dataclass
 class DraftBatch:
-    feats: torch.Tensor  # (N, m, d) normed base features at N positions s
+    feats: torch.Tensor  # (N, m, d) raw base features at N positions s (draft_forward applies the trained norms)
     inputs: torch.Tensor  # (N, K-1) data tokens s+1 .. s+K-1 (the micro-step decoder's inputs)
     teacher: torch.Tensor  # (N, K-1, V') base log-probs of tokens s+2 .. s+K over the drafter's vocabulary V'
     greedy: torch.Tensor  # (N, K-1) the base's greedy tokens s+2 .. s+K (ids in the full vocabulary)
@@ -76,7 +76,8 @@ def draft_batch(model: HamburgerModel, ids: list[int], prompt_len: int, position
     dev = next(model.parameters()).device
     x = torch.tensor(ids, device=dev)
     t = len(ids)
-    s = torch.arange(prompt_len - 1, t - k, device=dev)
+    start = max(prompt_len - 1, 0)
+    s = torch.arange(start, max(start, t - k), device=dev)  # none when the response is too short (or cut by max_len)
     if len(s) == 0:
         return None
     if positions and len(s) > positions:
@@ -92,7 +93,8 @@ def draft_batch(model: HamburgerModel, ids: list[int], prompt_len: int, position
     greedy = logits.argmax(-1)[inverse]
     vocab = model.micro_vocab
     logp = F.log_softmax(logits if vocab is None else logits[:, vocab.to(dev)], -1)[inverse]
-    return DraftBatch(model.micro.features(hidden, at), x[s[:, None] + 1 + offsets[:-1]], logp, greedy, hidden[-1][at])
+    feats = torch.stack([hidden[i][at] for i in model.micro.feature_layers], dim=-2)
+    return DraftBatch(feats, x[s[:, None] + 1 + offsets[:-1]], logp, greedy, hidden[-1][at])
 
 
 def draft_forward(model: HamburgerModel, b: DraftBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,7 +103,8 @@ def draft_forward(model: HamburgerModel, b: DraftBatch) -> tuple[torch.Tensor, t
     V' is the checkpoint's micro-step shortlist when it has one (what the engine drafts from), else the vocabulary.
     """
     m = model.micro.num_features
-    out = model.micro(torch.cat([b.feats, model.embed(b.inputs)], 1))[:, m:]  # (N, K-1, d)
+    feats = torch.stack([norm(b.feats[:, j]) for j, norm in enumerate(model.micro.feature_norms)], dim=1)
+    out = model.micro(torch.cat([feats, model.embed(b.inputs)], 1))[:, m:]  # (N, K-1, d)
     states = torch.cat([b.h0[:, None], out[:, :-1]], 1)  # the states that produced tokens 0..K-2
     head = model.base.get_output_embeddings().weight
     if model.micro_vocab is not None:
@@ -161,6 +164,9 @@ class DrafterTrainer:
         train, held = split_eval(read_examples(Path(args.data)), args.eval_fraction)
         self.train = [ex for _, ex in train]
         self.held = [ex for _, ex in held][: args.eval_examples]
+        if not self.train:
+            raise HamburgerError(f"{args.data} leaves no training examples once --eval-fraction {args.eval_fraction} "
+                                 "is held out")
         model.requires_grad_(False)
         self.params = [p for name in TRAINED for p in getattr(model, name).parameters()]
         for p in self.params:
@@ -257,14 +263,18 @@ class DrafterTrainer:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-    from hamburger.model import load_model  # noqa: PLC0415
 
     dargs = DrafterArgs(**{f: getattr(args, f) for f in DrafterArgs.__dataclass_fields__})
     read_examples(Path(dargs.data))  # fail on bad data before loading a model
     out = Path(dargs.out)
     if out.exists() and any(out.iterdir()) and not args.resume:
         raise HamburgerError(f"{out} is not empty: pass --resume to continue that run, or pick a new --out")
-    model, trained = load_model(args.model, args.base, device="cuda" if torch.cuda.is_available() else "cpu")
+    if args.dtype != "float32":
+        raise HamburgerError("train-drafter keeps float32 weights and trains under bf16 autocast (--no-bf16: float32 "
+                             f"compute): leave --dtype out instead of --dtype {args.dtype}")
+    from hamburger.cli import load_from_args  # noqa: PLC0415
+
+    model, trained = load_from_args(args)  # --model, --base, --device
     if not trained or model.config.max_step_tokens < 2:
         raise HamburgerError(f"{args.model} is not a HAMburger checkpoint with a micro-step decoder: "
                              "train one with `hamburger train` first")
@@ -282,7 +292,7 @@ def register(sub, add_model_args) -> None:
     p = sub.add_parser("train-drafter", help="distil the micro-step decoder into a drafter for every position "
                                              "(KL to the frozen base; for --mode verify)")
     add_model_args(p)
-    p.add_argument("--data", required=True, help="segmented JSONL (only input_ids and prompt_len are read)")
+    p.add_argument("--data", required=True, help="segmented JSONL (hamburger segment)")
     p.add_argument("--out", required=True, help="run folder: state/ to resume, hamburger/ the checkpoint, log.jsonl")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--no-bf16", dest="bf16", action="store_false")
