@@ -263,7 +263,6 @@ class DrafterTrainer:
 
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
-
     dargs = DrafterArgs(**{f: getattr(args, f) for f in DrafterArgs.__dataclass_fields__})
     read_examples(Path(dargs.data))  # fail on bad data before loading a model
     out = Path(dargs.out)
