@@ -108,3 +108,21 @@ def test_fast_engine_on_the_shipped_default():
         fast = engine.generate(prompts, max_new_tokens=40, confidence=0.5)
         ref = generate(model, prompts, max_new_tokens=40, confidence=0.5)
         assert fast.tokens == ref.tokens and fast.steps == ref.steps
+
+
+def test_verify_mode_on_the_shipped_default_is_the_base():
+    """Verify mode on the real model, batched (rows accept different numbers of drafts): the base's greedy
+    tokens exactly, with drafts actually kept (more than one token per base forward)."""
+    from hamburger.engine import Engine
+    from hamburger.model import load_model
+
+    model, trained = load_model("default")
+    if not trained:
+        pytest.skip("no trained checkpoint ships in this build")
+    prompts = [chat_ids(model.tokenizer, q) for q in QUESTIONS]
+    out = Engine(model).generate(prompts, max_new_tokens=40, confidence=0.1, mode="verify")
+    for prompt, tokens in zip(prompts, out.tokens):
+        ids = torch.tensor([prompt])
+        ref = model.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+        assert tokens == ref[0, len(prompt):].tolist()
+    assert out.stats.drafted_tokens > 0 and out.stats.tokens_per_forward > 1.0
