@@ -51,6 +51,8 @@ def test_bench_prompt_sets_are_held_out_and_long():
     (["--sets", "poems"], "unknown prompt sets"),
     (["--runs", "0"], ">= 1"),
     (["--confidence", "1.5"], "confidence"),
+    (["--quantize", "none,int3"], "--quantize must be a comma list from none, int8, int4"),
+    (["--quantize", "int4", "--group-size", "48"], "group_size must be one of"),
 ])
 def test_bench_bad_input(checkpoint, capsys, args, message):
     assert main(["bench", "--model", str(checkpoint), *args]) == 2
@@ -75,3 +77,39 @@ def test_bench_forced_steps_replay_the_data_distribution(tmp_path, checkpoint, c
     assert result["profile"] and all(p["self_ms_per_step"] >= 0 for p in result["profile"])
     summary = result["summary"]
     assert summary["forced_steps_tokens_per_step_b1"] > 1.5 and summary["forced_steps_vs_base_b1"] > 0
+
+
+def test_bench_quantized_schemes_side_by_side(tmp_path, checkpoint, capsys):
+    out = tmp_path / "q.json"
+    code = main(["bench", "--model", str(checkpoint), "--sets", "code,chat",
+                 "--systems", "engine_base,hamburger_engine", "--quantize", "none,int8", "--batch-sizes", "1,2", "--max-new-tokens", "8", "--runs", "1",
+                 "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    result = json.loads(out.read_text())
+    assert result["quantize"] == ["none", "int8"]
+    rows = {(r["system"], r["batch_size"]): r for r in result["rows"]}
+    assert set(rows) == {(s + q, b) for s in ("engine_base", "hamburger_engine") for q in ("", "+int8") for b in (1, 2)}
+    for (system, batch), row in rows.items():
+        plain = rows[system.removesuffix("+int8"), batch]
+        assert row["prompt_tokens"] == plain["prompt_tokens"]  # the same prompts for every scheme
+        if system.endswith("+int8"):
+            assert row["quantize"] == "int8" and row["weights_mb"] < plain["weights_mb"]
+            assert 0 <= row["prefix_vs_float"] <= 1 and row["compared_replies"] == 2
+            assert f"{system}_b{batch}_vs_base" in result["summary"]
+        else:
+            assert row["quantize"] == "none" and "same_as_float" not in row
+    # int8 does not flip the tiny base's (peaky) greedy choices: the base's replies are the float ones.
+    assert rows["engine_base+int8", 1]["same_as_float"] == 1.0
+    assert "hamburger_vs_base_b1" in result["summary"]  # the float comparison is still there
+    assert "engine_base+int8" in captured.out and "weights MB" in captured.out
+    assert captured.err.count("quantize: int8:") == 1  # one quantized load for the whole run
+
+
+def test_bench_agreement():
+    from hamburger.bench import agreement
+
+    ref = {(1,): [5, 6, 7, 1], (2,): [8, 9]}
+    assert agreement(ref, ref) == {"same_as_float": 1.0, "prefix_vs_float": 1.0, "compared_replies": 2}
+    got = agreement(ref, {(1,): [5, 6, 0, 1], (2,): [8, 9, 10, 11]})
+    assert got["same_as_float"] == 0 and got["prefix_vs_float"] == (2 / 4 + 2 / 4) / 2

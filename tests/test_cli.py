@@ -107,3 +107,139 @@ def test_console_script_bad_input_has_no_traceback(tiny_model_dir):
                            "--confidence", "2"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "confidence must be in (0, 1]" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# --- --quantize ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def smooth_model_dir(tmp_path):
+    """A tiny Llama with the default init (std 0.02, as a trained model's scale), saved as a folder. (The shared tiny
+    base's std 0.2 makes int8's logit error, ~5%, larger than some of its top-2 gaps.)"""
+    import torch
+    from conftest import EOS, PAD, VOCAB, tiny_tokenizer
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=EOS,
+                      pad_token_id=PAD, bos_token_id=None, tie_word_embeddings=True, initializer_range=0.02)
+    path = tmp_path / "smooth"
+    LlamaForCausalLM(cfg).eval().save_pretrained(path)
+    tiny_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_generate_int8_gives_the_float_greedy_text_where_no_choice_is_a_near_tie(capsys, smooth_model_dir):
+    """Greedy int8 must follow float greedy wherever the float top-2 logits are further apart than twice int8's
+    largest logit error at that position: checked along the float reply (teacher-forced), then the CLI's texts
+    are compared."""
+    import torch
+
+    from hamburger.cli import build_parser, load_from_args
+
+    args = ["generate", "w5 w6 w7", "--model", str(smooth_model_dir), "--raw", "--max-new-tokens", "16", "--json"]
+    float_out = run_json(capsys, *args)
+    assert main(args + ["--quantize", "int8"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["quantize"] == "int8" and float_out["quantize"] == "none"
+    assert captured.err.count("quantize: int8:") == 1 and "MB -> " in captured.err
+    assert "linear layers (base 15);" in captured.err  # 2 layers x 7 + the head; a plain base has no micro-step decoder
+
+    float_model, _ = load_from_args(build_parser().parse_args(args))
+    int8_model, _ = load_from_args(build_parser().parse_args(args + ["--quantize", "int8"]))
+    tok = float_model.tokenizer
+    prompt = tok("w5 w6 w7")["input_ids"]
+    ids = torch.tensor([prompt + tok(float_out["text"])["input_ids"]])
+    with torch.no_grad():
+        ref, got = float_model.base(ids).logits[0], int8_model.base(ids).logits[0]
+    assert ((got - ref).norm() / ref.norm()).item() < 0.03  # measured 0.012
+    top2 = ref.topk(2, -1).values
+    near_tie = (top2[:, 0] - top2[:, 1]) < 2 * (got - ref).abs().amax(-1)
+    assert not near_tie[len(prompt) - 1:].any()  # so int8 cannot flip a choice along this reply...
+    assert out["text"] == float_out["text"] and out["generated_tokens"] == float_out["generated_tokens"] == 16
+
+
+def test_generate_quantized_checkpoint_quantizes_the_micro_decoder(capsys, checkpoint):
+    assert main(["generate", "w5 w6", "--model", str(checkpoint), "--max-new-tokens", "12", "--confidence", "0.3",
+                 "--quantize", "int8", "--json"]) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert out["hamburger"] is True and out["tokens_per_step"] > 1.0
+    line = next(s for s in captured.err.splitlines() if s.startswith("quantize:"))
+    assert "(base 29, micro 28)" in line  # 4 layers x 7 projections + the head; the micro-step decoder 4 x 7
+
+
+def test_generate_quantized_int4_runs_and_says_what_it_did(capsys, checkpoint):
+    assert main(["generate", "w5 w6", "--model", str(checkpoint), "--max-new-tokens", "8", "--quantize", "int4",
+                 "--group-size", "64", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["generated_tokens"] > 0
+    line = next(s for s in captured.err.splitlines() if s.startswith("quantize:"))
+    # every linear layer of the tiny model takes 64 or 128 inputs: all fit groups of 64, none is left float
+    assert "int4 (groups of 64)" in line and "left float" not in line
+
+
+def test_info_quantized(capsys, checkpoint):
+    float_info = run_json(capsys, "info", "--model", str(checkpoint), "--json")
+    info = run_json(capsys, "info", "--model", str(checkpoint), "--json", "--quantize", "int4")
+    assert info["parameters"] == float_info["parameters"]  # the float model's counts
+    assert info["quantize"] == "int4" and info["group_size"] == 32
+    assert set(info["quantized_layers"]) == {"base", "micro"}
+    assert info["quantized_weights_mb"] < info["weights_mb"] == float_info["weights_mb"]
+    assert main(["info", "--model", str(checkpoint), "--quantize", "int8"]) == 0
+    captured = capsys.readouterr()
+    assert "quantized_weights_mb" in captured.out and "quantize: int8:" in captured.err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--quantize", "int3"], "--quantize must be one of none, int8, int4, got 'int3'"),
+    (["--quantize", "int8,int4"], "--quantize must be one of"),  # a comma list is bench's
+    (["--quantize", "int4", "--group-size", "48"], "group_size must be one of (32, 64, 128, 256)"),
+    (["--group-size", "0"], "group_size must be one of"),
+    (["--quantize", "int4", "--group-size", "256"], "no linear layer of this model fits the kernels"),
+    (["--quantize", "int8", "--device", "meta"], "run on cpu and cuda only"),
+])
+def test_bad_quantize_arguments_exit_2_without_a_traceback(capsys, tiny_model_dir, args, message):
+    for command in (["generate", "w1"], ["info"]):
+        capsys.readouterr()
+        assert main([*command, "--model", str(tiny_model_dir), *args]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines()
+               if line.strip() and not line.startswith(("Loading", "Writing"))]  # transformers' progress bars
+        assert len(err) == 1 and err[0].startswith("hamburger: error: ") and message in err[0], err
+
+
+def test_int4_on_cuda_needs_bfloat16():
+    """Checked from the arguments alone, before any loading (no GPU needed to test it)."""
+    import torch
+
+    from hamburger.cli import check_quantize
+    from hamburger.errors import HamburgerError
+
+    with pytest.raises(HamburgerError, match="--dtype bfloat16"):
+        check_quantize("int4", 32, torch.device("cuda"), torch.float32)
+    check_quantize("int4", 32, torch.device("cuda"), torch.bfloat16)
+    check_quantize("int8", 32, torch.device("cuda"), torch.float32)
+
+
+def test_only_decoding_commands_take_quantize():
+    from hamburger.cli import QUANTIZE_COMMANDS, build_parser
+
+    parser = build_parser()
+    commands = next(a for a in parser._actions if a.dest == "command").choices
+    for name in (*QUANTIZE_COMMANDS, "bench"):
+        assert "--quantize" in commands[name]._option_string_actions, name
+    for name in ("train", "train-drafter", "train-merger", "distill", "segment"):
+        assert "--quantize" not in commands[name]._option_string_actions, name
+
+
+def test_eval_and_demo_decode_the_quantized_model(capsys, tmp_path, checkpoint):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "w5 w6 w7"}) + "\n")
+    assert main(["eval", "--model", str(checkpoint), "--tasks", "prompts", "--prompts", str(prompts),
+                 "--max-new-tokens", "4", "--quantize", "int8"]) == 0
+    assert "quantize: int8: 57 linear layers (base 29, micro 28)" in capsys.readouterr().err
+    assert main(["demo", "--model", str(checkpoint), "--max-new-tokens", "4", "--prompt", "w5 w6",
+                 "--quantize", "int4"]) == 0
+    assert "quantize: int4 (groups of 32)" in capsys.readouterr().err

@@ -13,6 +13,13 @@ Systems (`--systems`):
 - `hamburger_verify`: verify mode on the fast engine: the micro-step decoder drafts, the base checks, the
   output is exactly the base's (at the checkpoint's verify confidence, or `--verify-confidence`).
 
+With `--quantize none,int8,int4` every system runs under each weight-only quantization scheme in the same run
+(`hamburger.quantize`: the base, micro-step decoder and LM head; rows `engine_base+int8`, ...), each scheme on
+a freshly loaded copy of the model, on the same prompts and settings. The "× base engine" ratio stays
+against the float `engine_base`; quantized rows also give the weights' MB and their greedy agreement with the
+same system in float (`same_as_float`: share of replies token for token equal; `prefix_vs_float`: share of
+tokens before the first difference).
+
 Every system is timed the same way: time to first token (prefill and the first token), then decode
 tokens/s = (generated tokens - 1 per sequence) / time after the first token (`metrics.GenerationStats`).
 Each figure is the median over `--runs` runs after one short warm-up per system.
@@ -139,8 +146,9 @@ class FirstTokenClock:
 
 
 def hf_call(base, prompts: list[list[int]], max_new_tokens: int, eos: set[int], pad: int,
-            **kwargs) -> GenerationStats:
-    """One `generate` call (left-padded batch); tokens after the first EOS of a row are not counted."""
+            record: dict | None = None, **kwargs) -> GenerationStats:
+    """One `generate` call (left-padded batch); tokens after the first EOS of a row are not counted (nor kept in
+    `record`, prompt -> generated tokens)."""
     dev = next(base.parameters()).device
     ids, mask = left_pad(prompts, pad, dev)
     width = ids.shape[1]
@@ -153,9 +161,11 @@ def hf_call(base, prompts: list[list[int]], max_new_tokens: int, eos: set[int], 
         torch.cuda.synchronize()
     end = time.perf_counter()
     generated = 0
-    for row in out[:, width:].tolist():
+    for prompt, row in zip(prompts, out[:, width:].tolist()):
         n = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
         generated += n
+        if record is not None:
+            record[tuple(prompt)] = row[:n]
     first = clock.first or end
     return GenerationStats(sequences=len(prompts), prompt_tokens=sum(map(len, prompts)), generated_tokens=generated,
                            macro_steps=generated, prefill_s=first - start, decode_s=end - first)
@@ -200,35 +210,43 @@ class ForcedSteps:
 
 
 def make_system(name: str, hamburger_model, plain_model, confidence: float, compile: bool,
-                forced: ForcedSteps | None = None,
-                verify_confidence: float | None = None) -> Callable[[list[list[int]], int], GenerationStats]:
-    """A function (prompts, max_new_tokens) -> GenerationStats for one named system."""
+                forced: ForcedSteps | None = None, verify_confidence: float | None = None,
+                record: dict | None = None) -> Callable[[list[list[int]], int], GenerationStats]:
+    """A function (prompts, max_new_tokens) -> GenerationStats for one named system; with `record`, each call
+    also notes every prompt's generated tokens there (prompt tuple -> tokens)."""
     from hamburger.engine import Engine, ReferenceEngine
     from hamburger.generate import eos_ids
+
+    def kept(prompts: list[list[int]], out) -> GenerationStats:
+        if record is not None:
+            for prompt, tokens in zip(prompts, out.tokens):
+                record[tuple(prompt)] = list(tokens)
+        return out.stats
 
     base = plain_model.base
     eos = eos_ids(plain_model)
     pad = getattr(plain_model.tokenizer, "pad_token_id", None)
     pad = pad if pad is not None else min(eos)
     if name == "hf_generate":
-        return lambda prompts, n: hf_call(base, prompts, n, eos, pad)
+        return lambda prompts, n: hf_call(base, prompts, n, eos, pad, record)
     if name == "prompt_lookup":
-        return lambda prompts, n: hf_call(base, prompts, n, eos, pad, prompt_lookup_num_tokens=10)
+        return lambda prompts, n: hf_call(base, prompts, n, eos, pad, record, prompt_lookup_num_tokens=10)
     if name.startswith("spec_int8_k"):
         if next(base.parameters()).device.type != "cpu":
             raise HamburgerError("the INT8 draft (dynamic quantisation) runs on the CPU only")
         draft = int8_draft(base)
         draft.generation_config.num_assistant_tokens = int(name.removeprefix("spec_int8_k"))
-        return lambda prompts, n: hf_call(base, prompts, n, eos, pad, assistant_model=draft)
+        return lambda prompts, n: hf_call(base, prompts, n, eos, pad, record, assistant_model=draft)
     if name == "hamburger_forced":
         if forced is None:
             raise HamburgerError("the hamburger_forced system needs --forced-steps SEGMENTED_JSONL")
         engine = Engine(hamburger_model, compile=compile)
-        return lambda prompts, n: engine.generate(prompts, max_new_tokens=n, forced_steps=forced.draw(len(prompts), n)).stats
+        return lambda prompts, n: kept(prompts, engine.generate(prompts, max_new_tokens=n,
+                                                                forced_steps=forced.draw(len(prompts), n)))
     if name == "hamburger_verify":
         engine = Engine(hamburger_model, compile=compile)
-        return lambda prompts, n: engine.generate(prompts, max_new_tokens=n, mode="verify",
-                                                  confidence=verify_confidence).stats
+        return lambda prompts, n: kept(prompts, engine.generate(prompts, max_new_tokens=n, mode="verify",
+                                                                confidence=verify_confidence))
     engines = {"engine_base": (Engine, plain_model), "hamburger_ref": (ReferenceEngine, hamburger_model),
                "hamburger_engine": (Engine, hamburger_model)}
     if name not in engines:
@@ -236,7 +254,7 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
     cls, model = engines[name]
     engine = cls(model, compile=compile) if cls is Engine else cls(model)
     conf = confidence if name in HAMBURGER else 1.0
-    return lambda prompts, n: engine.generate(prompts, max_new_tokens=n, confidence=conf, mode="trust").stats
+    return lambda prompts, n: kept(prompts, engine.generate(prompts, max_new_tokens=n, confidence=conf, mode="trust"))
 
 
 def kv_bytes_per_entry(model) -> int:
@@ -367,40 +385,76 @@ def reachable_speedup(tokens_per_step: float, micro_over_base: float) -> float:
 # --- the run ------------------------------------------------------------------------------------------------
 
 
+def agreement(reference: dict, other: dict) -> dict:
+    """Greedy agreement of two systems' replies to the same prompts (prompt -> generated tokens): the share of
+    replies equal token for token, and the share of tokens before the first difference (of the longer reply)."""
+    prompts = [p for p in reference if p in other]
+    same, prefix = 0, 0.0
+    for p in prompts:
+        a, b = reference[p], other[p]
+        common = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        same += a == b
+        prefix += common / max(1, len(a), len(b))
+    n = max(1, len(prompts))
+    return {"same_as_float": same / n, "prefix_vs_float": prefix / n, "compared_replies": len(prompts)}
+
+
 def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str], batch_sizes: Sequence[int],
               confidences: Sequence[float], max_new: int, runs: int, compile: bool = False,
               log: Callable[[str], None] = lambda s: None, forced: ForcedSteps | None = None,
-              verify_confidence: float | None = None) -> dict:
-    """Every system at every batch size (HAMburger at every confidence): rows, a summary and the KV curve."""
-    from hamburger.model import HamburgerModel
+              verify_confidence: float | None = None, schemes: Sequence[str] = ("none",),
+              load_quantized: Callable[[str], object] | None = None) -> dict:
+    """Every system at every batch size (HAMburger at every confidence), under every quantization scheme: rows,
+    a summary and the KV curve.
 
-    plain = HamburgerModel.plain(hamburger_model.base, hamburger_model.tokenizer)
+    `hamburger_model` is the float model (scheme "none"); `load_quantized(scheme)` gives a freshly loaded model
+    quantized with that scheme (a copy would share the slot adapters' hooks with the float model). Schemes run
+    one after the other, the quantized model freed before the next.
+    """
+    from hamburger.model import HamburgerModel
+    from hamburger.quantize import model_bytes
+
+    if any(s != "none" for s in schemes) and load_quantized is None:
+        raise ValueError("quantized schemes need load_quantized")
     device = next(hamburger_model.parameters()).device
     default_conf = hamburger_model.config.default_confidence
     main_conf = default_conf if default_conf in confidences else confidences[0]
     entry_bytes = kv_bytes_per_entry(hamburger_model)
-    rows = []
-    for name in systems:
-        for conf in (confidences if name in HAMBURGER else [None]):
-            system = make_system(name, hamburger_model, plain, conf or 1.0, compile, forced, verify_confidence)
-            for batch in batch_sizes:
-                if name in BATCH1_ONLY and batch > 1:
-                    continue
-                if conf is not None and conf != main_conf and (name != "hamburger_engine" or batch != 1):
-                    continue  # the sweep runs on the fast engine at batch 1
-                pool = (prompts * (batch // len(prompts) + 1))[:max(batch, len(prompts))]
-                log(f"{name}{'' if conf is None else f'@{conf:g}'} batch {batch}")
-                if name == "hamburger_verify":
-                    conf = verify_confidence or hamburger_model.config.verify_confidence
-                row = {"system": name, "confidence": conf, "batch_size": batch, "max_new_tokens": max_new,
-                       **measure(system, pool, batch, max_new, runs, device)}
-                drafts = 2 if name.startswith("spec_") else 1  # the draft keeps a cache of the same shape
-                generated_entries = row["kv_entries"] - row["prompt_tokens"]
-                row["kv_entries"] *= drafts
-                row["kv_bytes"] = row["kv_entries"] * entry_bytes
-                row["kv_entries_per_generated_token"] = generated_entries * drafts / max(1, row["generated_tokens"])
-                rows.append(row)
-            del system
+    rows, outputs = [], {}  # outputs: (scheme, system, confidence, batch) -> {prompt: generated tokens}
+    for scheme in schemes:
+        model = hamburger_model if scheme == "none" else load_quantized(scheme)
+        plain = HamburgerModel.plain(model.base, model.tokenizer)
+        weights = {"hamburger": model_bytes(model), "base": model_bytes(model.base)}
+        suffix = "" if scheme == "none" else f"+{scheme}"
+        for name in systems:
+            for conf in (confidences if name in HAMBURGER else [None]):
+                record: dict = {}
+                system = make_system(name, model, plain, conf or 1.0, compile, forced, verify_confidence, record)
+                for batch in batch_sizes:
+                    if name in BATCH1_ONLY and batch > 1:
+                        continue
+                    if conf is not None and conf != main_conf and (name != "hamburger_engine" or batch != 1):
+                        continue  # the sweep runs on the fast engine at batch 1
+                    pool = (prompts * (batch // len(prompts) + 1))[:max(batch, len(prompts))]
+                    log(f"{name}{suffix}{'' if conf is None else f'@{conf:g}'} batch {batch}")
+                    row_conf = (verify_confidence or model.config.verify_confidence) if name == "hamburger_verify" \
+                        else conf
+                    record.clear()
+                    row = {"system": name + suffix, "quantize": scheme, "confidence": row_conf, "batch_size": batch,
+                           "max_new_tokens": max_new, **measure(system, pool, batch, max_new, runs, device)}
+                    drafts = 2 if name.startswith("spec_") else 1  # the draft keeps a cache of the same shape
+                    generated_entries = row["kv_entries"] - row["prompt_tokens"]
+                    row["kv_entries"] *= drafts
+                    row["kv_bytes"] = row["kv_entries"] * entry_bytes
+                    row["kv_entries_per_generated_token"] = generated_entries * drafts / max(1, row["generated_tokens"])
+                    # The weights the system decodes with (spec_*: the base; its INT8 draft copy is not counted).
+                    row["weights_mb"] = weights["hamburger" if name in TRAINED_ONLY else "base"] / 2**20
+                    outputs[scheme, name, conf, batch] = dict(record)
+                    if scheme != "none" and ("none", name, conf, batch) in outputs:
+                        row.update(agreement(outputs["none", name, conf, batch], record))
+                    rows.append(row)
+                del system
+        del model, plain
     summary = summarize(rows, main_conf)
     costs = step_costs(hamburger_model) if any(n in TRAINED_ONLY for n in systems) else {}
     return {"rows": rows, "summary": summary, "step_costs": costs, "confidence": main_conf, "kv_curve": kv_curve(hamburger_model, prompts,
@@ -438,6 +492,17 @@ def summarize(rows: list[dict], conf: float) -> dict:
         if batch == 1:
             out["kv_entries_per_generated_token"] = ham["kv_entries_per_generated_token"]
             out["tokens_per_step"] = ham["tokens_per_step"]
+    for row in rows:  # quantized systems: speed against the float engine_base, greedy agreement with their float self
+        if row.get("quantize", "none") == "none":
+            continue
+        if row["system"].split("+")[0] in HAMBURGER and row["confidence"] != conf:
+            continue  # the confidence sweep
+        key, base = f"{row['system']}_b{row['batch_size']}", find(rows, "engine_base", row["batch_size"])
+        if base and base["decode_tokens_per_s"]:
+            out[f"{key}_vs_base"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        if "same_as_float" in row:
+            out[f"{key}_same_as_float"] = row["same_as_float"]
+            out[f"{key}_prefix_vs_float"] = row["prefix_vs_float"]
     return out
 
 
@@ -470,7 +535,7 @@ def describe_device(device: torch.device) -> str:
 
 def table(result: dict) -> tuple[list[str], list[list[str]]]:
     header = ["system", "conf", "batch", "decode tok/s", "× base engine", "TTFT s", "tok/step", "tok/forward", "KV entries",
-              "KV MB", "KV/gen token", "peak MB"]
+              "KV MB", "KV/gen token", "peak MB", "weights MB", "= float"]
     body = []
     for r in result["rows"]:
         base = find(result["rows"], "engine_base", r["batch_size"])
@@ -480,7 +545,8 @@ def table(result: dict) -> tuple[list[str], list[list[str]]]:
                      f"{r['ttft_s']:.3f}", f"{r['tokens_per_step']:.2f}",
                      f"{r['tokens_per_forward']:.2f}" if "tokens_per_forward" in r else "-", str(r["kv_entries"]),
                      f"{r['kv_bytes'] / 2**20:.1f}", f"{r['kv_entries_per_generated_token']:.2f}",
-                     f"{r['peak_memory_mb']:.0f}"])
+                     f"{r['peak_memory_mb']:.0f}", f"{r['weights_mb']:.0f}" if "weights_mb" in r else "-",
+                     f"{r['prefix_vs_float']:.0%}" if "prefix_vs_float" in r else "-"])
     return header, body
 
 
@@ -489,8 +555,12 @@ def print_table(result: dict) -> None:
     from rich.table import Table
 
     header, body = table(result)
+    quantized = [s for s in result.get("quantize", ()) if s != "none"]
+    weights = f", weights {', '.join(result['quantize'])}" if quantized else ""
+    if "int4" in quantized:
+        weights += f" (int4 groups of {result['group_size']})"
     t = Table(title=f"hamburger bench on {result['device']}: {result['max_new_tokens']} new tokens, greedy, "
-                    f"median of {result['runs']} runs")
+                    f"median of {result['runs']} runs{weights}")
     for h in header:
         t.add_column(h, justify="left" if h == "system" else "right")
     for row in body:
@@ -590,10 +660,11 @@ def _ints(text: str, what: str) -> list[int]:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from hamburger.base import encode_chat
-    from hamburger.cli import load_from_args
+    from hamburger.cli import load_from_args, parse_schemes, quantize_loaded
     from hamburger.evaluate import parse_confidences
 
     batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
+    schemes = parse_schemes(args.quantize, many=True)
     if args.max_new_tokens < 1 or args.runs < 1 or args.prompts_per_set < 1:
         raise HamburgerError("--max-new-tokens, --runs and --prompts-per-set must be >= 1")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -604,7 +675,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise HamburgerError(f"unknown prompt sets {unknown}: choose from {', '.join(SETS)}")
     if args.json and Path(args.json).exists() and not args.force:
         raise HamburgerError(f"{args.json} exists: pass --force to overwrite it")
-    model, trained = load_from_args(args)
+    model, trained = load_from_args(args, quantize=False)  # checks every scheme against --device/--dtype first
+
+    def load_quantized(scheme: str):
+        log(f"loading the model again, quantized {scheme}")
+        quantized, _ = load_from_args(args, quantize=False)
+        quantize_loaded(quantized, scheme, args.group_size)
+        return quantized
+
+    def log(s: str) -> None:
+        print(f"bench: {s}", file=sys.stderr, flush=True)
+
     forced = ForcedSteps(args.forced_steps, model.config.max_step_tokens) if args.forced_steps else None
     if not args.forced_steps:
         systems = [s for s in systems if s != "hamburger_forced"]
@@ -616,10 +697,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     messages = [m for name in sets for m in bench_messages(name, args.prompts_per_set)]
     prompts = [encode_chat(model.tokenizer, m) for m in messages]
     result = run_bench(model, prompts, systems, batch_sizes, confidences, args.max_new_tokens, args.runs,
-                       args.compile, log=lambda s: print(f"bench: {s}", file=sys.stderr, flush=True), forced=forced,
-                       verify_confidence=args.verify_confidence)
+                       args.compile, log=log, forced=forced, verify_confidence=args.verify_confidence,
+                       schemes=schemes, load_quantized=load_quantized)
     result.update(model=args.model, dtype=args.dtype, sets=sets, prompts=len(prompts), runs=args.runs,
-                  max_new_tokens=args.max_new_tokens, compile=args.compile)
+                  max_new_tokens=args.max_new_tokens, compile=args.compile, quantize=schemes,
+                  group_size=args.group_size)
     if args.profile:
         result["profile"] = profile_steps(model, max(prompts, key=len))
     print_table(result)
@@ -632,6 +714,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def register(sub, add_model_args) -> None:
+    from hamburger.cli import add_quantize_args
+
     p = sub.add_parser("bench", help="decode speed, TTFT, KV entries and memory against HF generate, prompt lookup, "
                        "INT8 speculative decoding and the base in the same engine")
     add_model_args(p)
@@ -645,6 +729,7 @@ def register(sub, add_model_args) -> None:
                    help="hamburger_verify's drafting threshold (default: the checkpoint's verify confidence)")
     p.add_argument("--runs", type=int, default=3, help="timed runs per system (the median is reported)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fast engine's base step")
+    add_quantize_args(p, many=True)
     p.add_argument("--forced-steps", default=None, metavar="SEGMENTED_JSONL",
                    help="adds the system hamburger_forced: step lengths drawn from this data's segmentation")
     p.add_argument("--profile", action="store_true", help="also profile macro-steps of 2 tokens (torch.profiler)")

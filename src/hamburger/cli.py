@@ -12,6 +12,8 @@ from hamburger.base import DEFAULT_MODEL, encode_chat
 from hamburger.errors import HamburgerError
 
 DTYPES = ("float32", "bfloat16", "float16")
+# Commands that decode with the loaded model take --quantize (bench its own comma list); training commands do not.
+QUANTIZE_COMMANDS = ("generate", "info", "demo", "serve", "eval")
 COMMAND_MODULES: tuple[str, ...] = ("hamburger.distill", "hamburger.segment", "hamburger.train", "hamburger.drafter",
                                     "hamburger.evaluate",
                                     "hamburger.merger",
@@ -36,8 +38,123 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "draft, exactly the base's output (fast engine only); default: the checkpoint's")
 
 
-def load_from_args(args: argparse.Namespace):
-    """The model named by --model/--base/--dtype/--device: (HamburgerModel, is_trained_checkpoint)."""
+def add_quantize_args(parser: argparse.ArgumentParser, many: bool = False) -> None:
+    """--quantize and --group-size, for the commands that decode (never those that train)."""
+    from hamburger.quantize import GROUP_SIZES, SCHEMES
+
+    what = "a comma list from {" + ",".join(SCHEMES) + "}: every system under each scheme, side by side" if many \
+        else "{" + ",".join(SCHEMES) + "}"
+    parser.add_argument("--quantize", default="none", metavar="SCHEME" + ("S" if many else ""),
+                        help=f"{what}; weight-only quantization of the linear layers of the base, the micro-step "
+                        "decoder and the LM head (int8: per output channel; int4: groups of --group-size), applied "
+                        "after loading; the embedder, stop head and slot adapters stay float")
+    parser.add_argument("--group-size", type=int, default=32, metavar="N",
+                        help=f"int4: input weights per scale and zero, one of {', '.join(map(str, GROUP_SIZES))} "
+                        "(32 = GGUF Q4_1's blocks)")
+
+
+def parse_schemes(text: str, many: bool = False) -> list[str]:
+    """--quantize's value: one scheme (or, with `many`, a comma list without repeats), checked."""
+    from hamburger.quantize import SCHEMES
+
+    schemes = [s.strip() for s in str(text).split(",")] if many else [str(text).strip()]
+    if not schemes or any(s not in SCHEMES for s in schemes):
+        kind = "a comma list from" if many else "one of"
+        raise HamburgerError(f"--quantize must be {kind} {', '.join(SCHEMES)}, got {text!r}")
+    return list(dict.fromkeys(schemes))
+
+
+def check_quantize(scheme: str, group_size: int, device, dtype) -> None:
+    """Refuse, before any loading, what the packed kernels cannot run: a HamburgerError naming the fix."""
+    from hamburger.quantize import check_args
+
+    try:
+        check_args(scheme, group_size)
+    except ValueError as exc:
+        raise HamburgerError(f"--group-size: {exc}") from None
+    if scheme == "none":
+        return
+    if device.type not in ("cpu", "cuda"):
+        raise HamburgerError(f"--quantize {scheme}: the packed int8/int4 kernels run on cpu and cuda only, "
+                             f"not {device.type}")
+    import torch
+
+    if scheme == "int4" and device.type == "cuda" and dtype != torch.bfloat16:
+        raise HamburgerError(f"--quantize int4 on CUDA runs in bfloat16 only (the kernel's one dtype), not "
+                             f"{str(dtype).removeprefix('torch.')}: add --dtype bfloat16, or use --quantize int8")
+
+
+def quantize_loaded(model, scheme: str, group_size: int = 32, quiet: bool = False) -> dict | None:
+    """Quantize a loaded HamburgerModel in place (base, micro-step decoder, LM head); one line on stderr.
+
+    Quantizes afresh every time (about a second for the 135M default): the disk cache of
+    `quantize.quantize_cached` saves little here and its first int4 write reads every layer back through
+    the kernel (minutes on a CPU). Returns the summary of `quantize.quantize_model` (None for "none") with
+    `layers` (quantized layers per top module: base, micro) added.
+    """
+    import torch
+
+    from hamburger.quantize import DEFAULT_SKIP, QuantizedLinear, quantize_model
+
+    if scheme == "none":
+        return None
+    param = next(model.parameters())
+    check_quantize(scheme, group_size, param.device, param.dtype)
+    if model.config.lora_rank:
+        model.merge_lora()  # the LoRA deltas go into the base weights first: the kernels take plain weights
+    # A plain base (one token per step) never runs its placeholder micro-step decoder: it stays as it is.
+    skip = DEFAULT_SKIP + (("micro",) if model.config.max_step_tokens == 1 else ())
+    try:
+        summary = quantize_model(model, scheme, group_size, skip=skip)
+    except ValueError as exc:
+        raise HamburgerError(f"--quantize {scheme}: {exc}") from None
+    if not summary["quantized"]:
+        reasons = sorted(set(summary["skipped_layers"].values()))
+        raise HamburgerError(f"--quantize {scheme}" + (f" --group-size {group_size}" if scheme == "int4" else "")
+                             + ": no linear layer of this model fits the kernels"
+                             + (f" ({reasons[0]})" if reasons else ""))
+    layers: dict[str, int] = {}
+    kernels = {}
+    for name, module in model.named_modules():
+        if isinstance(module, QuantizedLinear):
+            top = name.split(".")[0]
+            layers[top] = layers.get(top, 0) + 1
+            kernels.setdefault(type(module), module)
+    for module in kernels.values():  # the kernels must run here: an error now, not mid-generation
+        try:
+            with torch.inference_mode():
+                module(torch.zeros(1, module.in_features, dtype=param.dtype, device=param.device))
+        except (RuntimeError, NotImplementedError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise HamburgerError(f"--quantize {module.scheme} does not run on {param.device.type} in "
+                                 f"{str(param.dtype).removeprefix('torch.')}: {first}") from None
+    summary["layers"] = layers
+    if not quiet:
+        print("quantize: " + describe_quantization(summary), file=sys.stderr, flush=True)
+    return summary
+
+
+def describe_quantization(summary: dict) -> str:
+    """One line: scheme, layers (per module), skipped layers, weight MB before -> after."""
+    mb = 2**20
+    group = f" (groups of {summary['group_size']})" if summary["scheme"] == "int4" else ""
+    parts = ", ".join(f"{name} {count}" for name, count in summary.get("layers", {}).items())
+    line = f"{summary['scheme']}{group}: {summary['quantized']} linear layers ({parts})"
+    if summary["skipped"]:
+        line += f", {summary['skipped']} left float ({next(iter(summary['skipped_layers'].values()))})"
+    before, after = summary["linear_bytes_before"] / mb, summary["linear_bytes_after"] / mb
+    return (line + f"; weights {summary['bytes_before'] / mb:.1f} MB -> {summary['bytes_after'] / mb:.1f} MB "
+            f"(quantized layers {before:.1f} MB -> {after:.1f} MB)")
+
+
+def load_from_args(args: argparse.Namespace, quantize: bool = True):
+    """The model named by --model/--base/--dtype/--device: (HamburgerModel, is_trained_checkpoint).
+
+    Where the command has --quantize (decoding commands only), its schemes and --group-size are checked
+    against the device and dtype before loading; with `quantize`, the loaded model's linear layers are
+    then quantized in place (`quantize_loaded`). Callers that quantize themselves (info, bench's comma
+    list) pass quantize=False.
+    """
     import torch
 
     from hamburger.model import load_model
@@ -47,7 +164,15 @@ def load_from_args(args: argparse.Namespace):
         torch.empty(0, device=device)
     except (RuntimeError, AssertionError) as exc:
         raise HamburgerError(f"device {args.device!r} is not usable here: {exc}") from exc
-    return load_model(args.model, args.base, dtype=getattr(torch, args.dtype), device=str(device))
+    scheme, group_size = "none", 32
+    if hasattr(args, "quantize"):
+        for name in parse_schemes(args.quantize, many=not quantize):
+            check_quantize(name, args.group_size, device, getattr(torch, args.dtype))
+        if quantize:
+            scheme, group_size = parse_schemes(args.quantize)[0], args.group_size
+    model, trained = load_model(args.model, args.base, dtype=getattr(torch, args.dtype), device=str(device))
+    quantize_loaded(model, scheme, group_size)
+    return model, trained
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -77,6 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     for module in COMMAND_MODULES:  # each registers its own subcommand(s) with set_defaults(func=...)
         importlib.import_module(module).register(sub, add_model_args)
+    for name in QUANTIZE_COMMANDS:
+        add_quantize_args(sub.choices[name])
     return parser
 
 
@@ -124,8 +251,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     stats = out.stats
     text = tokenizer.decode(out.tokens[0], skip_special_tokens=True)
     if args.json:
-        print(json.dumps({"model": args.model, "hamburger": trained, "mode": gen.mode, "text": text,
-                          "steps": out.steps[0], **stats.to_dict()}))
+        print(json.dumps({"model": args.model, "hamburger": trained, "mode": gen.mode, "quantize": args.quantize,
+                          "text": text, "steps": out.steps[0], **stats.to_dict()}))
     else:
         print()
         print(f"[{gen.mode}: {stats.generated_tokens} tokens in {stats.base_forwards} base forwards "
@@ -136,7 +263,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    model, trained = load_from_args(args)
+    from hamburger.quantize import model_bytes
+
+    scheme = parse_schemes(args.quantize)[0]
+    model, trained = load_from_args(args, quantize=False)  # the parameter counts are those of the float model
+    counts = model.parameter_counts() if trained else {"base": model.parameter_counts()["base"]}
+    weights = model_bytes(model) if trained else model_bytes(model.base)
+    summary = quantize_loaded(model, scheme, args.group_size, quiet=args.json)
     bcfg, cfg = model.base.config, model.config
     info = {
         "model": args.model,
@@ -150,8 +283,13 @@ def cmd_info(args: argparse.Namespace) -> int:
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "max_step_tokens": cfg.max_step_tokens,
         "default_confidence": cfg.default_confidence,
-        "parameters": model.parameter_counts() if trained else {"base": model.parameter_counts()["base"]},
+        "parameters": counts,
+        "weights_mb": round(weights / 2**20, 1),
     }
+    if summary is not None:
+        after = model_bytes(model) if trained else model_bytes(model.base)
+        info.update(quantize=scheme, group_size=args.group_size if scheme == "int4" else None,
+                    quantized_layers=summary["layers"], quantized_weights_mb=round(after / 2**20, 1))
     if trained:
         info.update(micro_layers=cfg.micro_layers, feature_layers=cfg.feature_layers,
                     slot_adapter_rank=cfg.slot_adapter_rank)
@@ -162,6 +300,8 @@ def cmd_info(args: argparse.Namespace) -> int:
         if key == "parameters":
             for name, count in value.items():
                 print(f"  params.{name:<14} {count:>14,}")
+        elif key == "quantized_layers":
+            print(f"{key:<22} " + ", ".join(f"{name} {count}" for name, count in value.items()))
         else:
             print(f"{key:<22} {value}")
     if not trained:
