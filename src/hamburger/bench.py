@@ -11,7 +11,9 @@ Systems (`--systems`):
 - `hamburger_forced` (with `--forced-steps DATA`): the fast engine with step lengths drawn from segmented
   data instead of the stop head: the speed at the data's tokens per step (the tokens are not the point);
 - `hamburger_verify`: verify mode on the fast engine: the micro-step decoder drafts, the base checks, the
-  output is exactly the base's (at the checkpoint's verify confidence, or `--verify-confidence`).
+  output is exactly the base's (at the checkpoint's verify confidence, or `--verify-confidence`);
+- `hamburger_compress`: compress mode (needs a KV merger in the checkpoint): verify's drafting, checked by a
+  base that keeps each decided step as one merged KV entry (same confidence as `hamburger_verify`).
 
 With `--quantize none,int8,int4` every system runs under each weight-only quantization scheme in the same run
 (`hamburger.quantize`: the base, micro-step decoder and LM head; rows `engine_base+int8`, ...), each scheme on
@@ -46,10 +48,10 @@ from hamburger.metrics import GenerationStats
 
 SETS = ("code", "math", "chat", "long")
 SYSTEMS = ("hf_generate", "engine_base", "prompt_lookup", "spec_int8_k2", "spec_int8_k4", "hamburger_ref",
-           "hamburger_engine", "hamburger_forced", "hamburger_verify")
+           "hamburger_engine", "hamburger_forced", "hamburger_verify", "hamburger_compress")
 BATCH1_ONLY = ("prompt_lookup", "spec_int8_k2", "spec_int8_k4")
 HAMBURGER = ("hamburger_ref", "hamburger_engine")
-TRAINED_ONLY = HAMBURGER + ("hamburger_forced", "hamburger_verify")  # systems that need a trained checkpoint
+TRAINED_ONLY = HAMBURGER + ("hamburger_forced", "hamburger_verify", "hamburger_compress")  # systems that need a trained checkpoint
 
 
 # --- prompts ------------------------------------------------------------------------------------------------
@@ -243,9 +245,13 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
         engine = Engine(hamburger_model, compile=compile)
         return lambda prompts, n: kept(prompts, engine.generate(prompts, max_new_tokens=n,
                                                                 forced_steps=forced.draw(len(prompts), n)))
-    if name == "hamburger_verify":
-        engine = Engine(hamburger_model, compile=compile)
-        return lambda prompts, n: kept(prompts, engine.generate(prompts, max_new_tokens=n, mode="verify",
+    if name in ("hamburger_verify", "hamburger_compress"):
+        engine, mode = Engine(hamburger_model, compile=compile), name.removeprefix("hamburger_")
+        if mode == "compress":
+            from hamburger.engine import check_merger
+
+            check_merger(hamburger_model)
+        return lambda prompts, n: kept(prompts, engine.generate(prompts, max_new_tokens=n, mode=mode,
                                                                 confidence=verify_confidence))
     engines = {"engine_base": (Engine, plain_model), "hamburger_ref": (ReferenceEngine, hamburger_model),
                "hamburger_engine": (Engine, hamburger_model)}
@@ -437,8 +443,8 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
                         continue  # the sweep runs on the fast engine at batch 1
                     pool = (prompts * (batch // len(prompts) + 1))[:max(batch, len(prompts))]
                     log(f"{name}{suffix}{'' if conf is None else f'@{conf:g}'} batch {batch}")
-                    row_conf = (verify_confidence or model.config.verify_confidence) if name == "hamburger_verify" \
-                        else conf
+                    row_conf = (verify_confidence or model.config.verify_confidence) \
+                        if name in ("hamburger_verify", "hamburger_compress") else conf
                     record.clear()
                     row = {"system": name + suffix, "quantize": scheme, "confidence": row_conf, "batch_size": batch,
                            "max_new_tokens": max_new, **measure(system, pool, batch, max_new, runs, device)}
@@ -476,10 +482,14 @@ def summarize(rows: list[dict], conf: float) -> dict:
         if forced and base and base["decode_tokens_per_s"]:
             out[f"forced_steps_vs_base_b{batch}"] = forced["decode_tokens_per_s"] / base["decode_tokens_per_s"]
             out[f"forced_steps_tokens_per_step_b{batch}"] = forced["tokens_per_step"]
-        verify = find(rows, "hamburger_verify", batch)
-        if verify and base and base["decode_tokens_per_s"]:
-            out[f"verify_vs_base_b{batch}"] = verify["decode_tokens_per_s"] / base["decode_tokens_per_s"]
-            out[f"verify_tokens_per_forward_b{batch}"] = verify["tokens_per_forward"]
+        for mode in ("verify", "compress"):
+            row = find(rows, f"hamburger_{mode}", batch)
+            if row and base and base["decode_tokens_per_s"]:
+                out[f"{mode}_vs_base_b{batch}"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+                out[f"{mode}_tokens_per_forward_b{batch}"] = row["tokens_per_forward"]
+        compress = find(rows, "hamburger_compress", batch)
+        if compress:
+            out[f"compress_kv_entries_per_generated_token_b{batch}"] = compress["kv_entries_per_generated_token"]
         ham = find(rows, "hamburger_engine", batch, conf)
         if ham is None:
             continue
@@ -726,7 +736,7 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--confidence", default=None, help="one value or a comma sweep (the sweep runs at batch 1)")
     p.add_argument("--verify-confidence", type=float, default=None,
-                   help="hamburger_verify's drafting threshold (default: the checkpoint's verify confidence)")
+                   help="hamburger_verify and hamburger_compress drafting threshold (default: the checkpoint's verify confidence)")
     p.add_argument("--runs", type=int, default=3, help="timed runs per system (the median is reported)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fast engine's base step")
     add_quantize_args(p, many=True)

@@ -33,9 +33,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="fast: static KV caches (Llama, Mistral, Qwen2, Qwen3); reference: transformers, any "
                         "model; auto: fast where supported")
     parser.add_argument("--compile", action="store_true", help="torch.compile the fast engine's base step")
-    parser.add_argument("--mode", choices=("trust", "verify"), default=None,
+    parser.add_argument("--mode", choices=("trust", "verify", "compress"), default=None,
                         help="trust: HAMburger (drafts kept, one KV entry per step); verify: the base checks every "
-                        "draft, exactly the base's output (fast engine only); default: the checkpoint's")
+                        "draft, exactly the base's output; compress: verify against a base that keeps one merged KV "
+                        "entry per step (needs a KV merger in the checkpoint); verify and compress run on the fast "
+                        "engine only; default: the checkpoint's")
 
 
 def add_quantize_args(parser: argparse.ArgumentParser, many: bool = False) -> None:

@@ -86,7 +86,7 @@ class HamburgerConfig:
             return False
 
 
-MODES = ("trust", "verify")
+MODES = ("trust", "verify", "compress")
 
 
 def check_mode(mode: str) -> str:

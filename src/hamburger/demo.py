@@ -102,7 +102,9 @@ def side_by_side(console: Console, prompt: str, messages: list[dict], engines: d
                                                                             confidence=1.0)),
                 tokenizer, len(ids), colour_steps=False)
     title = (f"HAMburger verify @ {confidence:g} (exactly the base's text): coloured runs = one forward"
-             if mode == "verify" else f"HAMburger @ confidence {confidence:g}: coloured runs = one forward")
+             if mode == "verify" else f"HAMburger compress @ {confidence:g} (checked against a base whose past steps "
+             "are merged): coloured runs = one forward" if mode == "compress"
+             else f"HAMburger @ confidence {confidence:g}: coloured runs = one forward")
     ham = Lane(title, iter(ham_engine.stream([ids], max_new_tokens=max_new_tokens, confidence=confidence, mode=mode)),
                tokenizer, len(ids), colour_steps=True, unmerged=mode == "verify")
     with Live(render(prompt, [base, ham]), console=console, refresh_per_second=8) as live:
@@ -134,7 +136,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise HamburgerError(f"{args.model} is a base model: the demo compares a HAMburger checkpoint with its base "
                              "(leave --model out for the shipped default)")
     mode = args.mode or model.config.default_mode
-    default = model.config.verify_confidence if mode == "verify" else model.config.default_confidence
+    default = model.config.default_confidence if mode == "trust" else model.config.verify_confidence
+    if mode == "compress":
+        from hamburger.engine import check_merger  # noqa: PLC0415
+
+        check_merger(model)
     confidence = default if args.confidence is None else args.confidence
     engines = {"base": make_engine(HamburgerModel.plain(model.base, model.tokenizer), args.engine),
                "hamburger": make_engine(model, args.engine)}

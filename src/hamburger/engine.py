@@ -64,6 +64,17 @@ class RowSlots:
     end: int
 
 
+def check_merger(model: HamburgerModel) -> None:
+    """Compress mode needs a KV merger fitted to the base, for steps as long as the model makes."""
+    merger = model.merger
+    if merger is None:
+        raise HamburgerError("compress mode needs a KV merger in the checkpoint (merger.safetensors): fit one with "
+                             "`hamburger train-merger` and copy its merger.safetensors into the checkpoint folder")
+    if merger.max_step_tokens < model.config.max_step_tokens:
+        raise HamburgerError(f"the KV merger takes steps of up to {merger.max_step_tokens} tokens, the model makes "
+                             f"steps of up to {model.config.max_step_tokens}")
+
+
 def check_supported(model: HamburgerModel) -> None:
     kind = getattr(model.base.config, "model_type", "")
     if kind not in SUPPORTED:
@@ -114,10 +125,11 @@ class EngineGeneration:
         self.stats = GenerationStats(sequences=n, prompt_tokens=sum(len(p) for p in self.prompts))
 
     def __iter__(self) -> Iterator[StepEvent]:
-        if self.mode == "verify":
+        if self.mode in ("verify", "compress"):
             from hamburger.verify import run_verify  # noqa: PLC0415 - verify builds on this module
 
-            return timed(run_verify(self.engine, self), self.stats)
+            merger = self.engine.model.merger if self.mode == "compress" else None
+            return timed(run_verify(self.engine, self, merger), self.stats)
         return timed(self.engine.run(self), self.stats)
 
     def output(self) -> GenerationOutput:
@@ -173,7 +185,8 @@ class Engine:
     def _base(self, embeds, positions, cache: KVCache, start: int | RowSlots, mask, merged=None,
               last: bool = True) -> list[torch.Tensor]:
         """Base pass over (B, T, d) at cache slots start.. -> [final normed state, feature_1 .. feature_m] at the
-        last position, each (B, d); with `last=False` at every position, each (B, T, d)."""
+        last position, each (B, d); with `last=False` at every position, each (B, T, d). `mask`: one for every
+        layer, or a list of per-layer masks (compress mode's merged entries carry a per-layer bias)."""
         model, base = self.model, self.base
         wanted = model.micro.feature_layers if self.k > 1 else []
         depth = len(base.layers)
@@ -182,7 +195,7 @@ class Engine:
         x = embeds
         with model.slot_adapters.gated(merged):
             for i, layer in enumerate(base.layers):
-                x = layer_forward(layer, x, rope, cache, i, start, mask)
+                x = layer_forward(layer, x, rope, cache, i, start, mask[i] if isinstance(mask, list) else mask)
                 if i + 1 in wanted and i + 1 < depth:
                     feats[i + 1] = x[:, -1] if last else x
         final = base.norm(x[:, -1] if last else x)
@@ -321,15 +334,18 @@ class Engine:
         sampling: SamplingParams | None = None, forced_steps: Sequence[Sequence[int]] | None = None,
         eos_token_ids: set[int] | None = None, mode: str | None = None,
     ) -> EngineGeneration:
-        """`mode`: "trust" (HAMburger: drafts kept, steps smashed) or "verify" (the base checks every draft and
-        the output is exactly the base's); None takes the checkpoint's default. `confidence` None takes the
-        checkpoint's default for that mode."""
+        """`mode`: "trust" (HAMburger: drafts kept, steps smashed), "verify" (the base checks every draft and
+        the output is exactly the base's) or "compress" (verify against a base whose past steps are each merged
+        into one KV entry: needs a checkpoint with a KV merger); None takes the checkpoint's default.
+        `confidence` None takes the checkpoint's default for that mode (verify's for compress: it drafts the same)."""
         prompts, forced_steps = check_request(prompts, max_new_tokens, forced_steps, self.k)
         cfg = self.model.config
         mode = check_mode(cfg.default_mode if mode is None else mode)
-        if mode == "verify" and forced_steps is not None:
-            raise HamburgerError("forced steps replay trust-mode step lengths: they do not apply to verify mode")
-        default = cfg.verify_confidence if mode == "verify" else cfg.default_confidence
+        if mode != "trust" and forced_steps is not None:
+            raise HamburgerError(f"forced steps replay trust-mode step lengths: they do not apply to {mode} mode")
+        if mode == "compress":
+            check_merger(self.model)
+        default = cfg.default_confidence if mode == "trust" else cfg.verify_confidence
         confidence = check_confidence(default if confidence is None else confidence)
         return EngineGeneration(self, prompts, int(max_new_tokens), confidence, sampling or SamplingParams(),
                                 eos_ids(self.model) if eos_token_ids is None else set(eos_token_ids), forced_steps,

@@ -335,7 +335,7 @@ def _print_table(header: list[str], body: list[list[str]], title: str) -> None:
         console.width = max(console.width, 40 + 16 * len(header))
     table = Table(title=title, caption="NLL: mean per-token NLL of the output under the base (× the base's own greedy "
                   "output); agree: positional token agreement with the base's greedy output; tok/step: generated "
-                  "tokens / macro-steps (verify mode: per base forward)")
+                  "tokens / macro-steps (verify and compress modes: per base forward)")
     for i, name in enumerate(header):
         table.add_column(name.replace(" ", "\n", 1), justify="left" if i == 0 else "right")
     for line in body:
@@ -357,7 +357,7 @@ def parse_tasks(text: str | None, prompts: str | None) -> list[str]:
 
 
 def parse_modes(text: str) -> list[str]:
-    """--mode as a list: trust, verify or both (comma-separated)."""
+    """--mode as a list: trust, verify, compress (comma-separated)."""
     from hamburger.config import check_mode
 
     modes = [check_mode(m.strip()) for m in text.split(",") if m.strip()]
@@ -436,8 +436,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
         systems = [("base", 1.0, "trust")]
         if "trust" in modes:
             systems += [(f"hamburger@{c:g}", c, "trust") for c in confidences or [model.config.default_confidence]]
-        if "verify" in modes:  # lossless: one system at the checkpoint's verify confidence
-            systems.append((f"verify@{model.config.verify_confidence:g}", model.config.verify_confidence, "verify"))
+        for mode in ("verify", "compress"):  # drafts checked by the base: one system at the verify confidence
+            if mode in modes:
+                systems.append((f"{mode}@{model.config.verify_confidence:g}", model.config.verify_confidence, mode))
+        if "compress" in modes:
+            from hamburger.engine import check_merger  # noqa: PLC0415
+
+            check_merger(model)  # before any task runs
     else:
         print(f"note: {args.model} is a base model, not a HAMburger checkpoint: evaluating the base only",
               file=sys.stderr)

@@ -83,6 +83,30 @@ class KVMerger(nn.Module):
         """Additive attention bias of merged entries of `lengths` (*) tokens -> (*, heads)."""
         return self.a[layer] * torch.log(lengths.to(self.a.dtype))[..., None] + self.c[layer]
 
+    def merge_all_layers(self, k: torch.Tensor, v: torch.Tensor,
+                         lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`merge` for every layer at once (the decoder's form): (L, B, kvh, width, hd), lengths (B,) ->
+        (L, B, kvh, hd) each."""
+        width = k.shape[-2]
+        offset = lengths[:, None] - 1 - torch.arange(width, device=lengths.device)  # (B, width)
+
+        def weights(logits: torch.Tensor) -> torch.Tensor:  # (L, kvh, K) -> (L, B, kvh, width)
+            w = logits[:, :, offset.clamp(min=0)].permute(0, 2, 1, 3)
+            return torch.softmax(w.masked_fill((offset < 0)[None, :, None], float("-inf")), -1)
+
+        mk = (weights(self.k_logits).to(k.dtype)[..., None] * k).sum(-2)
+        mv = (weights(self.v_logits).to(v.dtype)[..., None] * v).sum(-2)
+        if self.k_gate is not None:
+            mk, mv = mk * self.k_gate[:, None].to(k.dtype), mv * self.v_gate[:, None].to(v.dtype)
+        return mk, mv
+
+    def bias_all_layers(self, merged_len: torch.Tensor) -> torch.Tensor:
+        """Additive attention bias of every cache entry, (B, S) tokens merged into it (0: an ordinary entry,
+        no bias) -> (L, B, heads, S)."""
+        logk = torch.log(merged_len.clamp(min=1).to(self.a.dtype))[None, :, None]
+        bias = self.a[:, None, :, None] * logk + self.c[:, None, :, None]
+        return bias.masked_fill((merged_len == 0)[None, :, None], 0.0)
+
     def save(self, path: str | Path, **meta: str) -> None:
         """Float32 safetensors with the config (and `meta`, strings) in the header: a few kB."""
         tensors = {k: v.detach().float().contiguous() for k, v in self.state_dict().items()}

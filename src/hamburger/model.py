@@ -24,6 +24,7 @@ from hamburger.slot_adapters import SlotAdapters
 
 STOP_LOSS_WEIGHT = 0.5
 WEIGHTS_NAME = "model.safetensors"
+MERGER_NAME = "merger.safetensors"  # compress mode's KV merger, when the checkpoint has one
 MICRO_VOCAB_KEY = "micro_vocab"
 NEW_MODULES = ("embedder", "micro", "stop_head", "slot_adapters")
 
@@ -102,6 +103,9 @@ class HamburgerModel(nn.Module):
         # Optional shortlist of token ids the fast engine's micro-steps choose from (a cheaper LM head):
         # set by `hamburger export --micro-vocab`, stored in the checkpoint as MICRO_VOCAB_KEY.
         self.micro_vocab: torch.Tensor | None = None
+        # Optional KV merger for compress mode (merger.py): stored beside the weights as MERGER_NAME. Kept out
+        # of the module tree, so the weights file and the trained-module counts stay as they were.
+        self.__dict__["merger"] = None
         dtype = next(base.parameters()).dtype
         device = next(base.parameters()).device
         for name in NEW_MODULES:
@@ -143,6 +147,7 @@ class HamburgerModel(nn.Module):
         self.config.save(directory)
         if self.config.base_in_checkpoint and dtype is None and self.micro_vocab is None:
             save_model(self, str(directory / WEIGHTS_NAME))
+            self.save_merger(directory)
             return
         keep = self.state_dict().items() if self.config.base_in_checkpoint else (
             (k, v) for k, v in self.state_dict().items() if is_trained_key(k))
@@ -155,6 +160,11 @@ class HamburgerModel(nn.Module):
         if self.micro_vocab is not None:
             state[MICRO_VOCAB_KEY] = self.micro_vocab.to("cpu", torch.int64).contiguous()
         save_file(state, str(directory / WEIGHTS_NAME))
+        self.save_merger(directory)
+
+    def save_merger(self, directory: str | Path) -> None:
+        if self.merger is not None:
+            self.merger.save(Path(directory) / MERGER_NAME, base_fingerprint=self.config.base_fingerprint)
 
     @classmethod
     def from_pretrained(
@@ -182,7 +192,35 @@ class HamburgerModel(nn.Module):
             raise HamburgerError(
                 f"checkpoint {directory} does not match its config: missing {missing_new[:5]}, unexpected {unexpected[:5]}"
             )
+        if (Path(directory) / MERGER_NAME).is_file():
+            model.attach_merger(Path(directory) / MERGER_NAME)
         return model.eval()
+
+    def attach_merger(self, merger) -> None:
+        """Use a KV merger (compress mode): a `KVMerger`, or the path of a saved one, which must have been
+        fitted to this model's base; None removes it."""
+        from hamburger.merger import KVMerger  # noqa: PLC0415 - merger imports the training code
+
+        if merger is None:
+            self.__dict__["merger"] = None
+            return
+        path = "the KV merger given"
+        if not isinstance(merger, KVMerger):
+            path = merger
+            try:
+                merger = KVMerger.load(path)
+            except Exception as exc:  # noqa: BLE001 - a damaged or foreign file: one clear error
+                raise HamburgerError(f"{path} is not a KV merger ({type(exc).__name__}: {exc})") from exc
+            want = merger.meta.get("base_fingerprint", "")
+            if want and want != self.config.base_fingerprint:
+                raise HamburgerError(f"KV merger {path} was fitted to another base (fingerprint {want}, this "
+                                     f"model's base: {self.config.base_fingerprint})")
+        bcfg = self.base.config
+        shape = (bcfg.num_hidden_layers, bcfg.num_key_value_heads, bcfg.num_attention_heads)
+        got = (merger.config["layers"], merger.config["kv_heads"], merger.config["heads"])
+        if got != shape:
+            raise HamburgerError(f"KV merger {path} has layers/kv heads/heads {got}, the base {shape}")
+        self.__dict__["merger"] = merger.to(next(self.base.parameters()).device).eval()
 
     # --- building blocks shared by training and generation ------------------------------------------
 

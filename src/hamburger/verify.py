@@ -26,6 +26,7 @@ from hamburger.sampling import SamplingParams, continues
 
 if TYPE_CHECKING:
     from hamburger.engine import Engine, EngineGeneration
+    from hamburger.merger import KVMerger
 
 
 def accept_greedy(drafts: torch.Tensor, n_drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,8 +109,14 @@ def draw(engine: Engine, h: torch.Tensor, sampling: SamplingParams, rng, warpers
     return vocab[tok], full.index_copy_(1, vocab, probs)
 
 
-def run_verify(engine: Engine, gen: EngineGeneration) -> Iterator[StepEvent]:
-    """Verify-mode decoding: one base forward per step over t0 and the drafts, each row at its own length."""
+def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = None) -> Iterator[StepEvent]:
+    """Verify-mode decoding: one base forward per step over t0 and the drafts, each row at its own length.
+
+    With a `merger`, compress mode: once a pass has decided a step (t0 and its kept drafts), the step's KV
+    entries are replaced by the merger's one entry per layer (`merge_step`), and later passes add the merger's
+    bias to those entries' attention logits. The drafts are then checked against a base that reads its past
+    compressed; the prompt's entries stay as they are.
+    """
 
     model, k, dev = engine.model, engine.k, engine.device
     cfg = model.base.config
@@ -130,7 +137,8 @@ def run_verify(engine: Engine, gen: EngineGeneration) -> Iterator[StepEvent]:
                               model.micro.layers[0].self_attn.head_dim, engine.dtype, dev)
     eos = sorted(gen.eos_token_ids)
     warpers, rng = gen.sampling.warpers(), gen.sampling.generator(dev)
-    gen.stats.unmerged = True
+    gen.stats.unmerged = merger is None
+    merged_len = torch.zeros(bsz, max_len, dtype=torch.long, device=dev)  # tokens merged into each entry (0: none)
 
     start_t = time.perf_counter()
     states = engine._base(model.embed(ids), positions, cache, 0, mask)
@@ -162,6 +170,10 @@ def run_verify(engine: Engine, gen: EngineGeneration) -> Iterator[StepEvent]:
         end = max(cache_len) + t
         key = torch.arange(end, device=dev)
         step_mask = (valid[:, None, None, :end] & (key[None, None, None] <= slots[:, None, :, None]))
+        if merger is not None:  # one mask per layer: -inf where hidden, the merger's bias on merged entries
+            floor = torch.zeros(step_mask.shape, dtype=engine.dtype, device=dev).masked_fill(~step_mask, float("-inf"))
+            bias = merger.bias_all_layers(merged_len[:, :end]).to(engine.dtype)[:, :, :, None]  # (L, B, H, 1, end)
+            step_mask = list(floor[None] + bias)
         states = engine._base(model.embed(tokens), next_pos[:, None] + offsets, cache, RowSlots(slots, end), step_mask,
                               last=False)
         gen.stats.base_forwards += 1
@@ -178,8 +190,27 @@ def run_verify(engine: Engine, gen: EngineGeneration) -> Iterator[StepEvent]:
         new = [[] if done[b] else drafts_l[b][: kept_l[b]] + [t0_l[b]] for b in range(bsz)]
         # A row that ended before this pass stays where it is: it is still computed (the batch is rectangular)
         # but writes over its own unused slots, so the cache never grows past its last live entry.
-        cache_len = [c if done[b] else c + 1 + kept_l[b] for b, c in enumerate(cache_len)]
+        if merger is not None:  # the decided step [t0, kept drafts] becomes one entry at its first slot
+            merge_step(merger, cache, torch.tensor(cache_len, device=dev), 1 + kept, merged_len)
+            cache_len = [c if done[b] else c + 1 for b, c in enumerate(cache_len)]
+        else:
+            cache_len = [c if done[b] else c + 1 + kept_l[b] for b, c in enumerate(cache_len)]
         next_pos += (1 + kept) * torch.tensor([not d for d in done], device=dev)
+
+
+def merge_step(merger: KVMerger, cache: KVCache, start: torch.Tensor, lengths: torch.Tensor,
+               merged_len: torch.Tensor) -> None:
+    """Replace each row's entries start..start+length-1 (every layer) by the merger's one entry at `start`."""
+    rows = torch.arange(start.shape[0], device=start.device)
+    width = int(lengths.max())
+    idx = start[:, None] + torch.minimum(torch.arange(width, device=start.device)[None], lengths[:, None] - 1)
+    # cache (L, B, kvh, S, hd)[:, rows, :, idx] -> (B, width, L, kvh, hd) -> (L, B, kvh, width, hd)
+    k = cache.k[:, rows[:, None], :, idx].permute(2, 0, 3, 1, 4)
+    v = cache.v[:, rows[:, None], :, idx].permute(2, 0, 3, 1, 4)
+    mk, mv = merger.merge_all_layers(k, v, lengths)  # (L, B, kvh, hd)
+    cache.k[:, rows, :, start] = mk.transpose(0, 1)
+    cache.v[:, rows, :, start] = mv.transpose(0, 1)
+    merged_len[rows, start] = lengths
 
 
 def pick(logits: torch.Tensor, sampling: SamplingParams, rng, warpers) -> torch.Tensor:
