@@ -4,6 +4,7 @@ and to one cache entry per step."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -150,3 +151,34 @@ def test_the_merger_travels_with_the_checkpoint(tmp_path, checkpoint, capsys):
     (tmp_path / "with-merger" / MERGER_NAME).write_bytes(b"not safetensors")
     assert main(["generate", "w5 w6", "--model", str(tmp_path / "with-merger"), "--max-new-tokens", "4"]) == 2
     assert "is not a KV merger" in capsys.readouterr().err
+
+
+def test_bench_and_eval_run_compress_mode(tmp_path, checkpoint, capsys):
+    """`bench` (system hamburger_compress) and `eval --mode compress` on a checkpoint with a merger; without
+    one both refuse before decoding."""
+    model = HamburgerModel.from_pretrained(checkpoint)
+    assert main(["bench", "--model", str(checkpoint), "--systems", "hamburger_compress", "--sets", "chat",
+                 "--batch-sizes", "1", "--max-new-tokens", "4", "--runs", "1"]) == 2
+    assert "needs a KV merger" in capsys.readouterr().err
+    model.attach_merger(random_merger(model.base))
+    model.save_pretrained(tmp_path / "ckpt")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(tmp_path / "ckpt"), "--systems", "engine_base,hamburger_verify,"
+                 "hamburger_compress", "--sets", "code,chat", "--batch-sizes", "1,2", "--max-new-tokens", "8",
+                 "--runs", "1", "--verify-confidence", "0.2", "--json", str(out)]) == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    rows = {(r["system"], r["batch_size"]): r for r in result["rows"]}
+    for batch in (1, 2):
+        compress, verify = rows["hamburger_compress", batch], rows["hamburger_verify", batch]
+        assert compress["confidence"] == 0.2 and compress["generated_tokens"] > 0
+        assert compress["kv_entries"] == compress["prompt_tokens"] + compress["macro_steps"]
+        assert verify["kv_entries"] == verify["prompt_tokens"] + verify["generated_tokens"]  # verify keeps them all
+        assert f"compress_vs_base_b{batch}" in result["summary"]
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "w5 w6 w7"}\n{"prompt": "w9 w10"}\n')
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(tmp_path / "ckpt"), "--tasks", "prompts", "--prompts", str(prompts),
+                 "--mode", "verify,compress", "--max-new-tokens", "6", "--json", str(out)]) == 0
+    systems = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
+    assert {"base", "verify@0.3", "compress@0.3"} <= systems.keys()
+    assert systems["verify@0.3"]["agreement"] == 1.0

@@ -40,7 +40,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "response_format": (None, {"type": "text"}), "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"), "tool_calls": (None, []),
     "audio": (None,), "modalities": (None, ["text"]), "web_search_options": (None,),
-    # HAMburger's verify mode runs in `generate`, `demo`, `eval` and `bench`; the scheduler decodes in trust mode.
+    # Verify and compress modes run in `generate`, `demo`, `eval` and `bench`; the scheduler decodes in trust mode.
     "mode": (None, "trust"),
 }
 
