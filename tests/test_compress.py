@@ -32,7 +32,7 @@ def merged_steps(steps: list[int]) -> list[int]:
 
 def with_merger(arch: str, merger: KVMerger | None = None) -> HamburgerModel:
     model = hamburger(arch, k=4)
-    model.attach_merger(merger or random_merger(model.base))
+    model.attach_merger(merger or random_merger(model.base, channels=arch == "qwen2"))
     return model
 
 

@@ -17,9 +17,9 @@ from hamburger.merger import (
 )
 
 
-def random_merger(base, gates: bool = True, seed: int = 0) -> KVMerger:
+def random_merger(base, gates: bool = True, seed: int = 0, channels: bool = False) -> KVMerger:
     """A merger far from its initialisation, so a wrong offset, bias or gate shows in the logits."""
-    merger = KVMerger.for_base(base.config, 4, gates=gates)
+    merger = KVMerger.for_base(base.config, 4, gates=gates, channels=channels)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in merger.parameters():
@@ -77,7 +77,7 @@ def test_merger_weights_are_offsets_from_the_steps_end():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_parallel_form_equals_stepwise_decoding(arch):
     base = tiny_base(arch)
-    merger = random_merger(base)
+    merger = random_merger(base, channels=arch == "qwen2")  # per-head weights on one, per-channel on the other
     batch = examples(4, seed=1)
     together = parallel_forward(base, merger, *zip(*batch))  # a right-padded batch of 4
     layout = Layout.build(*zip(*batch))
@@ -161,3 +161,39 @@ def test_train_merger_command(tmp_path, tiny_model_dir, capsys):
     steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
     assert steps[0] == 0 and steps[-1] == 3
     assert "resumed at step 2" in capsys.readouterr().err
+
+
+def test_per_channel_weights_merge_each_channel_on_its_own():
+    merger = KVMerger.for_base(tiny_base().config, 4, channels=True)
+    with torch.no_grad():  # channel 0 takes the step's last token, channel 1 its first, the rest the mean
+        merger.k_logits[0, :, 0, 0] = 50.0
+        merger.k_logits[0, :, 2, 1] = 50.0
+    k = torch.randn(1, 2, 3, 16)
+    mk, _ = merger.merge(0, k, k, torch.tensor([3]))
+    assert torch.allclose(mk[0, :, 0, 0], k[0, :, 2, 0], atol=1e-5)
+    assert torch.allclose(mk[0, :, 0, 1], k[0, :, 0, 1], atol=1e-5)
+    assert torch.allclose(mk[0, :, 0, 2:], k[0, :, :, 2:].mean(1), atol=1e-5)
+    # The decoder's all-layers form agrees with the per-layer one.
+    ks = torch.randn(4, 2, 2, 4, 16)  # (L, B, kvh, width, hd)
+    lengths = torch.tensor([2, 4])
+    with torch.no_grad():
+        merger.k_logits.normal_()
+        merger.v_logits.normal_()
+    mk_all, mv_all = merger.merge_all_layers(ks, ks * 2, lengths)
+    for layer in range(4):
+        mk, mv = merger.merge(layer, ks[layer], ks[layer] * 2, lengths)
+        assert torch.allclose(mk_all[layer], mk[:, :, 0], atol=1e-5)
+        assert torch.allclose(mv_all[layer], mv[:, :, 0], atol=1e-5)
+
+
+def test_a_merger_saved_with_per_head_weights_still_loads(tmp_path):
+    """Mergers saved before per-channel weights existed hold (layers, kv_heads, K) logits."""
+    from safetensors.torch import save_file
+
+    merger = random_merger(tiny_base(), gates=False)
+    state = {k: v.detach().clone() for k, v in merger.state_dict().items()}
+    state["k_logits"], state["v_logits"] = state["k_logits"][..., 0], state["v_logits"][..., 0]
+    config = {k: v for k, v in merger.config.items() if k != "channels"}
+    save_file(state, str(tmp_path / "old.safetensors"), metadata={"config": json.dumps(config)})
+    again = KVMerger.load(tmp_path / "old.safetensors")
+    assert torch.equal(again.k_logits, merger.k_logits) and torch.equal(again.a, merger.a)

@@ -39,42 +39,45 @@ WEIGHTS = "merger.safetensors"
 
 
 class KVMerger(nn.Module):
-    """Per layer and KV head: softmax logits over step offsets for K and for V (zeros: the mean); per layer
-    and query head: the merged entry's bias a*log k + c; optionally per-channel gates on merged K and V."""
+    """Per layer and KV head: softmax logits over step offsets for K and for V (zeros: the mean), one set per
+    head or, with `channels`, one per head and channel; per layer and query head: the merged entry's bias
+    a*log k + c; optionally per-channel gates on merged K and V."""
 
     def __init__(self, layers: int, kv_heads: int, heads: int, max_step_tokens: int, head_dim: int,
-                 gates: bool = False) -> None:
+                 gates: bool = False, channels: bool = False) -> None:
         super().__init__()
         self.config = dict(layers=layers, kv_heads=kv_heads, heads=heads, max_step_tokens=max_step_tokens,
-                           head_dim=head_dim, gates=gates)
+                           head_dim=head_dim, gates=gates, channels=channels)
         self.max_step_tokens = max_step_tokens
-        self.k_logits = nn.Parameter(torch.zeros(layers, kv_heads, max_step_tokens))
-        self.v_logits = nn.Parameter(torch.zeros(layers, kv_heads, max_step_tokens))
+        shape = (layers, kv_heads, max_step_tokens, head_dim if channels else 1)
+        self.k_logits = nn.Parameter(torch.zeros(shape))
+        self.v_logits = nn.Parameter(torch.zeros(shape))
         self.a = nn.Parameter(torch.ones(layers, heads))
         self.c = nn.Parameter(torch.zeros(layers, heads))
         self.k_gate = nn.Parameter(torch.ones(layers, kv_heads, head_dim)) if gates else None
         self.v_gate = nn.Parameter(torch.ones(layers, kv_heads, head_dim)) if gates else None
 
     @classmethod
-    def for_base(cls, config, max_step_tokens: int, gates: bool = False) -> KVMerger:
+    def for_base(cls, config, max_step_tokens: int, gates: bool = False, channels: bool = False) -> KVMerger:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads,
-                   max_step_tokens, head_dim, gates)
+                   max_step_tokens, head_dim, gates, channels)
 
     def weights(self, logits: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
-        """Softmax over each step's own tokens: (kvh, K) logits, lengths (*) -> (*, kvh, width)."""
+        """Softmax over each step's own tokens: (kvh, K, c) logits, lengths (*) -> (*, kvh, width, c), c = 1 or
+        head_dim."""
         offset = lengths[..., None] - 1 - torch.arange(width, device=lengths.device)  # from the step's end
-        w = logits[:, offset.clamp(min=0)].movedim(0, -2)  # (*, kvh, width)
-        w = w.masked_fill((offset < 0)[..., None, :], float("-inf"))  # padding past the step's end
-        return torch.softmax(w, -1)
+        w = logits[:, offset.clamp(min=0)].movedim(0, -3)  # (*, kvh, width, c)
+        w = w.masked_fill((offset < 0)[..., None, :, None], float("-inf"))  # padding past the step's end
+        return torch.softmax(w, -2)
 
     def merge(self, layer: int, k: torch.Tensor, v: torch.Tensor,
               lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A step's rotated keys and values (*, kvh, width, hd), its first `lengths` (*) tokens real ->
         one merged key and value each (*, kvh, 1, hd). Works for any leading shape (B or B, S)."""
         width = k.shape[-2]
-        mk = (self.weights(self.k_logits[layer], lengths, width).to(k.dtype)[..., None] * k).sum(-2, keepdim=True)
-        mv = (self.weights(self.v_logits[layer], lengths, width).to(v.dtype)[..., None] * v).sum(-2, keepdim=True)
+        mk = (self.weights(self.k_logits[layer], lengths, width).to(k.dtype) * k).sum(-2, keepdim=True)
+        mv = (self.weights(self.v_logits[layer], lengths, width).to(v.dtype) * v).sum(-2, keepdim=True)
         if self.k_gate is not None:
             mk, mv = mk * self.k_gate[layer, :, None].to(k.dtype), mv * self.v_gate[layer, :, None].to(v.dtype)
         return mk, mv
@@ -90,12 +93,12 @@ class KVMerger(nn.Module):
         width = k.shape[-2]
         offset = lengths[:, None] - 1 - torch.arange(width, device=lengths.device)  # (B, width)
 
-        def weights(logits: torch.Tensor) -> torch.Tensor:  # (L, kvh, K) -> (L, B, kvh, width)
-            w = logits[:, :, offset.clamp(min=0)].permute(0, 2, 1, 3)
-            return torch.softmax(w.masked_fill((offset < 0)[None, :, None], float("-inf")), -1)
+        def weights(logits: torch.Tensor) -> torch.Tensor:  # (L, kvh, K, c) -> (L, B, kvh, width, c)
+            w = logits[:, :, offset.clamp(min=0)].permute(0, 2, 1, 3, 4)
+            return torch.softmax(w.masked_fill((offset < 0)[None, :, None, :, None], float("-inf")), -2)
 
-        mk = (weights(self.k_logits).to(k.dtype)[..., None] * k).sum(-2)
-        mv = (weights(self.v_logits).to(v.dtype)[..., None] * v).sum(-2)
+        mk = (weights(self.k_logits).to(k.dtype) * k).sum(-2)
+        mv = (weights(self.v_logits).to(v.dtype) * v).sum(-2)
         if self.k_gate is not None:
             mk, mv = mk * self.k_gate[:, None].to(k.dtype), mv * self.v_gate[:, None].to(v.dtype)
         return mk, mv
@@ -118,7 +121,11 @@ class KVMerger(nn.Module):
         with safe_open(str(path), "pt") as f:
             meta = f.metadata()
             merger = cls(**json.loads(meta.pop("config")))
-            merger.load_state_dict({k: f.get_tensor(k) for k in f.keys()})
+            state = {k: f.get_tensor(k) for k in f.keys()}
+            for name in ("k_logits", "v_logits"):  # saved before per-channel weights existed: (L, kvh, K)
+                if state.get(name) is not None and state[name].dim() == 3:
+                    state[name] = state[name][..., None]
+            merger.load_state_dict(state)
         merger.meta = meta
         return merger
 
@@ -303,6 +310,7 @@ class MergerArgs:
     max_step_tokens: int = 4
     random_steps: bool = False  # cut responses into uniform random steps of 1..K instead of the data's
     gates: bool = False
+    channels: bool = False  # softmax weights per channel, not per head
     eval_fraction: float = 0.05  # the same held-out split as `hamburger train`
     eval_examples: int = 30
     eval_every: int = 100
@@ -371,7 +379,7 @@ class MergerTrainer:
                 self.held.append((ids, ex.prompt_len, steps))
         base.requires_grad_(False)
         base.eval()
-        self.merger = KVMerger.for_base(base.config, k, args.gates).to(next(base.parameters()).device)
+        self.merger = KVMerger.for_base(base.config, k, args.gates, args.channels).to(next(base.parameters()).device)
         self.opt = torch.optim.Adam(self.merger.parameters(), lr=args.lr)
         total = max(1, args.max_steps)  # cosine from lr to lr/10: the late steps refine
         self.sched = torch.optim.lr_scheduler.LambdaLR(
@@ -424,6 +432,15 @@ class MergerTrainer:
         if not (state / "trainer.json").is_file():
             return False
         saved = torch.load(state / "state.pt", weights_only=True)
+        # A run saved before per-channel weights existed keeps (L, kvh, K) logits: the same numbers, one dim less.
+        params = dict(self.merger.named_parameters())
+        saved["merger"] = {k: v.view(params[k].shape) if k in params and v.numel() == params[k].numel() else v
+                           for k, v in saved["merger"].items()}
+        shapes = [p.shape for p in self.merger.parameters()]
+        for i, st in saved["optimizer"]["state"].items():
+            for key, v in st.items():
+                if v.dim() and v.shape != shapes[i] and v.numel() == shapes[i].numel():
+                    st[key] = v.view(shapes[i])
         self.merger.load_state_dict(saved["merger"])
         self.opt.load_state_dict(saved["optimizer"])
         self.sched.load_state_dict(saved["scheduler"])
@@ -497,7 +514,9 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--resume", action="store_true")
     p.add_argument("--random-steps", action="store_true", help="cut responses into random steps of 1..K")
     p.add_argument("--gates", action="store_true", help="per-channel gates on merged keys and values")
+    p.add_argument("--channels", action="store_true", help="merge weights per channel (not per head): "
+                   "head_dim times the parameters")
     for name, f in MergerArgs.__dataclass_fields__.items():
-        if name not in ("data", "out", "random_steps", "gates"):
+        if name not in ("data", "out", "random_steps", "gates", "channels"):
             p.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=f.default)
     p.set_defaults(func=cmd_train_merger)
