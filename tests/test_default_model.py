@@ -126,3 +126,21 @@ def test_verify_mode_on_the_shipped_default_is_the_base():
         ref = model.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
         assert tokens == ref[0, len(prompt):].tolist()
     assert out.stats.drafted_tokens > 0 and out.stats.tokens_per_forward > 1.0
+
+
+def test_compress_mode_on_the_shipped_default_follows_the_mergers_reference():
+    """Compress mode on the real model with the shipped merger, batched: every token is the argmax of the
+    merger's step-by-step reference over the steps the run closed, and the cache holds one entry per step."""
+    from hamburger.engine import Engine
+    from hamburger.merger import stepwise_forward
+    from hamburger.model import load_model
+
+    model, trained = load_model("default")
+    if not trained or model.merger is None:
+        pytest.skip("no trained checkpoint with a KV merger ships in this build")
+    prompts = [chat_ids(model.tokenizer, q) for q in QUESTIONS]
+    out = Engine(model).generate(prompts, max_new_tokens=24, confidence=0.1, mode="compress")
+    for prompt, tokens, steps in zip(prompts, out.tokens, out.steps):
+        logits = stepwise_forward(model.base, model.merger, prompt + tokens, len(prompt), steps[1:] + [1])[0]
+        assert logits.argmax(-1).tolist() == tokens
+    assert out.stats.kv_entries == out.stats.prompt_tokens + out.stats.macro_steps
