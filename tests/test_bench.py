@@ -113,3 +113,57 @@ def test_bench_agreement():
     assert agreement(ref, ref) == {"same_as_float": 1.0, "prefix_vs_float": 1.0, "compared_replies": 2}
     got = agreement(ref, {(1,): [5, 6, 0, 1], (2,): [8, 9, 10, 11]})
     assert got["same_as_float"] == 0 and got["prefix_vs_float"] == (2 / 4 + 2 / 4) / 2
+
+
+def test_llama_cpp_is_skipped_with_the_reason(tmp_path, checkpoint, capsys, monkeypatch):
+    """Without llama-cpp-python (or without a GGUF base) the system is skipped, the reason logged and kept."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if not installed
+    from hamburger.llamacpp import Unavailable, llama_cpp_system
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(Unavailable, match="llama-cpp-python is not installed"):
+        llama_cpp_system(gguf, {1})
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(checkpoint), "--systems", "engine_base,llama_cpp", "--sets", "chat",
+                 "--batch-sizes", "1", "--max-new-tokens", "4", "--runs", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["system"] for r in result["rows"]] == ["engine_base"]
+    assert "llama.cpp needs the base as a .gguf file" in result["skipped"]["llama_cpp"]  # a tiny HF-format base
+    assert "llama_cpp: skipped" in capsys.readouterr().err
+
+
+def test_llama_cpp_system_times_greedy_generation(tmp_path, monkeypatch):
+    """The llama_cpp system against a stand-in for llama-cpp-python: greedy settings, a fresh cache per prompt,
+    EOS and the token limit respected, the figures counted like every other system's."""
+    import sys
+    import types
+
+    calls = []
+
+    class FakeLlama:
+        def __init__(self, model_path, **kwargs):
+            calls.append(("init", model_path, kwargs["n_batch"], kwargs["n_threads"]))
+
+        def reset(self):
+            calls.append(("reset",))
+
+        def generate(self, tokens, temp, top_k, repeat_penalty, **kwargs):
+            assert temp == 0.0 and top_k == 1 and repeat_penalty == 1.0
+            yield from [len(tokens) + 10, len(tokens) + 11, 1, 99, 99]  # EOS (1) at the third token
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    from hamburger.llamacpp import llama_cpp_system
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" * 10)
+    record: dict = {}
+    run = llama_cpp_system(gguf, {1}, record=record)
+    stats = run([[5, 6], [7, 8, 9]], 8)
+    assert stats.sequences == 2 and stats.prompt_tokens == 5 and stats.generated_tokens == 6
+    assert record[(5, 6)] == [12, 13, 1] and record[(7, 8, 9)] == [13, 14, 1]
+    assert run([[5, 6]], 2).generated_tokens == 2  # the token limit
+    assert calls[0][2] == 1 and [c for c in calls if c == ("reset",)] == [("reset",)] * 3
+    assert run.weights_bytes == 40

@@ -12,6 +12,8 @@ Systems (`--systems`):
   data instead of the stop head: the speed at the data's tokens per step (the tokens are not the point);
 - `hamburger_verify`: verify mode on the fast engine: the micro-step decoder drafts, the base checks, the
   output is exactly the base's (at the checkpoint's verify confidence, or `--verify-confidence`);
+- `llama_cpp`: llama.cpp (`llama-cpp-python`, skipped with the reason when it is not installed) on the GGUF the
+  base was loaded from, batch 1, threads = cores: the CPU anchor (`hamburger.llamacpp`);
 - `hamburger_compress`: compress mode (needs a KV merger in the checkpoint): verify's drafting, checked by a
   base that keeps each decided step as one merged KV entry (same confidence as `hamburger_verify`).
 
@@ -44,12 +46,13 @@ import torch
 
 from hamburger.errors import HamburgerError
 from hamburger.generate import left_pad
+from hamburger.llamacpp import Unavailable
 from hamburger.metrics import GenerationStats
 
 SETS = ("code", "math", "chat", "long")
 SYSTEMS = ("hf_generate", "engine_base", "prompt_lookup", "spec_int8_k2", "spec_int8_k4", "hamburger_ref",
-           "hamburger_engine", "hamburger_forced", "hamburger_verify", "hamburger_compress")
-BATCH1_ONLY = ("prompt_lookup", "spec_int8_k2", "spec_int8_k4")
+           "hamburger_engine", "hamburger_forced", "hamburger_verify", "hamburger_compress", "llama_cpp")
+BATCH1_ONLY = ("prompt_lookup", "spec_int8_k2", "spec_int8_k4", "llama_cpp")
 HAMBURGER = ("hamburger_ref", "hamburger_engine")
 TRAINED_ONLY = HAMBURGER + ("hamburger_forced", "hamburger_verify", "hamburger_compress")  # systems that need a trained checkpoint
 
@@ -239,6 +242,11 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
         draft = int8_draft(base)
         draft.generation_config.num_assistant_tokens = int(name.removeprefix("spec_int8_k"))
         return lambda prompts, n: hf_call(base, prompts, n, eos, pad, record, assistant_model=draft)
+    if name == "llama_cpp":
+        from hamburger.llamacpp import gguf_path, llama_cpp_system
+
+        refs = [getattr(base.config, "hamburger_ref", None), hamburger_model.config.base_model]
+        return llama_cpp_system(gguf_path([r for r in refs if r]), eos, record=record)
     if name == "hamburger_forced":
         if forced is None:
             raise HamburgerError("the hamburger_forced system needs --forced-steps SEGMENTED_JSONL")
@@ -427,6 +435,7 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
     main_conf = default_conf if default_conf in confidences else confidences[0]
     entry_bytes = kv_bytes_per_entry(hamburger_model)
     rows, outputs = [], {}  # outputs: (scheme, system, confidence, batch) -> {prompt: generated tokens}
+    skipped: dict[str, str] = {}  # systems that cannot run here, and why
     for scheme in schemes:
         model = hamburger_model if scheme == "none" else load_quantized(scheme)
         plain = HamburgerModel.plain(model.base, model.tokenizer)
@@ -435,7 +444,12 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
         for name in systems:
             for conf in (confidences if name in HAMBURGER else [None]):
                 record: dict = {}
-                system = make_system(name, model, plain, conf or 1.0, compile, forced, verify_confidence, record)
+                try:
+                    system = make_system(name, model, plain, conf or 1.0, compile, forced, verify_confidence, record)
+                except Unavailable as exc:
+                    skipped[name + suffix] = str(exc)
+                    log(f"{name}{suffix}: skipped ({exc})")
+                    continue
                 for batch in batch_sizes:
                     if name in BATCH1_ONLY and batch > 1:
                         continue
@@ -454,7 +468,9 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
                     row["kv_bytes"] = row["kv_entries"] * entry_bytes
                     row["kv_entries_per_generated_token"] = generated_entries * drafts / max(1, row["generated_tokens"])
                     # The weights the system decodes with (spec_*: the base; its INT8 draft copy is not counted).
-                    row["weights_mb"] = weights["hamburger" if name in TRAINED_ONLY else "base"] / 2**20
+                    row["weights_mb"] = getattr(system, "weights_bytes", None) or \
+                        weights["hamburger" if name in TRAINED_ONLY else "base"]
+                    row["weights_mb"] /= 2**20
                     outputs[scheme, name, conf, batch] = dict(record)
                     if scheme != "none" and ("none", name, conf, batch) in outputs:
                         row.update(agreement(outputs["none", name, conf, batch], record))
@@ -463,7 +479,7 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
         del model, plain
     summary = summarize(rows, main_conf)
     costs = step_costs(hamburger_model) if any(n in TRAINED_ONLY for n in systems) else {}
-    return {"rows": rows, "summary": summary, "step_costs": costs, "confidence": main_conf, "kv_curve": kv_curve(hamburger_model, prompts,
+    return {"rows": rows, "summary": summary, "skipped": skipped, "step_costs": costs, "confidence": main_conf, "kv_curve": kv_curve(hamburger_model, prompts,
             max_new, main_conf), "device": describe_device(device), "kv_bytes_per_entry": entry_bytes}
 
 
@@ -487,6 +503,9 @@ def summarize(rows: list[dict], conf: float) -> dict:
             if row and base and base["decode_tokens_per_s"]:
                 out[f"{mode}_vs_base_b{batch}"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
                 out[f"{mode}_tokens_per_forward_b{batch}"] = row["tokens_per_forward"]
+        llama = find(rows, "llama_cpp", batch)
+        if llama and base and llama["decode_tokens_per_s"]:
+            out[f"engine_base_vs_llama_cpp_b{batch}"] = base["decode_tokens_per_s"] / llama["decode_tokens_per_s"]
         compress = find(rows, "hamburger_compress", batch)
         if compress:
             out[f"compress_kv_entries_per_generated_token_b{batch}"] = compress["kv_entries_per_generated_token"]
@@ -495,7 +514,7 @@ def summarize(rows: list[dict], conf: float) -> dict:
             continue
         for other, key in (("engine_base", "base"), ("hf_generate", "hf_generate"), ("prompt_lookup", "prompt_lookup"),
                            ("spec_int8_k2", "spec_int8_k2"), ("spec_int8_k4", "spec_int8_k4"),
-                           ("hamburger_ref", "hamburger_ref")):
+                           ("hamburger_ref", "hamburger_ref"), ("llama_cpp", "llama_cpp")):
             row = find(rows, other, batch, conf if other in HAMBURGER else None)
             if row and row["decode_tokens_per_s"]:
                 out[f"hamburger_vs_{key}_b{batch}"] = ham["decode_tokens_per_s"] / row["decode_tokens_per_s"]
@@ -677,7 +696,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     schemes = parse_schemes(args.quantize, many=True)
     if args.max_new_tokens < 1 or args.runs < 1 or args.prompts_per_set < 1:
         raise HamburgerError("--max-new-tokens, --runs and --prompts-per-set must be >= 1")
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    systems = [s.strip() for s in (args.systems or ",".join(SYSTEMS)).split(",") if s.strip()]
     if unknown := [s for s in systems if s not in SYSTEMS]:
         raise HamburgerError(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
     sets = [s.strip() for s in args.sets.split(",") if s.strip()]
@@ -703,6 +722,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         systems = [s for s in systems if s not in TRAINED_ONLY]
         print(f"note: {args.model} is a base model, not a HAMburger checkpoint: HAMburger systems are skipped",
               file=sys.stderr)
+    elif args.systems is None and model.merger is None and "hamburger_compress" in systems:
+        systems.remove("hamburger_compress")  # named explicitly, it fails with the reason instead
+        print("note: the checkpoint has no KV merger: hamburger_compress is skipped", file=sys.stderr)
     confidences = parse_confidences(args.confidence) or [model.config.default_confidence]
     messages = [m for name in sets for m in bench_messages(name, args.prompts_per_set)]
     prompts = [encode_chat(model.tokenizer, m) for m in messages]
@@ -729,7 +751,7 @@ def register(sub, add_model_args) -> None:
     p = sub.add_parser("bench", help="decode speed, TTFT, KV entries and memory against HF generate, prompt lookup, "
                        "INT8 speculative decoding and the base in the same engine")
     add_model_args(p)
-    p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list from {', '.join(SYSTEMS)}")
+    p.add_argument("--systems", default=None, help=f"comma list from {', '.join(SYSTEMS)} (default: all that apply)")
     p.add_argument("--sets", default=",".join(SETS), help=f"prompt sets, from {', '.join(SETS)}")
     p.add_argument("--prompts-per-set", type=int, default=1)
     p.add_argument("--max-new-tokens", type=int, default=256)
