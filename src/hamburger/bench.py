@@ -246,7 +246,10 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
         from hamburger.llamacpp import gguf_path, llama_cpp_system
 
         refs = [getattr(base.config, "hamburger_ref", None), hamburger_model.config.base_model]
-        return llama_cpp_system(gguf_path([r for r in refs if r]), eos, record=record)
+        system = llama_cpp_system(gguf_path([r for r in refs if r]), eos, record=record)
+        # llama.cpp keeps keys and values in float16 by default
+        system.kv_bytes_per_entry = kv_bytes_per_entry(plain_model) // next(base.parameters()).element_size() * 2
+        return system
     if name == "hamburger_forced":
         if forced is None:
             raise HamburgerError("the hamburger_forced system needs --forced-steps SEGMENTED_JSONL")
@@ -465,7 +468,7 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
                     drafts = 2 if name.startswith("spec_") else 1  # the draft keeps a cache of the same shape
                     generated_entries = row["kv_entries"] - row["prompt_tokens"]
                     row["kv_entries"] *= drafts
-                    row["kv_bytes"] = row["kv_entries"] * entry_bytes
+                    row["kv_bytes"] = row["kv_entries"] * getattr(system, "kv_bytes_per_entry", entry_bytes)
                     row["kv_entries_per_generated_token"] = generated_entries * drafts / max(1, row["generated_tokens"])
                     # The weights the system decodes with (spec_*: the base; its INT8 draft copy is not counted).
                     row["weights_mb"] = getattr(system, "weights_bytes", None) or \
