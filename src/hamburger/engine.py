@@ -186,7 +186,7 @@ class Engine:
               last: bool = True) -> list[torch.Tensor]:
         """Base pass over (B, T, d) at cache slots start.. -> [final normed state, feature_1 .. feature_m] at the
         last position, each (B, d); with `last=False` at every position, each (B, T, d). `mask`: one for every
-        layer, or a list of per-layer masks (compress mode's merged entries carry a per-layer bias)."""
+        layer, or a function of the layer index (compress mode's merged entries carry a per-layer bias)."""
         model, base = self.model, self.base
         wanted = model.micro.feature_layers if self.k > 1 else []
         depth = len(base.layers)
@@ -195,7 +195,7 @@ class Engine:
         x = embeds
         with model.slot_adapters.gated(merged):
             for i, layer in enumerate(base.layers):
-                x = layer_forward(layer, x, rope, cache, i, start, mask[i] if isinstance(mask, list) else mask)
+                x = layer_forward(layer, x, rope, cache, i, start, mask(i) if callable(mask) else mask)
                 if i + 1 in wanted and i + 1 < depth:
                     feats[i + 1] = x[:, -1] if last else x
         final = base.norm(x[:, -1] if last else x)

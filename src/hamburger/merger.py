@@ -103,13 +103,6 @@ class KVMerger(nn.Module):
             mk, mv = mk * self.k_gate[:, None].to(k.dtype), mv * self.v_gate[:, None].to(v.dtype)
         return mk, mv
 
-    def bias_all_layers(self, merged_len: torch.Tensor) -> torch.Tensor:
-        """Additive attention bias of every cache entry, (B, S) tokens merged into it (0: an ordinary entry,
-        no bias) -> (L, B, heads, S)."""
-        logk = torch.log(merged_len.clamp(min=1).to(self.a.dtype))[None, :, None]
-        bias = self.a[:, None, :, None] * logk + self.c[:, None, :, None]
-        return bias.masked_fill((merged_len == 0)[None, :, None], 0.0)
-
     def save(self, path: str | Path, **meta: str) -> None:
         """Float32 safetensors with the config (and `meta`, strings) in the header: a few kB."""
         tensors = {k: v.detach().float().contiguous() for k, v in self.state_dict().items()}

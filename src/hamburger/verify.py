@@ -170,10 +170,8 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
         end = max(cache_len) + t
         key = torch.arange(end, device=dev)
         step_mask = (valid[:, None, None, :end] & (key[None, None, None] <= slots[:, None, :, None]))
-        if merger is not None:  # one mask per layer: -inf where hidden, the merger's bias on merged entries
-            floor = torch.zeros(step_mask.shape, dtype=engine.dtype, device=dev).masked_fill(~step_mask, float("-inf"))
-            bias = merger.bias_all_layers(merged_len[:, :end]).to(engine.dtype)[:, :, :, None]  # (L, B, H, 1, end)
-            step_mask = list(floor[None] + bias)
+        if merger is not None:  # per layer: -inf where hidden, the merger's bias on merged entries
+            step_mask = merged_mask(merger, step_mask, merged_len[:, :end], engine.dtype)
         states = engine._base(model.embed(tokens), next_pos[:, None] + offsets, cache, RowSlots(slots, end), step_mask,
                               last=False)
         gen.stats.base_forwards += 1
@@ -196,6 +194,21 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
         else:
             cache_len = [c if done[b] else c + 1 + kept_l[b] for b, c in enumerate(cache_len)]
         next_pos += (1 + kept) * torch.tensor([not d for d in done], device=dev)
+
+
+def merged_mask(merger: KVMerger, visible: torch.Tensor, merged_len: torch.Tensor, dtype):
+    """The attention mask of layer i as a function of i: visible (B, 1, T, S) -> (B, H, T, S) floats, -inf where
+    hidden and a*log k + c on entries that merge k tokens (`merged_len` (B, S), 0: an ordinary entry). Built one
+    layer at a time: all layers at once would be layers x heads x T x S floats per row."""
+    floor = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+    logk = torch.log(merged_len.clamp(min=1).to(merger.a.dtype))[:, None]  # (B, 1, S)
+    on = (merged_len > 0)[:, None].to(merger.a.dtype)
+
+    def layer(i: int) -> torch.Tensor:
+        bias = (merger.a[i][None, :, None] * logk + merger.c[i][None, :, None]) * on  # (B, H, S)
+        return floor + bias.to(dtype)[:, :, None]
+
+    return layer
 
 
 def merge_step(merger: KVMerger, cache: KVCache, start: torch.Tensor, lengths: torch.Tensor,
