@@ -9,6 +9,9 @@ min(1, p(d)/q(d)), else draw from max(p - q, 0)), so the output follows the base
 
 Rows accept different numbers of tokens, so each row keeps its own cache length: a pass writes at each
 row's own slots (`RowSlots`) and a rejected draft's entries are simply overwritten by the next pass.
+
+Compress mode is the same loop with a KV merger: each decided step is then merged into one KV entry, and the
+drafts are checked against a base whose past steps are merged (`merge_step`, `merged_mask`).
 """
 
 from __future__ import annotations
