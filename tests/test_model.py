@@ -236,3 +236,40 @@ def test_held_out_metrics_are_means_over_the_whole_set_not_over_batches():
         assert got["stop_loss"] == pytest.approx(one_batch.stop_loss.item(), rel=1e-5)
         assert got["loss"] == pytest.approx(one_batch.loss.item(), rel=1e-5)
     assert metrics_from_counts({"ce_loss": (6.0, 3), "token_acc@3": (0.0, 0)}) == {"loss": 2.0, "ce_loss": 2.0}
+
+
+def test_dense_losses_distil_the_unmerged_base_at_the_right_positions(arch):
+    """kd_loss is KL(base reading the tokens one per position || model) at every target, the base's logits taken
+    where it predicts that very token; state_loss compares each merged slot with the base at its step's last token."""
+    model = hamburger(arch, k=4)
+    batch = collate(EXAMPLES, 4, PAD)
+    out = model(batch, kd_weight=0.7, state_weight=0.3)
+    with torch.no_grad():
+        want = []
+        for ex in EXAMPLES:
+            logits = model.base(torch.tensor([ex.input_ids])).logits[0]
+            want.append(logits[ex.prompt_len - 1 : len(ex.input_ids) - 1])  # predicts each response token
+        want = torch.log_softmax(torch.cat(want).float(), -1)
+    kd = torch.nn.functional.kl_div(torch.log_softmax(out.logits, -1), want, log_target=True, reduction="batchmean")
+    torch.testing.assert_close(out.kd_loss, kd)
+    plain = model(batch)
+    torch.testing.assert_close(out.loss, plain.loss + 0.7 * out.kd_loss + 0.3 * out.state_loss)
+    assert plain.kd_loss is None and plain.state_loss is None
+    assert out.merged_slots == 2  # steps [2, 1, 3] then [4, 1]: slots for [2, 1] and [4], two of them merged
+    assert out.state_loss > 0
+    out.loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.embedder.parameters())
+    metrics = out.metrics(4)
+    assert metrics["kd_loss"] == pytest.approx(out.kd_loss.item(), rel=1e-5)
+    assert metrics["state_loss"] == pytest.approx(out.state_loss.item(), rel=1e-5)
+
+
+def test_dense_losses_vanish_when_nothing_is_smashed():
+    """One token per step is the base exactly: nothing to distil, no merged slot to compare."""
+    model = hamburger("llama", k=4)
+    ones = [SegmentedExample(ex.input_ids, ex.prompt_len, [1] * (len(ex.input_ids) - ex.prompt_len)) for ex in EXAMPLES]
+    with torch.no_grad():
+        out = model(collate(ones, 4, PAD), dense_metrics=True)
+    assert out.kd_loss.item() == pytest.approx(0.0, abs=1e-5)
+    assert out.merged_slots == 0 and out.state_loss.item() == 0.0
+    torch.testing.assert_close(out.loss, model(collate(ones, 4, PAD)).loss)  # dense_metrics alone adds nothing

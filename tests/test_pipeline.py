@@ -311,7 +311,7 @@ def test_export_writes_a_smaller_loadable_checkpoint(tmp_path, tiny_model_dir, c
     assert main(["export", str(tmp_path / "ckpt"), str(tmp_path / "m"), "--merge-lora"]) == 2
 
 
-def test_continue_a_checkpoint_with_slot_adapters(tmp_path, checkpoint):
+def test_continue_a_checkpoint_with_slot_adapters(tmp_path, checkpoint, capsys):
     """`train --model CKPT --slot-adapter-rank R`: adapters are added, learn, ship; the base stays untouched."""
     make_data(tmp_path / "data.jsonl")
     before = HamburgerModel.from_pretrained(checkpoint)
@@ -319,6 +319,7 @@ def test_continue_a_checkpoint_with_slot_adapters(tmp_path, checkpoint):
     assert main(["train", "--data", str(tmp_path / "data.jsonl"), "--out", str(tmp_path / "run"), "--model",
                  str(checkpoint), "--slot-adapter-rank", "4", "--max-steps", "3", "--batch-size", "4", "--lr", "3e-3",
                  "--no-bf16", "--eval-every", "3", "--save-every", "3"]) == 0
+    assert "step 3/3 loss" in capsys.readouterr().err  # stderr is no terminal here: plain progress lines
     after = HamburgerModel.from_pretrained(tmp_path / "run" / "hamburger")
     assert after.config.slot_adapter_rank == 4
     assert fingerprint(after.base) == base_print
@@ -337,3 +338,19 @@ def test_export_stores_a_micro_step_shortlist(tmp_path, checkpoint, capsys):
     assert loaded.config.default_confidence == 0.6
     loaded.save_pretrained(tmp_path / "again")
     assert HamburgerModel.from_pretrained(tmp_path / "again").micro_vocab.tolist() == vocab
+
+
+def test_dense_losses_train_and_are_refused_where_the_base_is_not_the_teacher(tmp_path, tiny_model_dir):
+    make_data(tmp_path / "data.jsonl", reply_vocab=16)
+    run = train_run(tmp_path, "dense", tiny_model_dir, max_steps=4, kd_weight=1.0, state_weight=0.5)
+    start = run.evaluate()
+    final = run.fit(progress=False)
+    assert {"kd_loss", "state_loss"} <= start.keys()  # held-out dense figures, to compare runs by
+    assert final["kd_loss"] < start["kd_loss"]
+    row = json.loads((tmp_path / "dense" / "log.jsonl").read_text().splitlines()[-1])
+    assert row["step"] == 4 and "kd_loss" in row
+    for mode, rank in (("lora", 4), ("full", 0)):
+        with pytest.raises(HamburgerError, match="frozen"):
+            train_run(tmp_path, f"dense-{mode}", tiny_model_dir, lora_rank=rank, mode=mode, kd_weight=1.0)
+    with pytest.raises(HamburgerError, match=">= 0"):
+        train_run(tmp_path, "dense-neg", tiny_model_dir, state_weight=-1.0)

@@ -53,6 +53,10 @@ class SegmentedBatch:
     step_slot: torch.Tensor  # (N,)
     step_tokens: torch.Tensor  # (N, K)
     step_lengths: torch.Tensor  # (N,)
+    # The same examples unmerged, one token per position (right-padded), for the teacher of the dense losses:
+    # a slot's position id indexes it, so token i of step n is predicted there at position_ids[step] + i.
+    full_ids: torch.Tensor  # (B, T)
+    full_mask: torch.Tensor  # (B, T)
 
     def to(self, device: torch.device | str) -> SegmentedBatch:
         return SegmentedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
@@ -96,6 +100,12 @@ def collate(examples: list[SegmentedExample], max_step_tokens: int, pad_token_id
             position_ids[b, i] = pos
         attention_mask[b, : len(slots)] = 1
 
+    full_ids = torch.full((bsz, max(len(ex.input_ids) for ex in examples)), pad_token_id, dtype=torch.long)
+    full_mask = torch.zeros_like(full_ids)
+    for b, ex in enumerate(examples):
+        full_ids[b, : len(ex.input_ids)] = torch.tensor(ex.input_ids)
+        full_mask[b, : len(ex.input_ids)] = 1
+
     step_tokens = torch.full((len(steps_out), k), pad_token_id, dtype=torch.long)
     for n, (_, _, toks) in enumerate(steps_out):
         step_tokens[n, : len(toks)] = torch.tensor(toks)
@@ -108,4 +118,6 @@ def collate(examples: list[SegmentedExample], max_step_tokens: int, pad_token_id
         step_slot=torch.tensor([s for _, s, _ in steps_out], dtype=torch.long),
         step_tokens=step_tokens,
         step_lengths=torch.tensor([len(t) for _, _, t in steps_out], dtype=torch.long),
+        full_ids=full_ids,
+        full_mask=full_mask,
     )

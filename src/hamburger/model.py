@@ -49,6 +49,11 @@ class HamburgerOutput:
     # (T,) the stop labels that count (loss and accuracy): not at in-step index K-1 nor on an EOS token, where
     # a step always ends at inference whatever the stop head says, so the label is always 1 and never used
     stop_mask: torch.Tensor
+    # dense losses (computed only when asked for, else None): KL(unmerged base || model) over every target,
+    # and the merged slots' relative squared distance to the unmerged base's states, averaged over layers
+    kd_loss: torch.Tensor | None = None
+    state_loss: torch.Tensor | None = None
+    merged_slots: int = 0  # how many slots state_loss is a mean over
 
     def metric_counts(self, max_step_tokens: int) -> dict[str, tuple[float, int]]:
         """(sum, count) of each metric over this batch's tokens: add them up over batches, then
@@ -62,6 +67,10 @@ class HamburgerOutput:
             out[f"token_acc@{k}"] = (correct[at_k].sum().item(), int(at_k.sum()))
         stop_right = ((self.stop_logits > 0) == (self.stop_targets > 0.5))[self.stop_mask]
         out["stop_acc"] = (stop_right.sum().item(), m)
+        if self.kd_loss is not None:
+            out["kd_loss"] = (self.kd_loss.item() * t, t)
+        if self.state_loss is not None:
+            out["state_loss"] = (self.state_loss.item() * self.merged_slots, self.merged_slots)
         return out
 
     def metrics(self, max_step_tokens: int) -> dict[str, float]:
@@ -274,12 +283,28 @@ class HamburgerModel(nn.Module):
 
     # --- training forward ----------------------------------------------------------------------------
 
-    def forward(self, batch: SegmentedBatch, verified_stops: bool = False) -> HamburgerOutput:
+    @torch.no_grad()
+    def teacher_states(self, batch: SegmentedBatch) -> tuple[torch.Tensor, ...]:
+        """The unmerged base's hidden states over the batch's examples, one token per position (no slot adapters,
+        which act only at merged slots): the teacher of the dense losses. Frozen base only (`--mode frozen`)."""
+        out = self.base.base_model(input_ids=batch.full_ids, attention_mask=batch.full_mask,
+                                   output_hidden_states=True)
+        return out.hidden_states
+
+    def forward(self, batch: SegmentedBatch, verified_stops: bool = False, kd_weight: float = 0.0,
+                state_weight: float = 0.0, dense_metrics: bool = False) -> HamburgerOutput:
         """Teacher-forced loss on a segmented batch.
 
         `verified_stops`: the stop head also learns to end a step before a token the micro-step decoder gets
         wrong (its argmax differs from the data's token), not only where the segmentation ends it; with
         self-distilled data this makes the confidence knob track agreement with the base.
+
+        Dense losses against the unmerged base (`teacher_states`), added with their weights:
+        `kd_weight`: KL(base || model) of the next-token distribution at every target (token 0 after a smashed
+        slot and the micro tokens), where the base reads the step's tokens one per position;
+        `state_weight`: at every merged slot, ||h - h_base||^2 / ||h_base||^2 at each layer's output, averaged
+        over the layers, where h_base is the base's state at the step's last token (the slot's position).
+        `dense_metrics` computes both (for held-out figures) whatever their weights.
         """
         from hamburger.generate import eos_ids  # noqa: PLC0415 - generate imports this module
 
@@ -323,8 +348,33 @@ class HamburgerModel(nn.Module):
         ce = F.cross_entropy(logits, targets)
         bce = F.binary_cross_entropy_with_logits(stop_logits, stop_targets, reduction="none")
         stop = (bce * stop_mask).sum() / stop_mask.sum().clamp(min=1)
+        loss, kd, state, n_merged = ce + STOP_LOSS_WEIGHT * stop, None, None, 0
+        if kd_weight or state_weight or dense_metrics:
+            teacher = self.teacher_states(batch)
+            step_pos = batch.position_ids[batch.step_batch, batch.step_slot]  # (N,) where the base predicts token 0
+            tb = batch.step_batch[:, None].expand_as(valid)[valid]
+            tp = (step_pos[:, None] + idx[None])[valid]  # token i of a step: predicted at step_pos + i
+            with torch.no_grad():
+                want = F.log_softmax(self.lm_head(teacher[-1][tb, tp]).float(), -1)
+            kd = F.kl_div(F.log_softmax(logits, -1), want, log_target=True, reduction="none").sum(-1).mean()
+            merged = (batch.slot_lengths > 1) & batch.attention_mask.bool()
+            n_merged = int(merged.sum())
+            if n_merged:
+                mb, ms = merged.nonzero(as_tuple=True)
+                mp = batch.position_ids[mb, ms]
+                parts = []
+                for got, ref in zip(hidden[1:], teacher[1:]):
+                    g, r = got[mb, ms].float(), ref[mb, mp].float()
+                    parts.append(((g - r).square().sum(-1) / r.square().sum(-1).clamp(min=1e-6)).mean())
+                state = torch.stack(parts).mean()
+            else:
+                state = hidden[-1].sum() * 0.0
+            loss = loss + kd_weight * kd + state_weight * state
         return HamburgerOutput(
-            loss=ce + STOP_LOSS_WEIGHT * stop,
+            loss=loss,
+            kd_loss=kd,
+            state_loss=state,
+            merged_slots=n_merged,
             ce_loss=ce,
             stop_loss=stop,
             logits=logits,

@@ -57,6 +57,8 @@ class TrainArgs:
     save_every: int = 100
     bf16: bool = True
     verified_stops: bool = False  # the stop head also ends a step before a token the micro-decoder gets wrong
+    kd_weight: float = 0.0  # dense loss: KL(unmerged base || model) at every target (frozen mode)
+    state_weight: float = 0.0  # dense loss: merged slots' states regressed onto the unmerged base's (frozen mode)
     seed: int = 0
 
 
@@ -124,8 +126,10 @@ def configure_optimizer(model: HamburgerModel, args: TrainArgs) -> torch.optim.O
 
 
 @torch.no_grad()
-def evaluate(model, examples: list[SegmentedExample], k: int, pad: int, batch_size: int, device) -> dict[str, float]:
-    """Loss, token accuracy by position in the step and stop accuracy over held-out examples.
+def evaluate(model, examples: list[SegmentedExample], k: int, pad: int, batch_size: int, device,
+             dense: bool = False) -> dict[str, float]:
+    """Loss, token accuracy by position in the step and stop accuracy over held-out examples; with `dense`
+    also the dense losses (KL to the unmerged base, state distance), whatever the run trains on.
 
     Each metric is a mean over the whole set's items it counts (tokens; tokens at in-step index k for
     acc@k; the stop labels that count for the stop loss and accuracy), not a mean of batch means.
@@ -134,7 +138,7 @@ def evaluate(model, examples: list[SegmentedExample], k: int, pad: int, batch_si
     examples = sorted(examples, key=lambda ex: ex.num_slots)
     counts: dict[str, tuple[float, int]] = {}
     for i in range(0, len(examples), batch_size):
-        out = model(collate(examples[i : i + batch_size], k, pad).to(device))
+        out = model(collate(examples[i : i + batch_size], k, pad).to(device), dense_metrics=dense)
         for key, (total, n) in out.metric_counts(k).items():
             before = counts.get(key, (0.0, 0))
             counts[key] = (before[0] + total, before[1] + n)
@@ -147,6 +151,11 @@ class Trainer:
 
         if args.mode not in MODES:
             raise HamburgerError(f"--mode must be one of {MODES}, got {args.mode!r}")
+        if args.kd_weight < 0 or args.state_weight < 0:
+            raise HamburgerError("--kd-weight and --state-weight must be >= 0")
+        if (args.kd_weight or args.state_weight) and args.mode != "frozen":
+            raise HamburgerError("--kd-weight and --state-weight distil the unmerged base, which only stays the "
+                                 f"base in --mode frozen (not --mode {args.mode})")
         self.args, self.out = args, Path(args.out)
         rows = read_examples(Path(args.data))
         bf16 = args.bf16 and (torch.cuda.is_available() or torch.backends.mkldnn.is_available())
@@ -262,12 +271,14 @@ class Trainer:
         with Progress(*columns, disable=not show, console=Console(stderr=True)) as bar:
             task = bar.add_task("train", total=self.total_steps, completed=self.step, info="")
             tokens, t0 = 0, time.perf_counter()
+            said = t0
             self.model.train()
             for idx in self.batches():
                 self.seen.extend(self.train_ids[j] for j in idx)
                 batch = collate([self.train[j] for j in idx], self.k, self.pad).to(self.acc.device)
                 with self.acc.accumulate(self.model):
-                    out = self.model(batch, verified_stops=a.verified_stops)
+                    out = self.model(batch, verified_stops=a.verified_stops, kd_weight=a.kd_weight,
+                                     state_weight=a.state_weight)
                     self.acc.backward(out.loss)
                     if self.acc.sync_gradients:
                         self.acc.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)
@@ -279,7 +290,15 @@ class Trainer:
                     continue
                 self.step += 1
                 rate = tokens * self.acc.num_processes / (time.perf_counter() - t0)
-                bar.update(task, completed=self.step, info=f"loss {out.loss.item():.3f} {rate:.0f} tok/s")
+                info = f"loss {out.loss.item():.3f} {rate:.0f} tok/s"
+                if out.kd_loss is not None:
+                    info += f" (ce {out.ce_loss.item():.3f} kd {out.kd_loss.item():.3f} state {out.state_loss.item():.3f})"
+                bar.update(task, completed=self.step, info=info)
+                if show and not bar.console.is_terminal and (time.perf_counter() - said > 60
+                                                             or self.step == self.total_steps):
+                    said = time.perf_counter()  # a log file gets a plain line a minute instead of a live bar
+                    print(f"step {self.step}/{self.total_steps} {info} elapsed {said - t0:.0f}s", file=sys.stderr,
+                          flush=True)
                 if self.held and (self.step % a.eval_every == 0 or self.step == self.total_steps):
                     metrics = self.evaluate()
                     self.log({"step": self.step, **metrics, "tokens_per_s": rate})
@@ -299,7 +318,7 @@ class Trainer:
         self.model.eval()
         with self.acc.autocast():
             metrics = evaluate(self.acc.unwrap_model(self.model), self.held, self.k, self.pad, self.args.batch_size,
-                               self.acc.device)
+                               self.acc.device, dense=self.args.mode == "frozen")
         self.model.train()
         return metrics
 
@@ -410,8 +429,14 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--no-bf16", dest="bf16", action="store_false")
     p.add_argument("--verified-stops", action="store_true",
                    help="train the stop head to also end a step before a token the micro-step decoder gets wrong")
+    p.add_argument("--kd-weight", type=float, default=0.0,
+                   help="dense loss: KL(unmerged base || model) of the next-token distribution at every target, "
+                   "token 0 after a smashed slot and the micro tokens (--mode frozen)")
+    p.add_argument("--state-weight", type=float, default=0.0,
+                   help="dense loss: each merged slot's states at every layer regressed onto the unmerged base's "
+                   "states at the step's last token (relative squared error; --mode frozen)")
     for name, f in TrainArgs.__dataclass_fields__.items():
-        if name in ("data", "out", "mode", "bf16", "verified_stops"):
+        if name in ("data", "out", "mode", "bf16", "verified_stops", "kd_weight", "state_weight"):
             continue
         p.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=f.default)
     p.set_defaults(func=cmd_train)
