@@ -342,6 +342,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     torch.manual_seed(targs.seed)  # the new modules' initialisation, identical on every process
     if HamburgerConfig.is_checkpoint(args.model):  # continue training a checkpoint's modules
         model = HamburgerModel.from_pretrained(args.model, device=device)
+        print(f"continuing the modules of checkpoint {args.model}", file=sys.stderr)
         if args.slot_adapter_rank and not model.config.slot_adapter_rank:
             model.attach_slot_adapters(args.slot_adapter_rank)
     else:
@@ -350,6 +351,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                               lora_rank=args.lora_rank if targs.mode == "lora" else 0,
                               slot_adapter_rank=args.slot_adapter_rank)
         model = HamburgerModel.wrap(base, tokenizer, cfg)
+        print(f"fresh modules around base {model.config.base_model}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(model, targs)
     if args.resume and trainer.resume():
@@ -418,7 +420,10 @@ def register(sub, add_model_args) -> None:
     p = sub.add_parser("train", help="train the HAMburger modules on segmented data (accelerate launch for DDP)")
     p.add_argument("--data", required=True, help="segmented JSONL from `hamburger segment`")
     p.add_argument("--out", required=True, help="run folder: state/ to resume, hamburger/ the checkpoint, log.jsonl")
-    p.add_argument("--model", default="default", help="base model, or a HAMburger checkpoint to continue")
+    p.add_argument("--model", default="default",
+                   help="a base model to wrap with fresh modules (default: the embedded base), or a HAMburger "
+                   "checkpoint folder whose modules training continues (the shipped one is "
+                   "hamburger/checkpoints/SmolLM2-135M-Instruct in the package)")
     p.add_argument("--mode", choices=MODES, default="frozen")
     p.add_argument("--max-step-tokens", type=int, default=4)
     p.add_argument("--micro-layers", type=int, default=4)
