@@ -293,9 +293,12 @@ def test_ddp_two_processes_see_different_data_and_agree(tmp_path, tiny_model_dir
     (["train", "--data", "/no/such.jsonl", "--out", "OUT", "--model", "MODEL"], "does not exist"),
     (["segment", "--data", "/no/such.jsonl", "--out", "OUT", "--model", "MODEL"], "does not exist"),
     (["distill", "--sources", "nope", "--out", "OUT", "--model", "MODEL"], "unknown source"),
+    (["train", "--data", "DATA", "--out", "OUT", "--model", "MODEL", "--report-to", "tensorbored"], "not a tracker"),
 ])
 def test_pipeline_bad_input(capsys, tmp_path, tiny_model_dir, args, message):
-    args = [str(tmp_path / "o") if a == "OUT" else str(tiny_model_dir) if a == "MODEL" else a for a in args]
+    data = make_data(tmp_path / "data.jsonl")
+    subst = {"OUT": str(tmp_path / "o"), "MODEL": str(tiny_model_dir), "DATA": str(data)}
+    args = [subst.get(a, a) for a in args]
     assert main(args) == 2
     assert message in capsys.readouterr().err
 
@@ -354,3 +357,48 @@ def test_dense_losses_train_and_are_refused_where_the_base_is_not_the_teacher(tm
             train_run(tmp_path, f"dense-{mode}", tiny_model_dir, lora_rank=rank, mode=mode, kd_weight=1.0)
     with pytest.raises(HamburgerError, match=">= 0"):
         train_run(tmp_path, "dense-neg", tiny_model_dir, state_weight=-1.0)
+
+
+def test_held_out_stop_calibration_is_set_wide(tmp_path, tiny_model_dir):
+    """stop_ece: the stop head's expected calibration error (10 bins) over the whole held-out set, the same
+    whatever the evaluation batch size, and equal to the plain definition on the raw probabilities."""
+    from hamburger.data import collate
+    from hamburger.train import evaluate
+
+    make_data(tmp_path / "data.jsonl")
+    run = train_run(tmp_path, "ece", tiny_model_dir, max_steps=1)
+    model = run.hamburger.eval()
+    with torch.no_grad():
+        whole = evaluate(model, run.held, 4, run.pad, 512, "cpu")
+        one_by_one = evaluate(model, run.held, 4, run.pad, 1, "cpu")
+        out = model(collate(run.held, 4, run.pad))
+    assert whole["stop_ece"] == pytest.approx(one_by_one["stop_ece"], abs=1e-5)
+    p = torch.sigmoid(out.stop_logits)[out.stop_mask]
+    y = out.stop_targets[out.stop_mask]
+    which = (p * 10).long().clamp(max=9)
+    ece = sum((which == b).sum() * (p[which == b].mean() - y[which == b].mean()).abs()
+              for b in range(10) if (which == b).any()) / len(p)
+    assert 0 < whole["stop_ece"] < 1 and whole["stop_ece"] == pytest.approx(float(ece), abs=1e-5)
+    assert not any(key.startswith("_") for key in whole)  # the bins stay internal
+
+
+def test_training_reports_to_a_tracker(tmp_path, tiny_model_dir):
+    from accelerate.tracking import get_available_trackers
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    make_data(tmp_path / "data.jsonl")
+    run = train_run(tmp_path, "tb", tiny_model_dir, max_steps=4, report_to="tensorboard")  # held-out every 2
+    run.fit(progress=False)
+    logged = [json.loads(line) for line in (tmp_path / "tb" / "log.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(next((tmp_path / "tb" / "tracker").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    acc0 = [(e.step, e.value) for e in events.Scalars("eval/token_acc@0")]
+    assert acc0 == [(row["step"], pytest.approx(row["token_acc@0"], abs=1e-6)) for row in logged]
+    assert len(acc0) == 2 and [e.step for e in events.Scalars("train/loss")] == [1, 2, 3, 4]
+    with pytest.raises(HamburgerError, match="not a tracker"):
+        train_run(tmp_path, "tb-bad", tiny_model_dir, report_to="tensorbored")
+    missing = [t for t in ("aim", "comet_ml", "mlflow", "clearml", "dvclive", "swanlab")
+               if t not in [str(x) for x in get_available_trackers()]]
+    if missing:
+        with pytest.raises(HamburgerError, match="not installed"):
+            train_run(tmp_path, "tb-missing", tiny_model_dir, report_to=missing[0])

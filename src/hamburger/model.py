@@ -23,6 +23,7 @@ from hamburger.micro_decoder import MicroStepDecoder, StopHead
 from hamburger.slot_adapters import SlotAdapters
 
 STOP_LOSS_WEIGHT = 0.5
+ECE_BINS = 10  # probability bins of the stop head's calibration error (stop_ece)
 WEIGHTS_NAME = "model.safetensors"
 MERGER_NAME = "merger.safetensors"  # compress mode's KV merger, when the checkpoint has one
 MICRO_VOCAB_KEY = "micro_vocab"
@@ -67,6 +68,13 @@ class HamburgerOutput:
             out[f"token_acc@{k}"] = (correct[at_k].sum().item(), int(at_k.sum()))
         stop_right = ((self.stop_logits > 0) == (self.stop_targets > 0.5))[self.stop_mask]
         out["stop_acc"] = (stop_right.sum().item(), m)
+        # Calibration of P(stop): per probability bin, the sum of (p - label) and the count; ECE is
+        # sum over bins of |sum(p - label)| / all counted labels (`metrics_from_counts`).
+        p = torch.sigmoid(self.stop_logits.float())[self.stop_mask]
+        gap = p - self.stop_targets.float()[self.stop_mask]
+        which = (p * ECE_BINS).long().clamp(max=ECE_BINS - 1)
+        for b in range(ECE_BINS):
+            out[f"_stop_bin{b}"] = (gap[which == b].sum().item(), int((which == b).sum()))
         if self.kd_loss is not None:
             out["kd_loss"] = (self.kd_loss.item() * t, t)
         if self.state_loss is not None:
@@ -81,7 +89,10 @@ class HamburgerOutput:
 def metrics_from_counts(counts: dict[str, tuple[float, int]]) -> dict[str, float]:
     """Means from (sum, count) pairs summed over batches; a metric with no count (e.g. acc@3 with no 4-token
     step) is left out. `loss` is recombined from its parts as the training loss is."""
-    out = {key: total / n for key, (total, n) in counts.items() if n}
+    out = {key: total / n for key, (total, n) in counts.items() if n and not key.startswith("_")}
+    bins = [counts[key] for key in counts if key.startswith("_stop_bin")]
+    if bins and sum(n for _, n in bins):
+        out["stop_ece"] = sum(abs(total) for total, _ in bins) / sum(n for _, n in bins)
     if "ce_loss" in out:
         out = {"loss": out["ce_loss"] + STOP_LOSS_WEIGHT * out.get("stop_loss", 0.0), **out}
     return out

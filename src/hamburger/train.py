@@ -60,6 +60,22 @@ class TrainArgs:
     kd_weight: float = 0.0  # dense loss: KL(unmerged base || model) at every target (frozen mode)
     state_weight: float = 0.0  # dense loss: merged slots' states regressed onto the unmerged base's (frozen mode)
     seed: int = 0
+    report_to: str = "none"  # an accelerate tracker (tensorboard, wandb, mlflow, ...) that also gets the metrics
+
+
+def check_tracker(name: str) -> str | None:
+    """The accelerate tracker `--report-to` names, or None for "none"; a clear error if it is unknown or its
+    package is not installed (accelerate itself would skip it silently)."""
+    if name == "none":
+        return None
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers  # noqa: PLC0415
+
+    if name not in LOGGER_TYPE_TO_CLASS:
+        raise HamburgerError(f"--report-to {name!r}: not a tracker accelerate knows; choose none or one of "
+                             f"{', '.join(sorted(LOGGER_TYPE_TO_CLASS))}")
+    if name not in [str(t) for t in get_available_trackers()]:
+        raise HamburgerError(f"--report-to {name}: its package is not installed (pip install {name})")
+    return name
 
 
 def read_examples(path: Path) -> list[tuple[str, SegmentedExample]]:
@@ -159,8 +175,10 @@ class Trainer:
         self.args, self.out = args, Path(args.out)
         rows = read_examples(Path(args.data))
         bf16 = args.bf16 and (torch.cuda.is_available() or torch.backends.mkldnn.is_available())
+        tracker = check_tracker(args.report_to)
         self.acc = Accelerator(gradient_accumulation_steps=args.grad_accum, mixed_precision="bf16" if bf16 else "no",
-                               cpu=not torch.cuda.is_available())  # cpu=True lets torchrun workers use gloo
+                               cpu=not torch.cuda.is_available(),  # cpu=True lets torchrun workers use gloo
+                               log_with=tracker, project_dir=str(self.out / "tracker") if tracker else None)
         torch.manual_seed(args.seed)
         model.config.base_in_checkpoint = args.mode == "full"
         train, held = split_eval(rows, args.eval_fraction)
@@ -183,6 +201,9 @@ class Trainer:
                                                     self.total_steps)
         self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
         self.hamburger = model
+        if tracker:  # under out/tracker/hamburger; every logged row goes there too, by optimizer step
+            config = {k: v for k, v in asdict(args).items() if isinstance(v, (int, float, str, bool))}
+            self.acc.init_trackers("hamburger", config=config)
         self.step, self.seen = 0, []  # optimizer steps done; ids this process trained on (for tests and logs)
         # Without the base training, the resumable state stores only the weights that train (not the whole base).
         from accelerate.utils import DistributedType  # noqa: PLC0415
@@ -294,6 +315,11 @@ class Trainer:
                 if out.kd_loss is not None:
                     info += f" (ce {out.ce_loss.item():.3f} kd {out.kd_loss.item():.3f} state {out.state_loss.item():.3f})"
                 bar.update(task, completed=self.step, info=info)
+                if a.report_to != "none":
+                    parts = {"loss": out.loss, "ce_loss": out.ce_loss, "kd_loss": out.kd_loss, "state_loss": out.state_loss}
+                    row = {f"train/{k}": v.item() for k, v in parts.items() if v is not None}
+                    self.acc.log({**row, "train/tokens_per_s": rate, "train/lr": self.scheduler.get_last_lr()[0]},
+                                 step=self.step)
                 if show and not bar.console.is_terminal and (time.perf_counter() - said > 60
                                                              or self.step == self.total_steps):
                     said = time.perf_counter()  # a log file gets a plain line a minute instead of a live bar
@@ -302,9 +328,13 @@ class Trainer:
                 if self.held and (self.step % a.eval_every == 0 or self.step == self.total_steps):
                     metrics = self.evaluate()
                     self.log({"step": self.step, **metrics, "tokens_per_s": rate})
+                    if a.report_to != "none":
+                        self.acc.log({f"eval/{k}": v for k, v in metrics.items()}, step=self.step)
                 if self.step % a.save_every == 0 or self.step == self.total_steps:
                     self.save()
         self.record_process()
+        if a.report_to != "none":
+            self.acc.end_training()
         return metrics
 
     def record_process(self) -> None:
@@ -333,7 +363,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from accelerate import PartialState  # noqa: PLC0415
 
     targs = TrainArgs(**{f: getattr(args, f) for f in TrainArgs.__dataclass_fields__})
-    read_examples(Path(targs.data))  # fail on bad data before loading a model
+    read_examples(Path(targs.data))  # fail on bad data or a missing tracker before loading a model
+    check_tracker(targs.report_to)
     out = Path(targs.out)
     if out.exists() and any(out.iterdir()) and not args.resume:
         raise HamburgerError(f"{out} is not empty: pass --resume to continue that run, or pick a new --out")
@@ -440,8 +471,11 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--state-weight", type=float, default=0.0,
                    help="dense loss: each merged slot's states at every layer regressed onto the unmerged base's "
                    "states at the step's last token (relative squared error; --mode frozen)")
+    p.add_argument("--report-to", default="none",
+                   help="also send the training and held-out metrics to an accelerate tracker: tensorboard "
+                   "(pip install tensorboard; written under OUT/tracker), wandb, mlflow, ...")
     for name, f in TrainArgs.__dataclass_fields__.items():
-        if name in ("data", "out", "mode", "bf16", "verified_stops", "kd_weight", "state_weight"):
+        if name in ("data", "out", "mode", "bf16", "verified_stops", "kd_weight", "state_weight", "report_to"):
             continue
         p.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=f.default)
     p.set_defaults(func=cmd_train)
