@@ -20,6 +20,9 @@ class SegmentedExample:
     input_ids: list[int]
     prompt_len: int
     steps: list[int]
+    # The base's top-k next tokens at every response token (`hamburger.teacher`), (response tokens, k) each.
+    teacher_ids: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
 
     @property
     def num_slots(self) -> int:
@@ -34,6 +37,10 @@ class SegmentedExample:
             raise HamburgerError(
                 f"steps {self.steps} must be lengths in 1..{max_step_tokens} summing to the response length {response}"
             )
+        if self.teacher_ids is not None and (self.teacher_ids.shape[0] != response
+                                             or self.teacher_logprobs.shape != self.teacher_ids.shape):
+            raise HamburgerError(f"the teacher holds {self.teacher_ids.shape[0]} positions for a response of "
+                                 f"{response} tokens: it was cached for other data (re-run `hamburger segment`)")
 
 
 @dataclass
@@ -57,9 +64,14 @@ class SegmentedBatch:
     # a slot's position id indexes it, so token i of step n is predicted there at position_ids[step] + i.
     full_ids: torch.Tensor  # (B, T)
     full_mask: torch.Tensor  # (B, T)
+    # The cached teacher (when every example has one): the base's top-k at each target, in the targets'
+    # order (examples in batch order, each one's response tokens in order), (T, k) each.
+    teacher_ids: torch.Tensor | None = None
+    teacher_logprobs: torch.Tensor | None = None
 
     def to(self, device: torch.device | str) -> SegmentedBatch:
-        return SegmentedBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        return SegmentedBatch(**{k: v if v is None else v.to(device) for k, v in moved.items()})
 
 
 def step_positions(prompt_len: int, steps: list[int]) -> list[int]:
@@ -106,6 +118,14 @@ def collate(examples: list[SegmentedExample], max_step_tokens: int, pad_token_id
         full_ids[b, : len(ex.input_ids)] = torch.tensor(ex.input_ids)
         full_mask[b, : len(ex.input_ids)] = 1
 
+    teacher_ids = teacher_logprobs = None
+    cached = [ex.teacher_ids is not None for ex in examples]
+    if all(cached):
+        teacher_ids = torch.cat([ex.teacher_ids for ex in examples]).long()
+        teacher_logprobs = torch.cat([ex.teacher_logprobs for ex in examples]).float()
+    elif any(cached):
+        raise HamburgerError("a batch mixes examples with and without a cached teacher")
+
     step_tokens = torch.full((len(steps_out), k), pad_token_id, dtype=torch.long)
     for n, (_, _, toks) in enumerate(steps_out):
         step_tokens[n, : len(toks)] = torch.tensor(toks)
@@ -120,4 +140,6 @@ def collate(examples: list[SegmentedExample], max_step_tokens: int, pad_token_id
         step_lengths=torch.tensor([len(t) for _, _, t in steps_out], dtype=torch.long),
         full_ids=full_ids,
         full_mask=full_mask,
+        teacher_ids=teacher_ids,
+        teacher_logprobs=teacher_logprobs,
     )

@@ -21,6 +21,7 @@ from hamburger.embedder import CompositionalEmbedder
 from hamburger.errors import HamburgerError
 from hamburger.micro_decoder import MicroStepDecoder, StopHead
 from hamburger.slot_adapters import SlotAdapters
+from hamburger.teacher import sparse_kl
 
 STOP_LOSS_WEIGHT = 0.5
 ECE_BINS = 10  # probability bins of the stop head's calibration error (stop_ece)
@@ -361,16 +362,24 @@ class HamburgerModel(nn.Module):
         stop = (bce * stop_mask).sum() / stop_mask.sum().clamp(min=1)
         loss, kd, state, n_merged = ce + STOP_LOSS_WEIGHT * stop, None, None, 0
         if kd_weight or state_weight or dense_metrics:
-            teacher = self.teacher_states(batch)
-            step_pos = batch.position_ids[batch.step_batch, batch.step_slot]  # (N,) where the base predicts token 0
-            tb = batch.step_batch[:, None].expand_as(valid)[valid]
-            tp = (step_pos[:, None] + idx[None])[valid]  # token i of a step: predicted at step_pos + i
-            with torch.no_grad():
-                want = F.log_softmax(self.lm_head(teacher[-1][tb, tp]).float(), -1)
-            kd = F.kl_div(F.log_softmax(logits, -1), want, log_target=True, reduction="none").sum(-1).mean()
+            # The batch's cached teacher (`segment --teacher-top-k`) spares the base's second forward when only KD
+            # trains; held-out figures (`dense_metrics`) always take the full KL, one definition to compare by.
+            from_cache = batch.teacher_ids is not None and not dense_metrics
+            teacher = None if from_cache and not state_weight else self.teacher_states(batch)
+            if from_cache:
+                kd = sparse_kl(logits, batch.teacher_ids, batch.teacher_logprobs).mean()
+            else:
+                step_pos = batch.position_ids[batch.step_batch, batch.step_slot]  # (N,) where the base predicts token 0
+                tb = batch.step_batch[:, None].expand_as(valid)[valid]
+                tp = (step_pos[:, None] + idx[None])[valid]  # token i of a step: predicted at step_pos + i
+                with torch.no_grad():
+                    want = F.log_softmax(self.lm_head(teacher[-1][tb, tp]).float(), -1)
+                kd = F.kl_div(F.log_softmax(logits, -1), want, log_target=True, reduction="none").sum(-1).mean()
             merged = (batch.slot_lengths > 1) & batch.attention_mask.bool()
             n_merged = int(merged.sum())
-            if n_merged:
+            if teacher is None:
+                state = None
+            elif n_merged:
                 mb, ms = merged.nonzero(as_tuple=True)
                 mp = batch.position_ids[mb, ms]
                 parts = []
@@ -380,7 +389,7 @@ class HamburgerModel(nn.Module):
                 state = torch.stack(parts).mean()
             else:
                 state = hidden[-1].sum() * 0.0
-            loss = loss + kd_weight * kd + state_weight * state
+            loss = loss + kd_weight * kd + (state_weight * state if state is not None else 0.0)
         return HamburgerOutput(
             loss=loss,
             kd_loss=kd,

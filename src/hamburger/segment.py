@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from collections import Counter
 from dataclasses import asdict, dataclass
@@ -22,6 +23,7 @@ from hamburger.base import encode_chat
 from hamburger.errors import HamburgerError
 from hamburger.generate import eos_ids
 from hamburger.model import HamburgerModel
+from hamburger.teacher import TeacherWriter, teacher_dir, top_k
 
 
 @dataclass(frozen=True)
@@ -62,8 +64,10 @@ def chat_example(tokenizer, messages: list[dict], eos: set[int]) -> tuple[list[i
 
 
 @torch.no_grad()
-def response_entropies(model: HamburgerModel, batch: list[tuple[list[int], int]]) -> list[list[float]]:
-    """Entropy (nats) of the base's next-token distribution for every response token, teacher-forced."""
+def response_entropies(model: HamburgerModel, batch: list[tuple[list[int], int]], teacher_k: int = 0) -> list[tuple]:
+    """For each example: the entropy (nats) of the base's next-token distribution at every response token,
+    teacher-forced, and with `teacher_k` > 0 the base's top-k ids and log-probabilities there (`teacher.top_k`),
+    else None for both."""
     device = next(model.parameters()).device
     width = max(len(ids) for ids, _ in batch)
     ids = torch.zeros((len(batch), width), dtype=torch.long, device=device)
@@ -74,7 +78,12 @@ def response_entropies(model: HamburgerModel, batch: list[tuple[list[int], int]]
     logits = model.base(input_ids=ids, attention_mask=mask).logits.float()
     logp = torch.log_softmax(logits, dim=-1)
     entropy = -(logp.exp() * logp).sum(-1)  # (B, T): entropy at t predicts token t+1
-    return [entropy[b, p - 1 : len(row) - 1].tolist() for b, (row, p) in enumerate(batch)]
+    out = []
+    for b, (row, p) in enumerate(batch):
+        at = slice(p - 1, len(row) - 1)  # the positions that predict the response tokens
+        teacher = top_k(logits[b, at], teacher_k) if teacher_k else (None, None)
+        out.append((entropy[b, at].tolist(), *teacher))
+    return out
 
 
 def summarize(examples: list[dict], max_step_tokens: int) -> dict:
@@ -110,7 +119,10 @@ def read_chats(path: Path) -> list[dict]:
 
 
 def segment_rows(model: HamburgerModel, rows: list[dict], th: Thresholds, batch_size: int = 8,
-                 progress: bool = True, include_unfinished: bool = False) -> list[dict]:
+                 progress: bool = True, include_unfinished: bool = False, teacher: TeacherWriter | None = None,
+                 teacher_k: int = 0) -> list[dict]:
+    """Each usable row as {id, input_ids, prompt_len, steps}, in the rows' order; with `teacher` and `teacher_k`
+    the base's top-k at every response token also goes to the writer, keyed by the example's id."""
     eos = eos_ids(model)
     encoded = []
     for i, row in enumerate(rows):
@@ -130,8 +142,11 @@ def segment_rows(model: HamburgerModel, rows: list[dict], th: Thresholds, batch_
         task = bar.add_task("segment", total=len(order))
         for start in range(0, len(order), batch_size):
             chunk = [encoded[j] for j in order[start : start + batch_size]]
-            for (i, rid, ids, p), ent in zip(chunk, response_entropies(model, [(ids, p) for _, _, ids, p in chunk])):
+            found = response_entropies(model, [(ids, p) for _, _, ids, p in chunk], teacher_k if teacher else 0)
+            for (i, rid, ids, p), (ent, top_ids, top_logp) in zip(chunk, found):
                 out[i] = {"id": rid, "input_ids": ids, "prompt_len": p, "steps": segment(ent, th)}
+                if teacher is not None:
+                    teacher.add(rid, top_ids, top_logp)
             bar.update(task, advance=len(chunk))
     return [out[i] for i in sorted(out)]
 
@@ -139,23 +154,43 @@ def segment_rows(model: HamburgerModel, rows: list[dict], th: Thresholds, batch_
 def cmd_segment(args: argparse.Namespace) -> int:
     from accelerate import PartialState  # noqa: PLC0415
 
+    from hamburger.base import fingerprint  # noqa: PLC0415
     from hamburger.cli import load_from_args  # noqa: PLC0415
 
     th = Thresholds(args.max_step_tokens, args.abs_threshold, args.rel_threshold)
     if th.max_step_tokens < 1 or args.batch_size < 1:
         raise HamburgerError("--max-step-tokens and --batch-size must be >= 1")
+    if args.teacher_top_k < 0:
+        raise HamburgerError("--teacher-top-k must be >= 0 (0: no teacher cache)")
     out = Path(args.out)
-    if out.exists() and not args.force:
-        raise HamburgerError(f"{out} exists: pass --force to replace it")
+    cache = teacher_dir(out)
+    for path in (out, cache):
+        if path.exists() and not args.force:
+            raise HamburgerError(f"{path} exists: pass --force to replace it")
     rows = read_chats(Path(args.data))
+    if args.teacher_top_k:
+        seen = Counter(str(row.get("id", i)) for i, row in enumerate(rows))
+        twice = [rid for rid, n in seen.items() if n > 1]
+        if twice:
+            raise HamburgerError(f"--teacher-top-k keys the cache by example id, and {len(twice)} ids repeat in "
+                                 f"{args.data} (e.g. {twice[0]!r})")
     state = PartialState(cpu=not torch.cuda.is_available())  # cpu=True lets torchrun workers use gloo
     if state.num_processes > 1 and state.device.type != "cpu":
         args.device = str(state.device)  # one accelerator per process
     model, _ = load_from_args(args)
     mine = rows[state.process_index :: state.num_processes]
     part = out.with_name(f"{out.name}.part{state.process_index}")
+    building = cache.with_name(cache.name + ".tmp")
+    writer = None
+    if args.teacher_top_k:
+        if state.is_main_process and building.exists():
+            shutil.rmtree(building)  # a crashed run's leftovers
+        state.wait_for_everyone()
+        writer = TeacherWriter(building, args.teacher_top_k, fingerprint(model.base), f"part{state.process_index}")
     done = segment_rows(model, mine, th, args.batch_size, progress=state.is_local_main_process,
-                        include_unfinished=args.include_unfinished)
+                        include_unfinished=args.include_unfinished, teacher=writer, teacher_k=args.teacher_top_k)
+    if writer is not None:
+        writer.flush()
     part.write_text("".join(json.dumps(ex) + "\n" for ex in done))
     state.wait_for_everyone()
     if state.is_main_process:
@@ -163,12 +198,20 @@ def cmd_segment(args: argparse.Namespace) -> int:
         examples = [json.loads(line) for p in parts for line in p.read_text().splitlines()]
         tmp = out.with_name(out.name + ".tmp")
         tmp.write_text("".join(json.dumps(ex) + "\n" for ex in examples))
+        if cache.exists():  # --force: an old cache would not match the new data
+            shutil.rmtree(cache)
         tmp.replace(out)
+        if writer is not None:
+            building.replace(cache)
         for p in parts:
             p.unlink()
-        summary = summarize(examples, th.max_step_tokens) | {"thresholds": asdict(th), "source": str(args.data)}
+        summary = summarize(examples, th.max_step_tokens) | {"thresholds": asdict(th), "source": str(args.data),
+                                                              "teacher_top_k": args.teacher_top_k}
         out.with_name(out.name + ".summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(json.dumps(summary, indent=2), file=sys.stderr)
+        if writer is not None:
+            print(f"teacher: top-{args.teacher_top_k} of the base at every response token in {cache}/",
+                  file=sys.stderr)
     return 0
 
 
@@ -182,5 +225,9 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--rel-threshold", type=float, default=0.3)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--include-unfinished", action="store_true", help="also use replies cut off at max_new_tokens")
-    p.add_argument("--force", action="store_true", help="replace an existing --out file")
+    p.add_argument("--teacher-top-k", type=int, default=0, metavar="K",
+                   help="also cache the base's top-K next tokens and log-probabilities at every response token in "
+                        "OUT.teacher/ (safetensors shards), read by `train --kd-weight` instead of a second base "
+                        "forward per batch (32: about 6 bytes x 32 per token)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file (and its teacher cache)")
     p.set_defaults(func=cmd_segment)

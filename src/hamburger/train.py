@@ -33,6 +33,7 @@ from hamburger.data import SegmentedExample, collate
 from hamburger.errors import HamburgerError
 from hamburger.generate import eos_ids
 from hamburger.model import NEW_MODULES, HamburgerModel, is_trained_key, metrics_from_counts
+from hamburger.teacher import read_teacher, teacher_dir
 
 MODES = ("frozen", "lora", "full")
 
@@ -59,6 +60,7 @@ class TrainArgs:
     verified_stops: bool = False  # the stop head also ends a step before a token the micro-decoder gets wrong
     kd_weight: float = 0.0  # dense loss: KL(unmerged base || model) at every target (frozen mode)
     state_weight: float = 0.0  # dense loss: merged slots' states regressed onto the unmerged base's (frozen mode)
+    teacher_cache: bool = True  # KD reads DATA.teacher/ (from `segment --teacher-top-k`) when it is there
     seed: int = 0
     report_to: str = "none"  # an accelerate tracker (tensorboard, wandb, mlflow, ...) that also gets the metrics
 
@@ -92,6 +94,27 @@ def read_examples(path: Path) -> list[tuple[str, SegmentedExample]]:
     if not out:
         raise HamburgerError(f"{path} holds no examples")
     return out
+
+
+def attach_teacher(rows: list[tuple[str, SegmentedExample]], data: Path, model: HamburgerModel) -> int:
+    """Give every example its cached teacher (`segment --teacher-top-k`, in DATA.teacher/) when there is one;
+    returns its top-k, or 0 when there is none (KD then runs the base a second time per batch)."""
+    folder = teacher_dir(data)
+    if not folder.is_dir():
+        return 0
+    cached, meta = read_teacher(folder)
+    mine = fingerprint(model.base)
+    if meta.get("base_fingerprint") != mine:
+        raise HamburgerError(f"{folder} was cached from another base (fingerprint {meta.get('base_fingerprint')}, "
+                             f"this one {mine}): re-run `hamburger segment --teacher-top-k` with this base, "
+                             "or pass --no-teacher-cache")
+    missing = [rid for rid, _ in rows if rid not in cached]
+    if missing:
+        raise HamburgerError(f"{folder} has no teacher for {len(missing)} of the {len(rows)} examples "
+                             f"(e.g. {missing[0]!r}): it was cached for other data (re-run `hamburger segment`)")
+    for rid, ex in rows:
+        ex.teacher_ids, ex.teacher_logprobs = cached[rid]
+    return int(meta.get("top_k", 0))
 
 
 def split_eval(rows: list[tuple[str, SegmentedExample]], fraction: float) -> tuple[list, list]:
@@ -174,6 +197,7 @@ class Trainer:
                                  f"base in --mode frozen (not --mode {args.mode})")
         self.args, self.out = args, Path(args.out)
         rows = read_examples(Path(args.data))
+        self.teacher_top_k = attach_teacher(rows, Path(args.data), model) if args.kd_weight and args.teacher_cache else 0
         bf16 = args.bf16 and (torch.cuda.is_available() or torch.backends.mkldnn.is_available())
         tracker = check_tracker(args.report_to)
         self.acc = Accelerator(gradient_accumulation_steps=args.grad_accum, mixed_precision="bf16" if bf16 else "no",
@@ -313,7 +337,8 @@ class Trainer:
                 rate = tokens * self.acc.num_processes / (time.perf_counter() - t0)
                 info = f"loss {out.loss.item():.3f} {rate:.0f} tok/s"
                 if out.kd_loss is not None:
-                    info += f" (ce {out.ce_loss.item():.3f} kd {out.kd_loss.item():.3f} state {out.state_loss.item():.3f})"
+                    info += f" (ce {out.ce_loss.item():.3f} kd {out.kd_loss.item():.3f}"
+                    info += f" state {out.state_loss.item():.3f})" if out.state_loss is not None else ")"
                 bar.update(task, completed=self.step, info=info)
                 if a.report_to != "none":
                     parts = {"loss": out.loss, "ce_loss": out.ce_loss, "kd_loss": out.kd_loss, "state_loss": out.state_loss}
@@ -385,6 +410,10 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"fresh modules around base {model.config.base_model}", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(model, targs)
+    if targs.kd_weight:
+        print(f"kd teacher: the base's top-{trainer.teacher_top_k} cached in {teacher_dir(Path(targs.data))}/"
+              if trainer.teacher_top_k else "kd teacher: the base, run a second time per batch (cache it with "
+              "`hamburger segment --teacher-top-k 32`)", file=sys.stderr)
     if args.resume and trainer.resume():
         print(f"resumed at step {trainer.step}", file=sys.stderr)
     metrics = trainer.fit()
@@ -471,11 +500,15 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--state-weight", type=float, default=0.0,
                    help="dense loss: each merged slot's states at every layer regressed onto the unmerged base's "
                    "states at the step's last token (relative squared error; --mode frozen)")
+    p.add_argument("--no-teacher-cache", dest="teacher_cache", action="store_false",
+                   help="with --kd-weight, run the base for the teacher even where DATA.teacher/ holds a cached one "
+                   "(the full KL instead of the top-k one)")
     p.add_argument("--report-to", default="none",
                    help="also send the training and held-out metrics to an accelerate tracker: tensorboard "
                    "(pip install tensorboard; written under OUT/tracker), wandb, mlflow, ...")
     for name, f in TrainArgs.__dataclass_fields__.items():
-        if name in ("data", "out", "mode", "bf16", "verified_stops", "kd_weight", "state_weight", "report_to"):
+        if name in ("data", "out", "mode", "bf16", "verified_stops", "kd_weight", "state_weight", "report_to",
+                    "teacher_cache"):
             continue
         p.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=f.default)
     p.set_defaults(func=cmd_train)
