@@ -402,3 +402,32 @@ def test_training_reports_to_a_tracker(tmp_path, tiny_model_dir):
     if missing:
         with pytest.raises(HamburgerError, match="not installed"):
             train_run(tmp_path, "tb-missing", tiny_model_dir, report_to=missing[0])
+
+
+def test_partial_steps_cut_training_steps_and_resume_exactly(tmp_path, tiny_model_dir):
+    """--partial-steps P: each step of >= 2 tokens is cut in two with probability P (the base also learns to read
+    step prefixes); the cuts are seeded by the micro-batch, so a resumed run trains exactly as an uninterrupted one."""
+    from hamburger.data import SegmentedExample, cut_steps
+
+    ex = SegmentedExample(list(range(5, 19)), 2, [4, 1, 3, 2, 2])
+    assert cut_steps(ex, random.Random(0), 0.0).steps == ex.steps
+    for seed in range(5):
+        cut = cut_steps(ex, random.Random(seed), 1.0)
+        assert len(cut.steps) == 9 and sum(cut.steps) == 12 and min(cut.steps) >= 1 and cut.steps[2] == 1
+        cut.validate(4)
+    make_data(tmp_path / "data.jsonl", reply_vocab=16)
+    whole = train_run(tmp_path, "whole", tiny_model_dir, max_steps=4)
+    whole.fit(progress=False)
+    straight = train_run(tmp_path, "straight", tiny_model_dir, max_steps=4, partial_steps=0.5)
+    straight.fit(progress=False)
+    cut_run, whole_run = new_weights(straight), new_weights(whole)
+    assert any((cut_run[k] != whole_run[k]).any() for k in cut_run)  # the cuts change what is learnt
+    first = train_run(tmp_path, "resumed", tiny_model_dir, max_steps=4, partial_steps=0.5)
+    first.total_steps = 2  # as if killed after the checkpoint at step 2
+    first.fit(progress=False)
+    second = train_run(tmp_path, "resumed", tiny_model_dir, max_steps=4, partial_steps=0.5)
+    assert second.resume() and second.step == 2
+    second.fit(progress=False)
+    assert_same_weights(all_weights(straight), all_weights(second))
+    with pytest.raises(HamburgerError, match="probability"):
+        train_run(tmp_path, "bad", tiny_model_dir, partial_steps=1.5)

@@ -6,6 +6,7 @@ together: a merged slot for step j gets the position id of the last token of ste
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass, fields
 
 import torch
@@ -81,6 +82,23 @@ def step_positions(prompt_len: int, steps: list[int]) -> list[int]:
         end += s
         positions.append(end - 1)
     return positions
+
+
+def cut_steps(ex: SegmentedExample, rng: random.Random, p: float) -> SegmentedExample:
+    """The example with each step of >= 2 tokens cut in two at a random point with probability p.
+
+    Training then also merges step prefixes, as inference does when the stop head or the confidence ends a
+    step before the segment's end (the paper trains on whole entropy segments only). Tokens, and so the
+    cached teacher, stay where they are.
+    """
+    steps = []
+    for s in ex.steps:
+        if s > 1 and rng.random() < p:
+            cut = rng.randint(1, s - 1)
+            steps += [cut, s - cut]
+        else:
+            steps.append(s)
+    return SegmentedExample(ex.input_ids, ex.prompt_len, steps, ex.teacher_ids, ex.teacher_logprobs)
 
 
 def collate(examples: list[SegmentedExample], max_step_tokens: int, pad_token_id: int) -> SegmentedBatch:

@@ -29,7 +29,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from hamburger.base import fingerprint, load_base
 from hamburger.config import HamburgerConfig, check_confidence
-from hamburger.data import SegmentedExample, collate
+from hamburger.data import SegmentedExample, collate, cut_steps
 from hamburger.errors import HamburgerError
 from hamburger.generate import eos_ids
 from hamburger.model import NEW_MODULES, HamburgerModel, is_trained_key, metrics_from_counts
@@ -60,6 +60,7 @@ class TrainArgs:
     verified_stops: bool = False  # the stop head also ends a step before a token the micro-decoder gets wrong
     kd_weight: float = 0.0  # dense loss: KL(unmerged base || model) at every target (frozen mode)
     state_weight: float = 0.0  # dense loss: merged slots' states regressed onto the unmerged base's (frozen mode)
+    partial_steps: float = 0.0  # probability that a training step of >= 2 tokens is cut in two (`data.cut_steps`)
     teacher_cache: bool = True  # KD reads DATA.teacher/ (from `segment --teacher-top-k`) when it is there
     seed: int = 0
     report_to: str = "none"  # an accelerate tracker (tensorboard, wandb, mlflow, ...) that also gets the metrics
@@ -190,6 +191,8 @@ class Trainer:
 
         if args.mode not in MODES:
             raise HamburgerError(f"--mode must be one of {MODES}, got {args.mode!r}")
+        if not 0 <= args.partial_steps <= 1:
+            raise HamburgerError(f"--partial-steps is a probability in [0, 1], got {args.partial_steps}")
         if args.kd_weight < 0 or args.state_weight < 0:
             raise HamburgerError("--kd-weight and --state-weight must be >= 0")
         if (args.kd_weight or args.state_weight) and args.mode != "frozen":
@@ -295,7 +298,8 @@ class Trainer:
     # --- the loop ------------------------------------------------------------------------------------
 
     def batches(self):
-        """(epoch, index) of each micro-batch of this process from the current step on, in a fixed order."""
+        """(micro-batch number, example indices) of each micro-batch of this process from the current step on,
+        in a fixed order."""
         a, world, rank = self.args, self.acc.num_processes, self.acc.process_index
         per_epoch = (self.batches_per_epoch // a.grad_accum) * a.grad_accum
         start = self.step * a.grad_accum
@@ -305,7 +309,7 @@ class Trainer:
             if cached[0] != epoch:
                 cached = (epoch, epoch_batches(len(self.train), a.batch_size * world, epoch, a.seed, self.lengths,
                                                a.bucket_pool))
-            yield cached[1][i][rank * a.batch_size : (rank + 1) * a.batch_size]
+            yield micro, cached[1][i][rank * a.batch_size : (rank + 1) * a.batch_size]
 
     def fit(self, progress: bool = True) -> dict[str, float]:
         a = self.args
@@ -318,9 +322,13 @@ class Trainer:
             tokens, t0 = 0, time.perf_counter()
             said = t0
             self.model.train()
-            for idx in self.batches():
+            for micro, idx in self.batches():
                 self.seen.extend(self.train_ids[j] for j in idx)
-                batch = collate([self.train[j] for j in idx], self.k, self.pad).to(self.acc.device)
+                examples = [self.train[j] for j in idx]
+                if a.partial_steps:  # seeded by the micro-batch: a resumed run cuts the same steps
+                    rng = random.Random((a.seed * 1_000_003 + micro) * 1_000_003 + self.acc.process_index)
+                    examples = [cut_steps(ex, rng, a.partial_steps) for ex in examples]
+                batch = collate(examples, self.k, self.pad).to(self.acc.device)
                 with self.acc.accumulate(self.model):
                     out = self.model(batch, verified_stops=a.verified_stops, kd_weight=a.kd_weight,
                                      state_weight=a.state_weight)
@@ -500,6 +508,10 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--state-weight", type=float, default=0.0,
                    help="dense loss: each merged slot's states at every layer regressed onto the unmerged base's "
                    "states at the step's last token (relative squared error; --mode frozen)")
+    p.add_argument("--partial-steps", type=float, default=0.0, metavar="P",
+                   help="cut each training step of >= 2 tokens in two at a random point with probability P, so the "
+                   "base also learns to read step prefixes (inference ends steps early; held-out figures keep "
+                   "the data's steps)")
     p.add_argument("--no-teacher-cache", dest="teacher_cache", action="store_false",
                    help="with --kd-weight, run the base for the teacher even where DATA.teacher/ holds a cached one "
                    "(the full KL instead of the top-k one)")
@@ -508,7 +520,7 @@ def register(sub, add_model_args) -> None:
                    "(pip install tensorboard; written under OUT/tracker), wandb, mlflow, ...")
     for name, f in TrainArgs.__dataclass_fields__.items():
         if name in ("data", "out", "mode", "bf16", "verified_stops", "kd_weight", "state_weight", "report_to",
-                    "teacher_cache"):
+                    "teacher_cache", "partial_steps"):
             continue
         p.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=f.default)
     p.set_defaults(func=cmd_train)
