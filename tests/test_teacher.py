@@ -68,6 +68,9 @@ def test_kd_from_the_cache_equals_kd_from_the_base_and_skips_its_forward(arch, m
     torch.testing.assert_close(out.loss, out.ce_loss + 0.5 * out.stop_loss + 0.7 * out.kd_loss)
     out.loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.micro.parameters())
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as training and held-out evaluation run it
+        half = model(collate(with_teacher(model, EXAMPLES, vocab), 4, PAD), kd_weight=0.7)
+    torch.testing.assert_close(half.kd_loss, out.kd_loss, atol=0.1, rtol=0.1)
     small = model(collate(with_teacher(model, EXAMPLES, 3), 4, PAD), kd_weight=0.7)
     assert 0 <= small.kd_loss <= out.kd_loss + 1e-3  # top-3 plus the rest: a lower bound
 
@@ -92,7 +95,8 @@ def test_segment_caches_the_base_top_k_and_train_reads_it(tmp_path, tiny_model_d
     args = ["segment", "--data", str(chats(tmp_path / "chats.jsonl")), "--out", str(seg), "--model",
             str(tiny_model_dir), "--teacher-top-k", "8", "--batch-size", "5", "--abs-threshold", "1.0"]
     assert main(args) == 0
-    assert "teacher: top-8" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "teacher: top-8" in err and "segment 30/30 examples" in err  # plain progress when stderr is no terminal
     cache, meta = read_teacher(teacher_dir(seg))
     base, _ = load_base(str(tiny_model_dir))
     examples = [json.loads(line) for line in seg.read_text().splitlines()]

@@ -139,8 +139,9 @@ def collate(examples: list[SegmentedExample], max_step_tokens: int, pad_token_id
     teacher_ids = teacher_logprobs = None
     cached = [ex.teacher_ids is not None for ex in examples]
     if all(cached):
-        teacher_ids = torch.cat([ex.teacher_ids for ex in examples]).long()
-        teacher_logprobs = torch.cat([ex.teacher_logprobs for ex in examples]).float()
+        # Cast before concatenating: under CPU autocast, cat refuses float16 inputs.
+        teacher_ids = torch.cat([ex.teacher_ids.long() for ex in examples])
+        teacher_logprobs = torch.cat([ex.teacher_logprobs.float() for ex in examples])
     elif any(cached):
         raise HamburgerError("a batch mixes examples with and without a cached teacher")
 

@@ -11,6 +11,7 @@ import argparse
 import json
 import shutil
 import sys
+import time
 from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -140,6 +141,7 @@ def segment_rows(model: HamburgerModel, rows: list[dict], th: Thresholds, batch_
     columns = (TextColumn("segment"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
     with Progress(*columns, disable=not progress, console=Console(stderr=True)) as bar:
         task = bar.add_task("segment", total=len(order))
+        t0 = said = time.perf_counter()
         for start in range(0, len(order), batch_size):
             chunk = [encoded[j] for j in order[start : start + batch_size]]
             found = response_entropies(model, [(ids, p) for _, _, ids, p in chunk], teacher_k if teacher else 0)
@@ -148,6 +150,10 @@ def segment_rows(model: HamburgerModel, rows: list[dict], th: Thresholds, batch_
                 if teacher is not None:
                     teacher.add(rid, top_ids, top_logp)
             bar.update(task, advance=len(chunk))
+            done = min(start + batch_size, len(order))
+            if progress and not bar.console.is_terminal and (time.perf_counter() - said > 60 or done == len(order)):
+                said = time.perf_counter()  # a log file gets a plain line a minute instead of a live bar
+                print(f"segment {done}/{len(order)} examples, elapsed {said - t0:.0f}s", file=sys.stderr, flush=True)
     return [out[i] for i in sorted(out)]
 
 
