@@ -65,6 +65,19 @@ def test_engine_forced_steps_and_limits():
     assert fast.steps[0][:3] == [2, 4, 1] and all(len(t) == 9 for t in fast.tokens)
 
 
+def test_tokens_per_forward_is_per_sequence_at_any_batch_size():
+    # Rows that end at different steps: a batch pass counts once for each row still generating, so the figure
+    # is each sequence's tokens per base forward (here = tokens per step), not the batch's.
+    model = hamburger("llama", k=4)
+    forced = [[2, 4, 1, 3], [1, 1, 4]]
+    for out in (reference(model, PROMPTS[:2], max_new_tokens=9, forced_steps=forced, eos_token_ids=set()),
+                Engine(model).generate(PROMPTS[:2], max_new_tokens=9, forced_steps=forced, eos_token_ids=set())):
+        assert len(out.steps[0]) != len(out.steps[1])
+        assert out.stats.base_forwards == max(map(len, out.steps))
+        assert out.stats.row_forwards == sum(map(len, out.steps))
+        assert out.stats.tokens_per_forward == pytest.approx(out.stats.tokens_per_step)
+
+
 def test_engine_streams_and_counts():
     model = hamburger("llama", k=4)
     gen = Engine(model).stream(PROMPTS, max_new_tokens=10, confidence=0.3)

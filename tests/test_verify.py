@@ -114,6 +114,7 @@ def test_verify_keeps_long_agreeing_drafts_with_rows_at_different_lengths(monkey
     assert max(max(s) for s in out.steps) == 4  # some forwards kept all three drafts
     assert out.steps[0] != out.steps[1]  # the rows took different paths
     assert out.stats.tokens_per_forward > 1.6
+    assert out.stats.row_forwards == sum(map(len, out.steps))  # each row: its prefill and one pass per later step
     assert out.stats.micro_steps > 0 and out.stats.acceptance < 1.0
 
 

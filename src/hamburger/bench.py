@@ -173,7 +173,8 @@ def hf_call(base, prompts: list[list[int]], max_new_tokens: int, eos: set[int], 
             record[tuple(prompt)] = row[:n]
     first = clock.first or end
     return GenerationStats(sequences=len(prompts), prompt_tokens=sum(map(len, prompts)), generated_tokens=generated,
-                           macro_steps=generated, prefill_s=first - start, decode_s=end - first)
+                           macro_steps=generated, row_forwards=generated,  # one forward per token and sequence
+                           prefill_s=first - start, decode_s=end - first)
 
 
 def int8_draft(base):

@@ -71,7 +71,8 @@ class Lane:
         """The figures so far, measured as everywhere else (`metrics.GenerationStats`)."""
         first = self.first or 0.0
         return GenerationStats(sequences=1, prompt_tokens=self.prompt_tokens, generated_tokens=len(self.tokens),
-                               macro_steps=self.steps, base_forwards=self.steps, prefill_s=first,
+                               macro_steps=self.steps, base_forwards=self.steps, row_forwards=self.steps,
+                               prefill_s=first,
                                decode_s=self.busy - first, unmerged=self.unmerged)
 
     def figures(self) -> str:

@@ -251,6 +251,7 @@ class Engine:
         start_t = time.perf_counter()
         states = self._base(model.embed(ids), positions, cache, 0, mask)
         gen.stats.base_forwards += 1
+        gen.stats.row_forwards += bsz
         slot = width
         for step in range(gen.max_new_tokens):
             step_tok, step_len, ended = self._macro_step(gen, states, done, gen_len, eos, forced, step, warpers, rng,
@@ -276,6 +277,7 @@ class Engine:
             step_mask = valid[:, None, None, : slot + 1]
             states = self.step_fn(embeds, pos, cache, slot, step_mask, (step_len > 1)[:, None])
             gen.stats.base_forwards += 1
+            gen.stats.row_forwards += dn.count(False)
             slot += 1
 
     def _macro_step(self, gen, states, done, gen_len, eos, forced, step, warpers, rng, micro_cache):

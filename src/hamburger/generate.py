@@ -93,6 +93,7 @@ class Generation:
         cache = DynamicCache(config=model.base.config)
         hidden = model.base_forward(model.embed(ids), mask, (mask.cumsum(-1) - 1).clamp(min=0), cache)
         self.stats.base_forwards += 1
+        self.stats.row_forwards += bsz
         for step in itertools.count():
             new = self._macro_step(hidden, step, done)
             for b, toks in enumerate(new):
@@ -116,6 +117,7 @@ class Generation:
             hidden = model.base_forward(model.smash(step_ids, step_len)[:, None], mask, (lengths + generated - 1)[:, None],
                                         cache, merged=(step_len > 1)[:, None])
             self.stats.base_forwards += 1
+            self.stats.row_forwards += done.count(False)
 
     def _macro_step(self, hidden: tuple[torch.Tensor, ...], step: int, done: list[bool]) -> list[list[int]]:
         """Token 0 from the base's head, then micro-steps while any live sequence's step goes on."""

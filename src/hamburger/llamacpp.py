@@ -70,6 +70,7 @@ def llama_cpp_system(gguf: Path, eos: set[int], n_ctx: int = 4096,
             total.generated_tokens += len(tokens)
             total.macro_steps += len(tokens)
             total.base_forwards += len(tokens)
+            total.row_forwards += len(tokens)
             total.prefill_s += first - start
             total.decode_s += end - first
         return total

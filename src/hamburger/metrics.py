@@ -16,6 +16,8 @@ class GenerationStats:
     - micro_steps: tokens produced by the micro-step decoder and kept (= generated_tokens - macro_steps).
     - drafted_tokens: verify mode: tokens the micro-step decoder proposed to the base (kept or not).
     - base_forwards: forward passes of the base model (the prefill counts as one; a batch counts once).
+    - row_forwards: the same summed over the sequences each pass computed for (a batch pass counts once per
+      sequence still generating), so tokens per forward is a per-sequence figure at any batch size.
     - prompt_tokens: unpadded prompt tokens (each holds one KV entry).
     - prefill_s: time to first token: the prefill forward and choosing the first token.
     - decode_s: everything after that until the last sequence finishes.
@@ -30,6 +32,7 @@ class GenerationStats:
     micro_steps: int = 0
     drafted_tokens: int = 0
     base_forwards: int = 0
+    row_forwards: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
     unmerged: bool = False  # verify mode: one KV entry per generated token
@@ -51,8 +54,9 @@ class GenerationStats:
 
     @property
     def tokens_per_forward(self) -> float:
-        """Generated tokens per base forward (the prefill included): the speed-up's upper bound in either mode."""
-        return self.generated_tokens / self.base_forwards if self.base_forwards else 0.0
+        """Generated tokens per base forward of a sequence (the prefill included): the speed-up's upper bound in
+        any mode, the same at batch 1 and batch 16."""
+        return self.generated_tokens / self.row_forwards if self.row_forwards else 0.0
 
     @property
     def acceptance(self) -> float:

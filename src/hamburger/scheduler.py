@@ -206,6 +206,7 @@ class Scheduler:
         for req in self.rows[:n]:
             if req is not None:
                 req.stats.base_forwards += 1
+                req.stats.row_forwards += 1
 
     def _admit(self) -> None:
         while None in self.rows:
@@ -229,7 +230,7 @@ class Scheduler:
                               (self.max_new, req.max_new_tokens), (self.confidence, req.confidence), (self.live, True)):
             tensor[row] = value
         self._set_eos(row, req.eos)
-        req.stats = GenerationStats(sequences=1, prompt_tokens=p, base_forwards=1)
+        req.stats = GenerationStats(sequences=1, prompt_tokens=p, base_forwards=1, row_forwards=1)
         req.rng, req.warpers = req.sampling.generator(dev), req.sampling.warpers()
 
     def _set_eos(self, row: int, ids: set[int]) -> None:

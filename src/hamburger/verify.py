@@ -146,6 +146,7 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
     start_t = time.perf_counter()
     states = engine._base(model.embed(ids), positions, cache, 0, mask)
     gen.stats.base_forwards += 1
+    gen.stats.row_forwards += bsz
     t0 = pick(model.lm_head(states[0])[:, None], gen.sampling, rng, warpers)[:, 0]
     gen.stats.prefill_s = time.perf_counter() - start_t
     done = [False] * bsz
@@ -178,6 +179,7 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
         states = engine._base(model.embed(tokens), next_pos[:, None] + offsets, cache, RowSlots(slots, end), step_mask,
                               last=False)
         gen.stats.base_forwards += 1
+        gen.stats.row_forwards += done.count(False)
         logits = model.lm_head(states[0])
         if gen.sampling.greedy:
             kept, t0 = accept_greedy(drafts, n_drafts, logits)
