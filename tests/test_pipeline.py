@@ -415,6 +415,21 @@ def test_partial_steps_cut_training_steps_and_resume_exactly(tmp_path, tiny_mode
         cut = cut_steps(ex, random.Random(seed), 1.0)
         assert len(cut.steps) == 9 and sum(cut.steps) == 12 and min(cut.steps) >= 1 and cut.steps[2] == 1
         cut.validate(4)
+        assert len(cut.cut) == 9 and sum(cut.cut) == 4  # the first part of each of the four cut steps
+    # A cut is not a segment's end: the first part's last token gets no stop label; the rest is the same.
+    from dataclasses import replace
+
+    from conftest import hamburger
+    from hamburger.data import collate
+
+    model = hamburger("llama", k=4)
+    cut = cut_steps(ex, random.Random(0), 1.0)
+    flagged = model(collate([cut], 4, 0), verified_stops=False)
+    plain = model(collate([replace(cut, cut=None)], 4, 0), verified_stops=False)
+    assert torch.equal(flagged.targets, plain.targets) and torch.equal(flagged.logits, plain.logits)
+    assert int(plain.stop_mask.sum()) - int(flagged.stop_mask.sum()) == sum(cut.cut)
+    with pytest.raises(HamburgerError, match="cut flags"):
+        replace(cut, cut=[True]).validate(4)
     make_data(tmp_path / "data.jsonl", reply_vocab=16)
     whole = train_run(tmp_path, "whole", tiny_model_dir, max_steps=4)
     whole.fit(progress=False)

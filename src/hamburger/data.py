@@ -24,6 +24,8 @@ class SegmentedExample:
     # The base's top-k next tokens at every response token (`hamburger.teacher`), (response tokens, k) each.
     teacher_ids: torch.Tensor | None = None
     teacher_logprobs: torch.Tensor | None = None
+    # Per step: whether it ends at a cut (`cut_steps`) rather than at a segment's end; no stop label there.
+    cut: list[bool] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -34,6 +36,8 @@ class SegmentedExample:
         response = len(self.input_ids) - self.prompt_len
         if self.prompt_len < 1 or response < 1:
             raise HamburgerError(f"an example needs >= 1 prompt and response token (prompt_len={self.prompt_len})")
+        if self.cut is not None and len(self.cut) != len(self.steps):
+            raise HamburgerError(f"{len(self.cut)} cut flags for {len(self.steps)} steps")
         if sum(self.steps) != response or any(not 1 <= s <= max_step_tokens for s in self.steps):
             raise HamburgerError(
                 f"steps {self.steps} must be lengths in 1..{max_step_tokens} summing to the response length {response}"
@@ -69,6 +73,7 @@ class SegmentedBatch:
     # order (examples in batch order, each one's response tokens in order), (T, k) each.
     teacher_ids: torch.Tensor | None = None
     teacher_logprobs: torch.Tensor | None = None
+    step_cut: torch.Tensor | None = None  # (N,) the step ends at a cut (`cut_steps`): no stop label on its last token
 
     def to(self, device: torch.device | str) -> SegmentedBatch:
         moved = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -89,16 +94,19 @@ def cut_steps(ex: SegmentedExample, rng: random.Random, p: float) -> SegmentedEx
 
     Training then also merges step prefixes, as inference does when the stop head or the confidence ends a
     step before the segment's end (the paper trains on whole entropy segments only). Tokens, and so the
-    cached teacher, stay where they are.
+    cached teacher, stay where they are. The first part of a cut step ends where the segment goes on, so it
+    gets no stop label (`cut`): the stop head keeps learning the segments' ends.
     """
-    steps = []
+    steps, cuts = [], []
     for s in ex.steps:
         if s > 1 and rng.random() < p:
-            cut = rng.randint(1, s - 1)
-            steps += [cut, s - cut]
+            at = rng.randint(1, s - 1)
+            steps += [at, s - at]
+            cuts += [True, False]
         else:
             steps.append(s)
-    return SegmentedExample(ex.input_ids, ex.prompt_len, steps, ex.teacher_ids, ex.teacher_logprobs)
+            cuts.append(False)
+    return SegmentedExample(ex.input_ids, ex.prompt_len, steps, ex.teacher_ids, ex.teacher_logprobs, cuts)
 
 
 def collate(examples: list[SegmentedExample], max_step_tokens: int, pad_token_id: int) -> SegmentedBatch:
@@ -145,6 +153,9 @@ def collate(examples: list[SegmentedExample], max_step_tokens: int, pad_token_id
     elif any(cached):
         raise HamburgerError("a batch mixes examples with and without a cached teacher")
 
+    step_cut = None
+    if any(ex.cut for ex in examples):
+        step_cut = torch.tensor([c for ex in examples for c in (ex.cut or [False] * len(ex.steps))], dtype=torch.bool)
     step_tokens = torch.full((len(steps_out), k), pad_token_id, dtype=torch.long)
     for n, (_, _, toks) in enumerate(steps_out):
         step_tokens[n, : len(toks)] = torch.tensor(toks)
@@ -161,4 +172,5 @@ def collate(examples: list[SegmentedExample], max_step_tokens: int, pad_token_id
         full_mask=full_mask,
         teacher_ids=teacher_ids,
         teacher_logprobs=teacher_logprobs,
+        step_cut=step_cut,
     )

@@ -357,6 +357,8 @@ class HamburgerModel(nn.Module):
             stop_targets = torch.maximum(stop_targets, wrong_next)
         eos = torch.tensor(sorted(eos_ids(self)), dtype=targets.dtype, device=targets.device)
         stop_mask = (in_step < k - 1) & ~torch.isin(targets, eos)
+        if batch.step_cut is not None:  # a cut step's last token: the segment goes on there, so no stop label
+            stop_mask &= ~((idx[None] == lengths[:, None] - 1) & batch.step_cut[:, None])[valid]
         ce = F.cross_entropy(logits, targets)
         bce = F.binary_cross_entropy_with_logits(stop_logits, stop_targets, reduction="none")
         stop = (bce * stop_mask).sum() / stop_mask.sum().clamp(min=1)
