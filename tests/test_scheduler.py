@@ -52,6 +52,26 @@ def test_hamburger_multi_token_steps_equal_alone(arch, rows):
     assert max(max(s) for s in out.steps) > 1  # the comparison covered multi-token steps
 
 
+@pytest.mark.parametrize("prefill_tokens", [4096, 12, 1])
+def test_requests_prefilled_together_equal_alone(arch, prefill_tokens):
+    # Six prompts of 1..7 tokens arrive at once: prefilled right-padded in one pass (4096), in groups of at most
+    # 12 padded tokens, or one by one (1: a prompt longer than the budget goes alone).
+    model = hamburger(arch, k=4)
+    torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
+    engine, sched = Engine(model), Scheduler(model, max_batch_size=6, max_len=64, prefill_tokens=prefill_tokens)
+    calls = []
+    prefill = sched._prefill
+    sched._prefill = lambda reqs, rows: (calls.append(len(reqs)), prefill(reqs, rows))
+    out = run_staggered(sched, [(0, p, n) for p, n in zip(PROMPTS, LIMITS)], confidence=0.3)
+    assert sum(calls) == 6 and len(calls) == {4096: 1, 12: 4, 1: 6}[prefill_tokens]
+    for j, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
+        alone = engine.generate([prompt], max_new_tokens=limit, confidence=0.3)
+        assert [t for e in out[j] for t in e.tokens] == alone.tokens[0]
+        assert [len(e.tokens) for e in out[j]] == alone.steps[0]
+    with pytest.raises(HamburgerError, match="prefill_tokens"):
+        Scheduler(model, prefill_tokens=0)
+
+
 def test_plain_base_equals_alone(arch):
     check_equals_alone(HamburgerModel.plain(hamburger(arch).base, None), 1.0, 3)
 

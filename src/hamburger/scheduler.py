@@ -6,8 +6,9 @@ and sampling, so a request's greedy output does not depend on which others share
 row adds exactly one KV entry per macro-step. One `step()` call:
 
 1. feeds the previous macro-step's tokens of the rows still running to the base (one slot each, at the
-   RoPE position of the step's last token), 2. prefills newly admitted requests into free rows (each
-   alone, prompt positions 0..P-1), 3. runs one macro-step over every live row and reports its tokens.
+   RoPE position of the step's last token), 2. prefills newly admitted requests into free rows (together,
+   right-padded, in groups of at most `prefill_tokens` padded tokens; prompt positions 0..P-1), 3. runs one
+   macro-step over every live row and reports its tokens.
 
 `submit` and `cancel` may be called from any thread; `step` only from the one thread that owns the model.
 """
@@ -82,9 +83,13 @@ class Request:
 
 
 class Scheduler:
-    """`max_batch_size` rows of `max_len` KV entries each; requests wait in FIFO order for a free row."""
+    """`max_batch_size` rows of `max_len` KV entries each; requests wait in FIFO order for a free row.
 
-    def __init__(self, model: HamburgerModel, max_batch_size: int = 8, max_len: int | None = None) -> None:
+    Newly admitted requests are prefilled in one base pass per group of at most `prefill_tokens` padded prompt
+    tokens (a longer prompt goes alone), which bounds the pass's memory."""
+
+    def __init__(self, model: HamburgerModel, max_batch_size: int = 8, max_len: int | None = None,
+                 prefill_tokens: int = 4096) -> None:
         self.engine = engine = Engine(model)  # checks the architecture; owns the shortlist head
         self.model, self.k = model, engine.k
         cfg = model.base.config
@@ -92,6 +97,9 @@ class Scheduler:
         self.max_len = min(max_len or context, context)
         if max_batch_size < 1 or self.max_len < 2:
             raise HamburgerError(f"need max_batch_size >= 1 and max_len >= 2, got {max_batch_size}, {self.max_len}")
+        if prefill_tokens < 1:
+            raise HamburgerError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+        self.prefill_tokens = prefill_tokens
         rows, dev, dtype = max_batch_size, engine.device, engine.dtype
         head_dim = model.base.base_model.layers[0].self_attn.head_dim
         self.cache = KVCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, self.max_len, head_dim, dtype, dev)
@@ -209,29 +217,47 @@ class Scheduler:
                 req.stats.row_forwards += 1
 
     def _admit(self) -> None:
-        while None in self.rows:
+        """Fill the free rows from the queue (FIFO), prefilling in groups of at most `prefill_tokens` padded tokens."""
+        while True:
+            free, group = [i for i, r in enumerate(self.rows) if r is None], []
             with self._lock:
-                if not self._waiting:
-                    return
-                req = self._waiting.popleft()
-            self._prefill(req, self.rows.index(None))
+                while len(group) < len(free) and self._waiting:
+                    width = max(len(r.prompt) for r in [*group, self._waiting[0]])
+                    if group and width * (len(group) + 1) > self.prefill_tokens:
+                        break
+                    group.append(self._waiting.popleft())
+            if not group:
+                return
+            self._prefill(group, free[: len(group)])
 
-    def _prefill(self, req: Request, row: int) -> None:
-        """The prompt alone, unmerged, at positions 0..P-1 into slots 0..P-1 of its row."""
-        req.row, req.started = row, time.perf_counter()
-        self.rows[row] = req
-        dev, p = self.states.device, len(req.prompt)
-        ids = torch.tensor([req.prompt], device=dev)
-        positions = torch.arange(p, device=dev)[None]
-        mask = torch.ones(p, p, dtype=torch.bool, device=dev).tril()[None, None]
-        states = self.engine._base(self.model.embed(ids), positions, CacheView(self.cache, slice(row, row + 1)), 0, mask)
-        self.states[row] = torch.cat(states)
-        for tensor, value in ((self.cache_len, p), (self.prompt_len, p), (self.gen_len, 0),
-                              (self.max_new, req.max_new_tokens), (self.confidence, req.confidence), (self.live, True)):
-            tensor[row] = value
-        self._set_eos(row, req.eos)
-        req.stats = GenerationStats(sequences=1, prompt_tokens=p, base_forwards=1, row_forwards=1)
-        req.rng, req.warpers = req.sampling.generator(dev), req.sampling.warpers()
+    def _prefill(self, reqs: list[Request], rows: list[int]) -> None:
+        """The prompts, unmerged and right-padded, in one pass at positions 0..P-1 into slots 0..P-1 of their
+        rows. Causal attention keeps each prompt's real positions from seeing its padding, and the padding's
+        entries lie past the row's cache length, where the next step overwrites them and no mask reaches."""
+        dev, start = self.states.device, time.perf_counter()
+        lens = [len(r.prompt) for r in reqs]
+        m, width = len(reqs), max(lens)
+        ids = torch.zeros(m, width, dtype=torch.long, device=dev)
+        for i, req in enumerate(reqs):
+            ids[i, : lens[i]] = torch.tensor(req.prompt, dtype=torch.long)
+        positions = torch.arange(width, device=dev)[None].expand(m, -1)
+        mask = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None, None]
+        c = self.cache
+        scratch = KVCache(c.k.shape[0], m, c.k.shape[2], width, c.k.shape[4], c.k.dtype, dev)
+        states = self.engine._base(self.model.embed(ids), positions, scratch, 0, mask, last=False)
+        at, rows_t = torch.tensor(lens, device=dev) - 1, torch.tensor(rows, device=dev)
+        c.k[:, rows_t, :, :width], c.v[:, rows_t, :, :width] = scratch.k, scratch.v
+        self.states[rows_t] = torch.stack([s[torch.arange(m, device=dev), at] for s in states], 1)
+        for req, row, p in zip(reqs, rows, lens):
+            req.row, req.started = row, start
+            self.rows[row] = req
+            for tensor, value in ((self.cache_len, p), (self.prompt_len, p), (self.gen_len, 0),
+                                  (self.max_new, req.max_new_tokens), (self.confidence, req.confidence),
+                                  (self.live, True)):
+                tensor[row] = value
+            self._set_eos(row, req.eos)
+            req.stats = GenerationStats(sequences=1, prompt_tokens=p, base_forwards=1, row_forwards=1)
+            req.rng, req.warpers = req.sampling.generator(dev), req.sampling.warpers()
 
     def _set_eos(self, row: int, ids: set[int]) -> None:
         if len(ids) > self.eos.shape[1]:
