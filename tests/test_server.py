@@ -407,3 +407,11 @@ def test_sigterm_ends_streams_and_exits_0(checkpoint):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+@pytest.mark.parametrize("flag", ["--max-batch-size", "--prefill-tokens"])
+def test_serve_refuses_sizes_below_one_before_loading(flag, capsys):
+    from hamburger.cli import main
+
+    assert main(["serve", "--model", "no/such/model", flag, "0"]) == 2
+    assert f"{flag} must be positive, got 0" in capsys.readouterr().err

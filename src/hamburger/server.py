@@ -36,7 +36,7 @@ from hamburger.model import HamburgerModel
 from hamburger.openai_api import ApiError, ChatRequest, CompletionRequest, Reply, TextStream, check_limits, parse, usage
 from hamburger.prometheus import ServerMetrics
 from hamburger.sampling import SamplingParams
-from hamburger.scheduler import RequestEvent, Scheduler
+from hamburger.scheduler import PREFILL_TOKENS, RequestEvent, Scheduler
 
 DEFAULT_MAX_LEN = 2048  # per row: 8 rows of SmolLM2-135M then hold 0.7 GB of float32 keys and values
 CLIENT_CLOSED = 499  # nginx's "client closed request": the status of an answer nobody is left to read
@@ -77,10 +77,11 @@ class Service:
     """The model, its scheduler and decode thread, and what the HTTP layer needs to know about them."""
 
     def __init__(self, model: HamburgerModel, name: str, max_batch_size: int = 8, max_queue: int = 64,
-                 max_len: int | None = None, default_confidence: float | None = None, api_key: str | None = None) -> None:
+                 max_len: int | None = None, default_confidence: float | None = None, api_key: str | None = None,
+                 prefill_tokens: int = PREFILL_TOKENS) -> None:
         self.model, self.tokenizer = model, model.tokenizer
         self.names = list(dict.fromkeys([name, "default"]))
-        self.scheduler = Scheduler(model, max_batch_size, max_len)
+        self.scheduler = Scheduler(model, max_batch_size, max_len, prefill_tokens)
         self.max_queue, self.api_key = max_queue, api_key
         self.default_confidence = check_confidence(
             model.config.default_confidence if default_confidence is None else default_confidence)
@@ -365,7 +366,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from hamburger.cli import load_from_args
 
-    for name in ("port", "max_batch_size", "max_queue", "max_len"):
+    for name in ("port", "max_batch_size", "max_queue", "max_len", "prefill_tokens"):
         value = getattr(args, name)
         if value is not None and value < (0 if name == "port" else 1):
             raise HamburgerError(f"--{name.replace('_', '-')} must be positive, got {value}")
@@ -373,8 +374,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_confidence(args.default_confidence)
     model, trained = load_from_args(args)
     service = Service(model, args.model, args.max_batch_size, args.max_queue, args.max_len or DEFAULT_MAX_LEN,
-                      args.default_confidence,
-                      args.api_key)
+                      args.default_confidence, args.api_key, args.prefill_tokens)
     config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     # uvicorn re-raises the SIGTERM it handled after its graceful shutdown; a no-op handler makes that a clean exit 0.
@@ -395,6 +395,9 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429")
     p.add_argument("--max-len", type=int, default=None,
                    help=f"KV entries per row (prompt + max_tokens); default: the model's context, at most {DEFAULT_MAX_LEN}")
+    p.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
+                   help="newly admitted prompts are prefilled together, shortest first, in passes of at most this many "
+                        "padded tokens (1: each alone)")
     p.add_argument("--default-confidence", type=float, default=None,
                    help="confidence for requests that do not send one (default: the checkpoint's)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
