@@ -55,7 +55,7 @@ def test_hamburger_multi_token_steps_equal_alone(arch, rows):
 @pytest.mark.parametrize("prefill_tokens", [4096, 12, 1])
 def test_requests_prefilled_together_equal_alone(arch, prefill_tokens):
     # Six prompts of 1..7 tokens arrive at once: prefilled right-padded, shortest first, in one pass (4096), in
-    # groups of at most 12 padded tokens (1+2+4 | 5+6 | 7), or one by one (1: a prompt wider than the budget goes alone).
+    # groups of at most 12 padded tokens (1+2+4 | 5+6 | 7), or one by one (1: each alone).
     model = hamburger(arch, k=4)
     torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
     engine, sched = Engine(model), Scheduler(model, max_batch_size=6, max_len=64, prefill_tokens=prefill_tokens)
@@ -122,3 +122,32 @@ def test_submit_rejects_what_cannot_fit():
         sched.submit([5], 0)
     with pytest.raises(HamburgerError, match="confidence"):
         sched.submit([5], 3, confidence=1.5)
+
+
+def test_rows_are_compacted_when_a_request_leaves():
+    # Three requests; the one in row 0 ends first: the highest running request moves down into row 0, so the
+    # passes cover exactly the running rows, and every output still equals the engine's alone.
+    model = hamburger("llama", k=4)
+    torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
+    engine, sched = Engine(model), Scheduler(model, max_batch_size=3, max_len=64)
+    jobs = [(0, PROMPTS[1], 8), (0, PROMPTS[0], 20), (0, PROMPTS[2], 16)]
+    ids = [sched.submit(p, n, confidence=0.3) for _, p, n in jobs]
+    out: dict[int, list] = {}
+    passes = []  # (rows a one-slot feeding pass computed, requests running); prompts here are >= 2 tokens
+    base = sched.engine._base
+
+    def counted(embeds, *args, **kw):
+        if embeds.shape[1] == 1:
+            passes.append((embeds.shape[0], sched.running))
+        return base(embeds, *args, **kw)
+
+    sched.engine._base = counted
+    while sched.has_work():
+        for ev in sched.step():
+            out.setdefault(ev.id, []).append(ev)
+    assert all(rows <= running for rows, running in passes)
+    assert (3, 3) in passes and (2, 2) in passes  # the first request left while the others ran on
+    for rid, (_, prompt, limit) in zip(ids, jobs):
+        alone = engine.generate([prompt], max_new_tokens=limit, confidence=0.3)
+        assert [t for e in out[rid] for t in e.tokens] == alone.tokens[0]
+        assert [len(e.tokens) for e in out[rid]] == alone.steps[0]

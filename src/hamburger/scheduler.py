@@ -10,6 +10,9 @@ row adds exactly one KV entry per macro-step. One `step()` call:
    right-padded, in groups of at most `prefill_tokens` padded tokens; prompt positions 0..P-1), 3. runs one
    macro-step over every live row and reports its tokens.
 
+When a request leaves, the highest running ones move down into the freed rows (`_compact`), so every pass
+computes exactly the running rows.
+
 `submit` and `cancel` may be called from any thread; `step` only from the one thread that owns the model.
 """
 
@@ -175,6 +178,7 @@ class Scheduler:
         """Cancel, feed the last steps to the base, admit, then one macro-step: the events of this step."""
         with torch.inference_mode():
             events = self._apply_cancels()
+            self._compact()
             self._feed_steps()
             self._admit()
             if self.running:
@@ -197,6 +201,23 @@ class Scheduler:
             self.rows[req.row] = None
             self.live[req.row] = False
             req.row = -1
+
+    def _compact(self) -> None:
+        """Move the highest running requests into the lowest free rows, so rows 0..n-1 are exactly the running
+        ones and no pass computes a free row. A move copies the row's cache entries in use and its state once."""
+        while True:
+            free = next((i for i, r in enumerate(self.rows) if r is None), None)
+            src = self._span() - 1
+            if free is None or src < free:
+                return
+            req, used = self.rows[src], int(self.cache_len[src])
+            for cache in (self.cache.k, self.cache.v):
+                cache[:, free, :, :used] = cache[:, src, :, :used]
+            for tensor in (self.states, self.step_tok, self.step_len, self.cache_len, self.gen_len, self.prompt_len,
+                           self.max_new, self.confidence, self.live, self.eos):
+                tensor[free] = tensor[src]
+            self.rows[free], self.rows[src], req.row = req, None, free
+            self.live[src] = False
 
     def _span(self) -> int:
         """Rows 0..n-1 cover every running request (rows are taken lowest first)."""
