@@ -81,12 +81,15 @@ class Lane:
                 f"{s.decode_tokens_per_s:.1f} tokens/s")
 
 
-def render(prompt: str, lanes: list[Lane], speedup: str = "") -> Group:
+def render(prompt: str, lanes: list[Lane], speedup: str = "", legend: str = "") -> Group:
+    """The prompt, a legend line, one panel per lane with its figures underneath (wrapped, never cut off at a
+    narrow terminal or in a log file), and the closing comparison."""
     table = Table.grid(expand=True, padding=(0, 1))
     for _ in lanes:
         table.add_column(ratio=1)
-    table.add_row(*(Panel(lane.text, title=lane.name, subtitle=lane.figures(), border_style="dim") for lane in lanes))
-    parts = [Text(f"> {prompt}", style="bold"), table]
+    table.add_row(*(Panel(lane.text, title=lane.name, border_style="dim") for lane in lanes))
+    table.add_row(*(Text(lane.figures(), style="dim") for lane in lanes))
+    parts = [Text(f"> {prompt}", style="bold")] + ([Text(legend, style="dim")] if legend else []) + [table]
     if speedup:
         parts.append(Text(speedup, style="bold green"))
     return Group(*parts)
@@ -99,26 +102,26 @@ def side_by_side(console: Console, prompt: str, messages: list[dict], engines: d
     base_engine, ham_engine = engines["base"], engines["hamburger"]
     tokenizer = ham_engine.model.tokenizer
     ids = encode_chat(tokenizer, messages)
-    base = Lane("base model: one token per forward", iter(base_engine.stream([ids], max_new_tokens=max_new_tokens,
+    base = Lane("base model", iter(base_engine.stream([ids], max_new_tokens=max_new_tokens,
                                                                             confidence=1.0)),
                 tokenizer, len(ids), colour_steps=False)
-    title = (f"HAMburger verify @ {confidence:g} (exactly the base's text): coloured runs = one forward"
-             if mode == "verify" else f"HAMburger compress @ {confidence:g} (checked against a base whose past steps "
-             "are merged): coloured runs = one forward" if mode == "compress"
-             else f"HAMburger @ confidence {confidence:g}: coloured runs = one forward")
+    title = f"HAMburger{'' if mode == 'trust' else ' ' + mode} @ {confidence:g}"
+    legend = ("base: one token per forward. " + title + {
+        "verify": " (exactly the base's text)", "compress": " (checked against a base whose past steps are merged)",
+    }.get(mode, "") + ": coloured runs of text came from one forward.")
     ham = Lane(title, iter(ham_engine.stream([ids], max_new_tokens=max_new_tokens, confidence=confidence, mode=mode)),
                tokenizer, len(ids), colour_steps=True, unmerged=mode == "verify")
-    with Live(render(prompt, [base, ham]), console=console, refresh_per_second=8) as live:
+    with Live(render(prompt, [base, ham], legend=legend), console=console, refresh_per_second=8) as live:
         while not (base.done and ham.done):
             for lane in (base, ham):
                 if not lane.done:
                     lane.advance()
-            live.update(render(prompt, [base, ham]))
+            live.update(render(prompt, [base, ham], legend=legend))
         ham_s, base_s = ham.stats, base.stats
         ratio = ham_s.decode_tokens_per_s / base_s.decode_tokens_per_s if base_s.decode_tokens_per_s else 0.0
         kv = ham_s.kv_entries / max(1, base_s.kv_entries)
         live.update(render(prompt, [base, ham], f"HAMburger: {ratio:.2f}× the base's decode tokens/s, "
-                                               f"{kv:.2f}× its KV entries"))
+                                               f"{kv:.2f}× its KV entries", legend))
     return base, ham
 
 
