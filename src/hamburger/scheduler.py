@@ -7,8 +7,8 @@ row adds exactly one KV entry per macro-step. One `step()` call:
 
 1. feeds the previous macro-step's tokens of the rows still running to the base (one slot each, at the
    RoPE position of the step's last token), 2. prefills newly admitted requests into free rows (together,
-   right-padded, in groups of at most `prefill_tokens` padded tokens; prompt positions 0..P-1), 3. runs one
-   macro-step over every live row and reports its tokens.
+   shortest first, right-padded, in passes of at most `prefill_tokens` padded tokens; prompt positions
+   0..P-1), 3. runs one macro-step over every live row and reports its tokens.
 
 When a request leaves, the highest running ones move down into the freed rows (`_compact`), so every pass
 computes exactly the running rows.
