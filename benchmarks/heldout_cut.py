@@ -3,7 +3,7 @@
 At inference a merged slot often holds a prefix of an entropy segment (the stop head or the confidence ended
 the step early). This evaluates each checkpoint on the held-out split of `hamburger train` (same hash split)
 twice: as segmented, and with each step of >= 2 tokens cut in two with probability --p (seeded, the same
-cuts for every checkpoint; `hamburger.data.cut_steps`), and prints one table. Compare rows, not the two
+cuts for every checkpoint; `hamburger.training.data.cut_steps`), and prints one table. Compare rows, not the two
 halves: a cut moves mid-segment tokens, which are easier, to position 0.
 
     python benchmarks/heldout_cut.py default runs/dense-kdcache-partial2/hamburger
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from hamburger.data import cut_steps
 from hamburger.errors import HamburgerError
-from hamburger.model import load_model
-from hamburger.train import evaluate, read_examples, split_eval
+from hamburger.model.hamburger_model import load_model
+from hamburger.training.data import cut_steps
+from hamburger.training.train import evaluate, read_examples, split_eval
 
 SHOWN = ("token_acc@0", "token_acc@1", "token_acc@2", "token_acc@3", "kd_loss", "stop_acc", "stop_ece")
 

@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from hamburger.base import encode_chat
-from hamburger.bench import bench_messages
-from hamburger.engine import Engine
-from hamburger.model import load_model
-from hamburger.scheduler import Scheduler
+from hamburger.evaluation.bench import bench_messages
+from hamburger.inference.engine import Engine
+from hamburger.inference.scheduler import Scheduler
+from hamburger.model.base import encode_chat
+from hamburger.model.hamburger_model import load_model
 
 
 def scheduler_time_per_token(model, prompt: list[int], rows: int, new_tokens: int) -> float:

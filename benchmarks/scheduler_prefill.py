@@ -17,10 +17,10 @@ import time
 
 import torch
 
-from hamburger.base import encode_chat
-from hamburger.bench import bench_messages
-from hamburger.model import load_model
-from hamburger.scheduler import Scheduler
+from hamburger.evaluation.bench import bench_messages
+from hamburger.inference.scheduler import Scheduler
+from hamburger.model.base import encode_chat
+from hamburger.model.hamburger_model import load_model
 
 
 def counted(prefill, widths: list[int]):

@@ -6,11 +6,17 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
-    LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
     Qwen2ForCausalLM,
 )
 
 from hamburger import HamburgerConfig, HamburgerModel
+from hamburger.model.merger import KVMerger
 
 VOCAB = 96
 EOS = 1
@@ -94,3 +100,20 @@ def checkpoint(tmp_path, tiny_model_dir):
     model = randomize_new_modules(HamburgerModel.wrap(base, tok, HamburgerConfig(max_step_tokens=4)))
     model.save_pretrained(tmp_path / "ckpt")
     return tmp_path / "ckpt"
+
+
+def random_merger(base, gates: bool = True, seed: int = 0, channels: bool = False) -> KVMerger:
+    """A merger far from its initialisation, so a wrong offset, bias or gate shows in the logits."""
+    merger = KVMerger.for_base(base.config, 4, gates=gates, channels=channels)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in merger.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.5)
+    return merger
+
+
+def base_greedy(model, prompt, n):
+    ids = torch.tensor([prompt])
+    out = model.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              eos_token_id=1, pad_token_id=PAD)
+    return out[0, len(prompt):].tolist()

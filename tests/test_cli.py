@@ -117,8 +117,9 @@ def smooth_model_dir(tmp_path):
     """A tiny Llama with the default init (std 0.02, as a trained model's scale), saved as a folder. (The shared tiny
     base's std 0.2 makes int8's logit error, ~5%, larger than some of its top-2 gaps.)"""
     import torch
-    from conftest import EOS, PAD, VOCAB, tiny_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from conftest import EOS, PAD, VOCAB, tiny_tokenizer
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

@@ -29,7 +29,7 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 def test_converted_cache_equals_the_gguf(default, tmp_path, monkeypatch):
     """The first load converts the GGUF into a plain folder; later loads read it and get the same weights."""
     from hamburger import fingerprint
-    from hamburger.base import _default_cache_path
+    from hamburger.model.base import _default_cache_path
 
     monkeypatch.setenv("HAMBURGER_CACHE", str(tmp_path))
     direct, _ = load_base("default")  # parses the GGUF, writes the cache
@@ -73,7 +73,7 @@ def test_cli_generate_json_on_default_offline():
 
 def test_shipped_checkpoint_at_confidence_one_is_the_base_and_speeds_up_below():
     """The trained default in the package: confidence 1.0 never continues a step, so it is the base exactly."""
-    from hamburger.model import load_model, packaged_checkpoint
+    from hamburger.model.hamburger_model import load_model, packaged_checkpoint
 
     if packaged_checkpoint() is None:
         pytest.skip("no trained checkpoint ships in this build")
@@ -93,8 +93,8 @@ def test_shipped_checkpoint_at_confidence_one_is_the_base_and_speeds_up_below():
 
 def test_fast_engine_on_the_shipped_default():
     """The fast engine on the real model: the base exactly at confidence 1.0, the reference path's tokens below."""
-    from hamburger.engine import Engine
-    from hamburger.model import load_model
+    from hamburger.inference.engine import Engine
+    from hamburger.model.hamburger_model import load_model
 
     model, trained = load_model("default")
     prompts = [chat_ids(model.tokenizer, q) for q in QUESTIONS]
@@ -113,8 +113,8 @@ def test_fast_engine_on_the_shipped_default():
 def test_verify_mode_on_the_shipped_default_is_the_base():
     """Verify mode on the real model, batched (rows accept different numbers of drafts): the base's greedy
     tokens exactly, with drafts actually kept (more than one token per base forward)."""
-    from hamburger.engine import Engine
-    from hamburger.model import load_model
+    from hamburger.inference.engine import Engine
+    from hamburger.model.hamburger_model import load_model
 
     model, trained = load_model("default")
     if not trained:
@@ -131,9 +131,9 @@ def test_verify_mode_on_the_shipped_default_is_the_base():
 def test_compress_mode_on_the_shipped_default_follows_the_mergers_reference():
     """Compress mode on the real model with the shipped merger, batched: every token is the argmax of the
     merger's step-by-step reference over the steps the run closed, and the cache holds one entry per step."""
-    from hamburger.engine import Engine
-    from hamburger.merger import stepwise_forward
-    from hamburger.model import load_model
+    from hamburger.inference.engine import Engine
+    from hamburger.model.hamburger_model import load_model
+    from hamburger.model.merger import stepwise_forward
 
     model, trained = load_model("default")
     if not trained or model.merger is None:

@@ -7,10 +7,16 @@ import math
 import pytest
 import torch
 
-from hamburger import GenerationStats, HamburgerError, SamplingParams, SegmentedExample, collate
-from hamburger.data import step_positions
-from hamburger.embedder import CompositionalEmbedder
-from hamburger.sampling import continues, sample
+from hamburger import (
+    GenerationStats,
+    HamburgerError,
+    SamplingParams,
+    SegmentedExample,
+    collate,
+)
+from hamburger.inference.sampling import continues, sample
+from hamburger.model.embedder import CompositionalEmbedder
+from hamburger.training.data import step_positions
 
 
 def logit_for(p_continue: float) -> float:

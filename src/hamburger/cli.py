@@ -8,16 +8,16 @@ import json
 import os
 import sys
 
-from hamburger.base import DEFAULT_MODEL, encode_chat
 from hamburger.errors import HamburgerError
+from hamburger.model.base import DEFAULT_MODEL, encode_chat
 
 DTYPES = ("float32", "bfloat16", "float16")
 # Commands that decode with the loaded model take --quantize (bench its own comma list); training commands do not.
 QUANTIZE_COMMANDS = ("generate", "info", "demo", "serve", "eval")
-COMMAND_MODULES: tuple[str, ...] = ("hamburger.distill", "hamburger.segment", "hamburger.train", "hamburger.drafter",
-                                    "hamburger.evaluate",
-                                    "hamburger.merger",
-                                    "hamburger.bench", "hamburger.server", "hamburger.bench_serve", "hamburger.demo")
+COMMAND_MODULES: tuple[str, ...] = ("hamburger.training.distill", "hamburger.training.segment", "hamburger.training.train", "hamburger.training.drafter",
+                                    "hamburger.evaluation.evaluate",
+                                    "hamburger.model.merger",
+                                    "hamburger.evaluation.bench", "hamburger.serving.server", "hamburger.evaluation.bench_serve", "hamburger.evaluation.demo")
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -42,7 +42,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
 
 def add_quantize_args(parser: argparse.ArgumentParser, many: bool = False) -> None:
     """--quantize and --group-size, for the commands that decode (never those that train)."""
-    from hamburger.quantize import GROUP_SIZES, SCHEMES
+    from hamburger.inference.quantize import GROUP_SIZES, SCHEMES
 
     what = "a comma list from {" + ",".join(SCHEMES) + "}: every system under each scheme, side by side" if many \
         else "{" + ",".join(SCHEMES) + "}"
@@ -57,7 +57,7 @@ def add_quantize_args(parser: argparse.ArgumentParser, many: bool = False) -> No
 
 def parse_schemes(text: str, many: bool = False) -> list[str]:
     """--quantize's value: one scheme (or, with `many`, a comma list without repeats), checked."""
-    from hamburger.quantize import SCHEMES
+    from hamburger.inference.quantize import SCHEMES
 
     schemes = [s.strip() for s in str(text).split(",")] if many else [str(text).strip()]
     if not schemes or any(s not in SCHEMES for s in schemes):
@@ -68,7 +68,7 @@ def parse_schemes(text: str, many: bool = False) -> list[str]:
 
 def check_quantize(scheme: str, group_size: int, device, dtype) -> None:
     """Refuse, before any loading, what the packed kernels cannot run: a HamburgerError naming the fix."""
-    from hamburger.quantize import check_args
+    from hamburger.inference.quantize import check_args
 
     try:
         check_args(scheme, group_size)
@@ -96,7 +96,11 @@ def quantize_loaded(model, scheme: str, group_size: int = 32, quiet: bool = Fals
     """
     import torch
 
-    from hamburger.quantize import DEFAULT_SKIP, QuantizedLinear, quantize_model
+    from hamburger.inference.quantize import (
+        DEFAULT_SKIP,
+        QuantizedLinear,
+        quantize_model,
+    )
 
     if scheme == "none":
         return None
@@ -159,7 +163,7 @@ def load_from_args(args: argparse.Namespace, quantize: bool = True):
     """
     import torch
 
-    from hamburger.model import load_model
+    from hamburger.model.hamburger_model import load_model
 
     try:
         device = torch.device(args.device)
@@ -219,9 +223,9 @@ def _prompt_ids(tokenizer, text: str, raw: bool, system: str | None) -> list[int
 
 def cmd_generate(args: argparse.Namespace) -> int:
     # Validate what needs no model before spending seconds loading one.
-    from hamburger.config import check_confidence
-    from hamburger.engine import make_engine
-    from hamburger.sampling import SamplingParams
+    from hamburger.inference.engine import make_engine
+    from hamburger.inference.sampling import SamplingParams
+    from hamburger.model.config import check_confidence
 
     if args.text == "-":
         args.text = sys.stdin.read()
@@ -265,7 +269,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from hamburger.quantize import model_bytes
+    from hamburger.inference.quantize import model_bytes
 
     scheme = parse_schemes(args.quantize)[0]
     model, trained = load_from_args(args, quantize=False)  # the parameter counts are those of the float model

@@ -1,0 +1,167 @@
+"""`hamburger bench-serve`: load on the OpenAI-compatible server, the base and HAMburger served the same way.
+
+For each model (`--models`, e.g. `default,SmolLM2-135M-Instruct`: the shipped HAMburger and its plain base)
+the server runs in-process on a loopback port (or `--url` targets one already running), and `--requests`
+streaming chat requests on the built-in held-out prompts go out at each concurrency of `--concurrency`.
+Per request, measured by the client: TTFT = arrival of the first streamed chunk (the first macro-step's
+tokens) since sending; TPOT = (last chunk - first chunk) / (completion tokens - 1). Per run: requests/s and
+output tokens/s over the wall time of the run, and tokens per step = completion tokens / macro-steps
+(both from the server's `usage`, `metrics.GenerationStats`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import sys
+import time
+from pathlib import Path
+
+from hamburger.errors import HamburgerError
+
+COLUMNS = ("model", "conc", "req/s", "out tok/s", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99", "tok/step")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Linear interpolation between the closest ranks (q in 0..100)."""
+    if not values:
+        return float("nan")
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+async def _one(client, body: dict) -> dict:
+    """One streaming request: its TTFT, TPOT, completion tokens and macro-steps."""
+    sent = time.perf_counter()
+    first = last = None
+    usage = {}
+    async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
+        if resp.status_code != 200:
+            raise HamburgerError(f"the server answered {resp.status_code}: {(await resp.aread()).decode()[:300]}")
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices"):
+                last = time.perf_counter()
+                first = first or last
+            usage = chunk.get("usage") or usage
+    tokens = usage.get("completion_tokens", 0)
+    tpot = (last - first) / (tokens - 1) if tokens > 1 else None
+    return {"ttft": first - sent, "tpot": tpot, "tokens": tokens, "steps": usage.get("macro_steps", 0)}
+
+
+async def _run(url: str, bodies: list[dict], concurrency: int, api_key: str | None) -> dict:
+    import httpx
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=600) as client:
+        await _one(client, bodies[0])  # warm-up: first-call costs are not the server's steady state
+        gate = asyncio.Semaphore(concurrency)
+
+        async def limited(body):
+            async with gate:
+                return await _one(client, body)
+
+        start = time.perf_counter()
+        results = await asyncio.gather(*(limited(b) for b in bodies))
+        wall = time.perf_counter() - start
+    ttft = [r["ttft"] for r in results]
+    tpot = [r["tpot"] for r in results if r["tpot"] is not None]
+    tokens, steps = sum(r["tokens"] for r in results), sum(r["steps"] for r in results)
+    row = {"concurrency": concurrency, "requests": len(results), "wall_s": wall, "requests_per_s": len(results) / wall,
+           "output_tokens_per_s": tokens / wall, "completion_tokens": tokens, "macro_steps": steps,
+           "tokens_per_step": tokens / steps if steps else 0.0}
+    for name, xs in (("ttft", ttft), ("tpot", tpot)):
+        for q in (50, 90, 99):
+            row[f"{name}_p{q}_s"] = percentile(xs, q)
+    return row
+
+
+def _bodies(args: argparse.Namespace, model_name: str) -> list[dict]:
+    from hamburger.evaluation.bench import bench_messages
+
+    pool = [m for name in args.sets.split(",") for m in bench_messages(name.strip(), args.requests)]
+    if not pool:
+        raise HamburgerError("no prompts: check --sets")
+    extra = {"confidence": args.confidence} if args.confidence is not None else {}
+    return [{"model": model_name, "messages": pool[i % len(pool)], "max_tokens": args.max_tokens, "stream": True,
+             "stream_options": {"include_usage": True}, "temperature": 0, **extra} for i in range(args.requests)]
+
+
+def _bench_model(args: argparse.Namespace, name: str, levels: list[int]) -> list[dict]:
+    bodies = _bodies(args, "default" if args.url is None else name)
+    log = lambda s: print(f"bench-serve: {s}", file=sys.stderr, flush=True)  # noqa: E731
+    if args.url is not None:
+        return [dict(model=name, **asyncio.run(_run(args.url, bodies, c, args.api_key))) for c in levels]
+    from hamburger.cli import load_from_args
+    from hamburger.serving.server import BackgroundServer, Service
+
+    model, trained = load_from_args(argparse.Namespace(**{**vars(args), "model": name}))
+    service = Service(model, name, max_batch_size=max(levels), max_queue=args.requests + 1, max_len=args.max_len)
+    rows = []
+    with BackgroundServer(service) as server:
+        log(f"{name} ({'HAMburger' if trained else 'base, one token per step'}) on {server.url}")
+        for c in levels:
+            rows.append(dict(model=name, hamburger=trained, **asyncio.run(_run(server.url, bodies, c, None))))
+            log(f"{name} at concurrency {c}: {rows[-1]['requests_per_s']:.2f} req/s")
+    del service, model
+    gc.collect()
+    return rows
+
+
+def _format(row: dict) -> list[str]:
+    ms = lambda s: f"{1000 * s:.0f} ms"  # noqa: E731
+    return [row["model"], str(row["concurrency"]), f"{row['requests_per_s']:.2f}", f"{row['output_tokens_per_s']:.1f}",
+            *(ms(row[f"ttft_p{q}_s"]) for q in (50, 90, 99)), *(ms(row[f"tpot_p{q}_s"]) for q in (50, 90, 99)),
+            f"{row['tokens_per_step']:.2f}"]
+
+
+def print_table(rows: list[dict]) -> None:
+    body = [COLUMNS] + [tuple(_format(r)) for r in rows]
+    widths = [max(len(line[i]) for line in body) for i in range(len(COLUMNS))]
+    for line in body:
+        print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    try:
+        import httpx  # noqa: F401 - the load clients
+    except ImportError as exc:
+        raise HamburgerError("bench-serve needs httpx: pip install httpx") from exc
+    try:
+        levels = sorted({int(c) for c in args.concurrency.split(",")})
+    except ValueError:
+        raise HamburgerError(f"--concurrency must be a comma list of integers, got {args.concurrency!r}") from None
+    if not levels or levels[0] < 1 or args.requests < 1 or args.max_tokens < 1:
+        raise HamburgerError("--concurrency levels, --requests and --max-tokens must be >= 1")
+    names = [m.strip() for m in (args.models or args.model).split(",") if m.strip()]
+    rows = [row for name in names for row in _bench_model(args, name, levels)]
+    print_table(rows)
+    if args.json:
+        meta = {k: getattr(args, k) for k in ("requests", "max_tokens", "sets", "dtype", "device", "confidence", "url")}
+        Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    return 0
+
+
+def register(sub, add_model_args) -> None:
+    p = sub.add_parser("bench-serve", help="load benchmark of the server: req/s, tokens/s, TTFT and TPOT percentiles")
+    add_model_args(p)
+    p.add_argument("--models", default=None,
+                   help="comma list of models served in turn, e.g. default,SmolLM2-135M-Instruct (default: --model)")
+    p.add_argument("--url", default=None, help="benchmark a server already running there instead of starting one")
+    p.add_argument("--api-key", default=None, help="with --url: the server's API key")
+    p.add_argument("--requests", type=int, default=64, help="requests at each concurrency level")
+    p.add_argument("--concurrency", default="1,8,32", help="comma list of concurrent clients")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--max-len", type=int, default=1024, help="KV entries per batch row of the in-process server")
+    p.add_argument("--confidence", type=float, default=None, help="sent with each request (default: the server's)")
+    p.add_argument("--sets", default="chat,code,math", help="built-in prompt sets (hamburger.evaluation.bench)")
+    p.add_argument("--json", default=None, help="write the rows here")
+    p.set_defaults(func=cmd_bench_serve)

@@ -1,0 +1,181 @@
+"""`hamburger demo`: the same prompt streamed side by side by the base model and by HAMburger.
+
+HAMburger's macro-steps are shown in alternating colours (each colour run is one base forward and one KV
+entry), with live decode tokens/s, tokens per step and KV entries for both, and the speed-up at the end.
+The two decoders take turns one macro-step at a time in one thread, and each one's clock runs only
+while it works, so neither is slowed by the other or by the drawing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from hamburger.errors import HamburgerError
+from hamburger.inference.stats import GenerationStats
+
+PROMPTS = (
+    "Write a Python function that returns the n-th Fibonacci number, with a short explanation.",
+    "A baker makes 12 loaves every hour for 7 hours and sells 5 dozen. How many loaves are left? Think step by step.",
+    "What are three good habits for staying healthy? Answer in a short list.",
+)
+STEP_STYLES = ("black on bright_cyan", "black on bright_yellow")
+
+
+@dataclass
+class Lane:
+    """One decoder's side of the demo: its stream, the text so far as styled steps, and its own clock."""
+
+    name: str
+    events: Iterator
+    tokenizer: object
+    prompt_tokens: int
+    colour_steps: bool
+    unmerged: bool = False  # verify mode: every token keeps its own KV entry
+    tokens: list[int] = field(default_factory=list)
+    text: Text = field(default_factory=Text)
+    steps: int = 0
+    busy: float = 0.0
+    first: float | None = None
+    done: bool = False
+
+    def advance(self) -> None:
+        start = time.perf_counter()
+        event = next(self.events, None)
+        self.busy += time.perf_counter() - start
+        if event is None:
+            self.done = True
+            return
+        if self.first is None:
+            self.first = self.busy  # time to first token: prefill and the first step
+        new = event.tokens[0]
+        if new:
+            before = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+            self.tokens += new
+            piece = self.tokenizer.decode(self.tokens, skip_special_tokens=True)[len(before):]
+            style = STEP_STYLES[self.steps % 2] if self.colour_steps and len(new) > 1 else ""
+            self.text.append(piece, style=style)
+            self.steps += 1
+
+    @property
+    def stats(self) -> GenerationStats:
+        """The figures so far, measured as everywhere else (`metrics.GenerationStats`)."""
+        first = self.first or 0.0
+        return GenerationStats(sequences=1, prompt_tokens=self.prompt_tokens, generated_tokens=len(self.tokens),
+                               macro_steps=self.steps, base_forwards=self.steps, row_forwards=self.steps,
+                               prefill_s=first,
+                               decode_s=self.busy - first, unmerged=self.unmerged)
+
+    def figures(self) -> str:
+        s = self.stats
+        return (f"{s.generated_tokens} tokens in {s.base_forwards} forwards, {s.kv_entries} KV entries, "
+                f"{s.decode_tokens_per_s:.1f} tokens/s")
+
+
+def render(prompt: str, lanes: list[Lane], speedup: str = "", legend: str = "") -> Group:
+    """The prompt, a legend line, one panel per lane with its figures underneath (wrapped, never cut off at a
+    narrow terminal or in a log file), and the closing comparison."""
+    table = Table.grid(expand=True, padding=(0, 1))
+    for _ in lanes:
+        table.add_column(ratio=1)
+    table.add_row(*(Panel(lane.text, title=lane.name, border_style="dim") for lane in lanes))
+    table.add_row(*(Text(lane.figures(), style="dim") for lane in lanes))
+    parts = [Text(f"> {prompt}", style="bold")] + ([Text(legend, style="dim")] if legend else []) + [table]
+    if speedup:
+        parts.append(Text(speedup, style="bold green"))
+    return Group(*parts)
+
+
+def side_by_side(console: Console, prompt: str, messages: list[dict], engines: dict, confidence: float,
+                 max_new_tokens: int, mode: str = "trust") -> tuple[Lane, Lane]:
+    from hamburger.model.base import encode_chat
+
+    base_engine, ham_engine = engines["base"], engines["hamburger"]
+    tokenizer = ham_engine.model.tokenizer
+    ids = encode_chat(tokenizer, messages)
+    base = Lane("base model", iter(base_engine.stream([ids], max_new_tokens=max_new_tokens,
+                                                                            confidence=1.0)),
+                tokenizer, len(ids), colour_steps=False)
+    title = f"HAMburger{'' if mode == 'trust' else ' ' + mode} @ {confidence:g}"
+    legend = ("base: one token per forward. " + title + {
+        "verify": " (exactly the base's text)", "compress": " (checked against a base whose past steps are merged)",
+    }.get(mode, "") + ": coloured runs of text came from one forward.")
+    ham = Lane(title, iter(ham_engine.stream([ids], max_new_tokens=max_new_tokens, confidence=confidence, mode=mode)),
+               tokenizer, len(ids), colour_steps=True, unmerged=mode == "verify")
+    with Live(render(prompt, [base, ham], legend=legend), console=console, refresh_per_second=8) as live:
+        while not (base.done and ham.done):
+            for lane in (base, ham):
+                if not lane.done:
+                    lane.advance()
+            live.update(render(prompt, [base, ham], legend=legend))
+        ham_s, base_s = ham.stats, base.stats
+        ratio = ham_s.decode_tokens_per_s / base_s.decode_tokens_per_s if base_s.decode_tokens_per_s else 0.0
+        kv = ham_s.kv_entries / max(1, base_s.kv_entries)
+        live.update(render(prompt, [base, ham], f"HAMburger: {ratio:.2f}× the base's decode tokens/s, "
+                                               f"{kv:.2f}× its KV entries", legend))
+    return base, ham
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from hamburger.cli import load_from_args
+    from hamburger.inference.engine import make_engine
+    from hamburger.model.config import check_confidence
+    from hamburger.model.hamburger_model import HamburgerModel
+
+    if args.max_new_tokens <= 0:
+        raise HamburgerError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.confidence is not None:
+        check_confidence(args.confidence)
+    model, trained = load_from_args(args)
+    if not trained:
+        raise HamburgerError(f"{args.model} is a base model: the demo compares a HAMburger checkpoint with its base "
+                             "(leave --model out for the shipped default)")
+    mode = args.mode or model.config.default_mode
+    default = model.config.default_confidence if mode == "trust" else model.config.verify_confidence
+    if mode == "compress":
+        from hamburger.inference.engine import check_merger  # noqa: PLC0415
+
+        check_merger(model)
+    confidence = default if args.confidence is None else args.confidence
+    engines = {"base": make_engine(HamburgerModel.plain(model.base, model.tokenizer), args.engine),
+               "hamburger": make_engine(model, args.engine)}
+    console = Console()
+    if not args.chat:
+        for prompt in args.prompt or PROMPTS:
+            side_by_side(console, prompt, [{"role": "user", "content": prompt}], engines, confidence,
+                         args.max_new_tokens, mode)
+            console.print()
+        return 0
+    console.print("[bold]Chat with both models (an empty line or Ctrl-D ends).[/bold]")
+    while True:
+        try:
+            prompt = input("you> ") if sys.stdin.isatty() else sys.stdin.readline()
+        except EOFError:
+            return 0
+        if not prompt.strip():
+            return 0
+        side_by_side(console, prompt.strip(), [{"role": "user", "content": prompt.strip()}], engines, confidence,
+                     args.max_new_tokens, mode)
+        console.print()
+
+
+def register(sub, add_model_args) -> None:
+    from hamburger.cli import add_engine_args
+
+    p = sub.add_parser("demo", help="stream a prompt side by side: the base model and HAMburger, with live figures")
+    add_model_args(p)
+    add_engine_args(p)
+    p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable); default: three built-in")
+    p.add_argument("--chat", action="store_true", help="type your own prompts")
+    p.add_argument("--confidence", type=float, default=None, help="default: the checkpoint's")
+    p.add_argument("--max-new-tokens", type=int, default=160)
+    p.set_defaults(func=cmd_demo)

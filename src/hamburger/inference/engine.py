@@ -1,0 +1,393 @@
+"""The fast engine: static KV caches, batched macro-steps, one host transfer per macro-step.
+
+In the spirit of gpt-fast, for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3): the base's own
+modules (projections, norms, MLPs, rotary embedding) do the math, and this file owns the cache and the
+loop. Every sequence of a batch adds one KV entry per macro-step at the same slot, so the cache stays
+rectangular while each sequence keeps its own positions, step lengths and stop state. The same engine
+runs the plain base (one token per step, no micro-step decoder), so base and HAMburger compare like for like.
+
+Host synchronisation on the hot path: one `any()` per micro-step (does any sequence's step go on?) and
+one transfer of the step's tokens per macro-step (for streaming); nothing per token.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from hamburger.errors import HamburgerError
+from hamburger.inference.reference import (
+    Generation,
+    GenerationOutput,
+    StepEvent,
+    check_request,
+    drain,
+    eos_ids,
+    left_pad,
+    timed,
+)
+from hamburger.inference.reference import stream as reference_stream
+from hamburger.inference.sampling import SamplingParams, continues, sample
+from hamburger.inference.stats import GenerationStats
+from hamburger.model.config import check_confidence, check_mode
+from hamburger.model.hamburger_model import HamburgerModel
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+ENGINES = ("auto", "fast", "reference")
+
+
+class KVCache:
+    """Preallocated keys and values of a stack of layers: (layers, B, kv_heads, max_len, head_dim)."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device) -> None:
+        shape = (layers, batch, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def update(self, layer: int, start: int | RowSlots, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write (B, h, T, hd) at slots start.. (the same for every row, or each row's own `RowSlots`) and
+        return the keys and values of slots 0..end-1."""
+        if isinstance(start, RowSlots):  # rows at different cache lengths (verify mode)
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]
+            self.k[layer, rows, :, start.slots] = k.transpose(1, 2)
+            self.v[layer, rows, :, start.slots] = v.transpose(1, 2)
+            end = start.end
+        else:
+            end = start + k.shape[2]
+            self.k[layer, :, :, start:end] = k
+            self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+@dataclass
+class RowSlots:
+    """Per-row cache slots (B, T) of a multi-position pass, and `end`: one past the largest slot of any row."""
+
+    slots: torch.Tensor
+    end: int
+
+
+def check_merger(model: HamburgerModel) -> None:
+    """Compress mode needs a KV merger fitted to the base, for steps as long as the model makes."""
+    merger = model.merger
+    if merger is None:
+        raise HamburgerError("compress mode needs a KV merger in the checkpoint (merger.safetensors): fit one with "
+                             "`hamburger train-merger` and copy its merger.safetensors into the checkpoint folder")
+    if merger.max_step_tokens < model.config.max_step_tokens:
+        raise HamburgerError(f"the KV merger takes steps of up to {merger.max_step_tokens} tokens, the model makes "
+                             f"steps of up to {model.config.max_step_tokens}")
+
+
+def check_supported(model: HamburgerModel) -> None:
+    kind = getattr(model.base.config, "model_type", "")
+    if kind not in SUPPORTED:
+        raise HamburgerError(f"the fast engine supports {', '.join(SUPPORTED)} models, not {kind!r}: "
+                             "use the reference engine (--engine reference)")
+
+
+def layer_forward(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, index: int,
+                  start: int | RowSlots, mask: torch.Tensor) -> torch.Tensor:
+    """One decoder layer of the base's own type over (B, T, d) at cache slots start..start+T-1."""
+    attn = layer.self_attn
+    b, t, _ = x.shape
+    hd = attn.head_dim
+    h = layer.input_layernorm(x)
+    q = attn.q_proj(h).view(b, t, -1, hd)
+    k = attn.k_proj(h).view(b, t, -1, hd)
+    v = attn.v_proj(h).view(b, t, -1, hd).transpose(1, 2)
+    if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's queries and keys
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *rope)
+    keys, values = cache.update(index, start, k, v)
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
+                                       enable_gqa=keys.shape[1] != q.shape[1])
+    x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+@dataclass
+class EngineGeneration:
+    """An iterator over macro-steps (`StepEvent`s), then `output()`: the same contract as `generate.Generation`."""
+
+    engine: Engine
+    prompts: list[list[int]]
+    max_new_tokens: int
+    confidence: float
+    sampling: SamplingParams
+    eos_token_ids: set[int]
+    forced_steps: list[list[int]] | None = None
+    mode: str = "trust"
+    tokens: list[list[int]] = field(init=False)
+    steps: list[list[int]] = field(init=False)
+    stats: GenerationStats = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = len(self.prompts)
+        self.tokens, self.steps = [[] for _ in range(n)], [[] for _ in range(n)]
+        self.stats = GenerationStats(sequences=n, prompt_tokens=sum(len(p) for p in self.prompts))
+
+    def __iter__(self) -> Iterator[StepEvent]:
+        if self.mode in ("verify", "compress"):
+            from hamburger.inference.verify import run_verify  # noqa: PLC0415 - verify builds on this module
+
+            merger = self.engine.model.merger if self.mode == "compress" else None
+            return timed(run_verify(self.engine, self, merger), self.stats)
+        return timed(self.engine.run(self), self.stats)
+
+    def output(self) -> GenerationOutput:
+        return GenerationOutput(self.tokens, self.steps, self.stats)
+
+
+class Engine:
+    """Static-cache decoding of a `HamburgerModel` (or of its plain base with `max_step_tokens` 1)."""
+
+    def __init__(self, model: HamburgerModel, compile: bool = False, shortlist: bool = True) -> None:
+        check_supported(model)
+        self.model = model
+        # Micro-steps choose among the checkpoint's shortlist (if it has one): a head of |shortlist| rows
+        # instead of the whole vocabulary. Token 0 of every step always uses the full head.
+        self.vocab = model.micro_vocab if shortlist else None
+        if self.vocab is not None:
+            self.vocab = self.vocab.to(next(model.parameters()).device)
+            self.short_head = model.base.get_output_embeddings().weight[self.vocab].contiguous()
+        self.base = model.base.base_model
+        self.k = model.config.max_step_tokens
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        self.step_fn = self._base  # the decode step's base pass (compiled with --compile)
+        self.compiled = False
+        if compile:
+            self.step_fn = self._compile(self._base)
+
+    def _compile(self, fn):
+        """`fn` compiled (dynamic shapes: the cache grows each step), falling back to eager if compiling fails.
+
+        torch.compile is lazy, so failures (no C++ compiler, an unsupported op) show at the first call.
+        """
+        try:
+            compiled = torch.compile(fn, dynamic=True)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager
+            warnings.warn(f"torch.compile is unavailable ({exc}); running eagerly", stacklevel=2)
+            return fn
+        self.compiled = True
+
+        def run(*args):
+            if self.compiled:
+                try:
+                    return compiled(*args)
+                except Exception as exc:  # noqa: BLE001
+                    warnings.warn(f"torch.compile failed ({type(exc).__name__}: {exc}); running eagerly", stacklevel=2)
+                    self.compiled = False
+            return fn(*args)
+
+        return run
+
+    # --- the two networks ------------------------------------------------------------------------------
+
+    def _base(self, embeds, positions, cache: KVCache, start: int | RowSlots, mask, merged=None,
+              last: bool = True) -> list[torch.Tensor]:
+        """Base pass over (B, T, d) at cache slots start.. -> [final normed state, feature_1 .. feature_m] at the
+        last position, each (B, d); with `last=False` at every position, each (B, T, d). `mask`: one for every
+        layer, or a function of the layer index (compress mode's merged entries carry a per-layer bias)."""
+        model, base = self.model, self.base
+        wanted = model.micro.feature_layers if self.k > 1 else []
+        depth = len(base.layers)
+        rope = base.rotary_emb(embeds, positions)
+        feats: dict[int, torch.Tensor] = {}
+        x = embeds
+        with model.slot_adapters.gated(merged):
+            for i, layer in enumerate(base.layers):
+                x = layer_forward(layer, x, rope, cache, i, start, mask(i) if callable(mask) else mask)
+                if i + 1 in wanted and i + 1 < depth:
+                    feats[i + 1] = x[:, -1] if last else x
+        final = base.norm(x[:, -1] if last else x)
+        return [final] + [feats[i] if i < depth else final for i in wanted]
+
+    def _micro(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
+        """Micro-step decoder over (B, T, d) new inputs following `start` cached ones -> normed (B, d) at the last."""
+        micro = self.model.micro
+        b, t, _ = x.shape
+        positions = torch.arange(start, start + t, device=x.device)[None].expand(b, -1)
+        rope = micro.rotary_emb(x, positions)
+        mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)[None, None]
+        for i, layer in enumerate(micro.layers):
+            x = layer_forward(layer, x, rope, cache, i, start, mask)
+        return micro.norm(x[:, -1])
+
+    # --- the loop ------------------------------------------------------------------------------------------
+
+    def run(self, gen: EngineGeneration) -> Iterator[StepEvent]:
+        model, k, dev = self.model, self.k, self.device
+        cfg = model.base.config
+        bsz = len(gen.prompts)
+        lengths = torch.tensor([len(p) for p in gen.prompts], device=dev)
+        width = int(lengths.max())
+        max_len = width + gen.max_new_tokens
+        if max_len > getattr(cfg, "max_position_embeddings", max_len):
+            raise HamburgerError(f"prompt ({width}) + max_new_tokens ({gen.max_new_tokens}) exceed the model's "
+                                 f"context of {cfg.max_position_embeddings} tokens")
+        attn = model.base.base_model.layers[0].self_attn
+        cache = KVCache(cfg.num_hidden_layers, bsz, cfg.num_key_value_heads, max_len, attn.head_dim, self.dtype, dev)
+        ids, prompt_mask = left_pad(gen.prompts, getattr(model.tokenizer, "pad_token_id", None) or 0, dev)
+        valid = torch.ones(bsz, max_len, dtype=torch.bool, device=dev)  # slots after the prompt: all in use
+        valid[:, :width] = prompt_mask.bool()
+        positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
+        mask = valid[:, None, None, :width] & torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None, None]
+
+        eos = torch.tensor(sorted(gen.eos_token_ids) or [-1], device=dev)
+        forced = None
+        if gen.forced_steps is not None:
+            most = max(map(len, gen.forced_steps))
+            forced = torch.zeros(bsz, most + 1, dtype=torch.long, device=dev)
+            for b, f in enumerate(gen.forced_steps):
+                forced[b, : len(f)] = torch.tensor(f, dtype=torch.long)
+        warpers, rng = gen.sampling.warpers(), gen.sampling.generator(dev)
+        micro_cache = None
+        if k > 1:
+            m_attn = model.micro.layers[0].self_attn
+            micro_cache = KVCache(len(model.micro.layers), bsz, cfg.num_key_value_heads,
+                                  model.micro.num_features + k, m_attn.head_dim, self.dtype, dev)
+        gen_len = torch.zeros(bsz, dtype=torch.long, device=dev)
+        done = torch.zeros(bsz, dtype=torch.bool, device=dev)
+
+        start_t = time.perf_counter()
+        states = self._base(model.embed(ids), positions, cache, 0, mask)
+        gen.stats.base_forwards += 1
+        gen.stats.row_forwards += bsz
+        slot = width
+        for step in range(gen.max_new_tokens):
+            step_tok, step_len, ended = self._macro_step(gen, states, done, gen_len, eos, forced, step, warpers, rng,
+                                                         micro_cache)
+            if step == 0:
+                gen.stats.prefill_s = time.perf_counter() - start_t
+            done |= ended
+            rows, lens, dn = step_tok.tolist(), step_len.tolist(), done.tolist()  # the one transfer per macro-step
+            new = [row[:n] for row, n in zip(rows, lens)]
+            for b, toks in enumerate(new):
+                if toks:
+                    gen.tokens[b].extend(toks)
+                    gen.steps[b].append(len(toks))
+            gen.stats.macro_steps = sum(map(len, gen.steps))
+            gen.stats.generated_tokens = sum(map(len, gen.tokens))
+            gen.stats.micro_steps = gen.stats.generated_tokens - gen.stats.macro_steps
+            yield StepEvent(step, new, dn)
+            if all(dn):
+                return
+            # Smash each step into one slot at the position of its last token (finished rows: a dummy slot).
+            embeds = model.smash(step_tok, step_len.clamp(min=1))[:, None]
+            pos = (lengths + gen_len - 1)[:, None]
+            step_mask = valid[:, None, None, : slot + 1]
+            states = self.step_fn(embeds, pos, cache, slot, step_mask, (step_len > 1)[:, None])
+            gen.stats.base_forwards += 1
+            gen.stats.row_forwards += dn.count(False)
+            slot += 1
+
+    def _macro_step(self, gen, states, done, gen_len, eos, forced, step, warpers, rng, micro_cache):
+        """Token 0 from the base's head, then micro-steps while any live sequence's step goes on.
+
+        Returns the step's tokens (B, K), their number (B,) (0 for finished rows) and which rows ended.
+        """
+        model, k = self.model, self.k
+        bsz = done.shape[0]
+        h0, feats = states[0], states[1:]
+        tok = sample(model.lm_head(h0), gen.sampling, rng, warpers)
+        live = ~done
+        step_tok = torch.zeros(bsz, k, dtype=torch.long, device=tok.device)
+        step_tok[:, 0] = tok
+        step_len = live.long()
+        gen_len += step_len
+        ended = live & (torch.isin(tok, eos) | (gen_len >= gen.max_new_tokens))
+        go_on = live & ~ended
+        if k == 1:
+            return step_tok, step_len, ended
+        go_on &= self._wants_more(model.stop_head(h0), step_len, forced, step, gen.confidence)
+        for i in range(1, k):
+            if not bool(go_on.any()):  # the one host sync per micro-step: does any step go on?
+                break
+            x = model.embed(tok)[:, None]
+            if i == 1:  # the micro-step decoder's cache restarts each macro-step with the base's features
+                normed = [norm(f) for f, norm in zip(feats, model.micro.feature_norms)]
+                x = torch.cat([torch.stack(normed, 1), x], 1)
+            h = self._micro(x, micro_cache, 0 if i == 1 else model.micro.num_features + i - 1)
+            tok = self._micro_token(h, gen.sampling, rng, warpers)
+            step_tok[:, i] = torch.where(go_on, tok, step_tok[:, i])
+            step_len += go_on.long()
+            gen_len += go_on.long()
+            now_ends = go_on & (torch.isin(tok, eos) | (gen_len >= gen.max_new_tokens))
+            ended |= now_ends
+            go_on = go_on & ~now_ends & (step_len < k)
+            go_on &= self._wants_more(model.stop_head(h), step_len, forced, step, gen.confidence)
+        return step_tok, step_len, ended
+
+    def _micro_token(self, h: torch.Tensor, sampling: SamplingParams, rng, warpers) -> torch.Tensor:
+        if self.vocab is None:
+            return sample(self.model.lm_head(h), sampling, rng, warpers)
+        return self.vocab[sample(F.linear(h, self.short_head), sampling, rng, warpers)]
+
+    @staticmethod
+    def _wants_more(stop_logits, step_len, forced, step: int, confidence: float) -> torch.Tensor:
+        """The stop head's verdict, or the forced step length where one is given for this step."""
+        says = continues(stop_logits, confidence)
+        if forced is None:
+            return says
+        want = forced[:, min(step, forced.shape[1] - 1)]
+        return torch.where(want > 0, step_len < want, says)
+
+    def stream(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256, confidence: float | None = None,
+        sampling: SamplingParams | None = None, forced_steps: Sequence[Sequence[int]] | None = None,
+        eos_token_ids: set[int] | None = None, mode: str | None = None,
+    ) -> EngineGeneration:
+        """`mode`: "trust" (HAMburger: drafts kept, steps smashed), "verify" (the base checks every draft and
+        the output is exactly the base's) or "compress" (verify against a base whose past steps are each merged
+        into one KV entry: needs a checkpoint with a KV merger); None takes the checkpoint's default.
+        `confidence` None takes the checkpoint's default for that mode (verify's for compress: it drafts the same)."""
+        prompts, forced_steps = check_request(prompts, max_new_tokens, forced_steps, self.k)
+        cfg = self.model.config
+        mode = check_mode(cfg.default_mode if mode is None else mode)
+        if mode != "trust" and forced_steps is not None:
+            raise HamburgerError(f"forced steps replay trust-mode step lengths: they do not apply to {mode} mode")
+        if mode == "compress":
+            check_merger(self.model)
+        default = cfg.default_confidence if mode == "trust" else cfg.verify_confidence
+        confidence = check_confidence(default if confidence is None else confidence)
+        return EngineGeneration(self, prompts, int(max_new_tokens), confidence, sampling or SamplingParams(),
+                                eos_ids(self.model) if eos_token_ids is None else set(eos_token_ids), forced_steps,
+                                mode)
+
+    def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> GenerationOutput:
+        return drain(self.stream(prompts, **kwargs))
+
+
+class ReferenceEngine:
+    """The transformers reference path (`generate.stream`) behind the engine's interface: any architecture."""
+
+    compiled = False
+
+    def __init__(self, model: HamburgerModel) -> None:
+        self.model = model
+
+    def stream(self, prompts: Sequence[Sequence[int]], mode: str | None = None, **kwargs) -> Generation:
+        if check_mode(mode or self.model.config.default_mode) != "trust":
+            raise HamburgerError(f"{mode} mode runs on the fast engine only (Llama, Mistral, Qwen2, Qwen3 bases)")
+        return reference_stream(self.model, prompts, **kwargs)
+
+    def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> GenerationOutput:
+        return drain(self.stream(prompts, **kwargs))
+
+
+def make_engine(model: HamburgerModel, kind: str = "auto", compile: bool = False) -> Engine | ReferenceEngine:
+    """`fast` (static caches, Llama-style decoders), `reference` (any model), or `auto`: fast where supported."""
+    if kind not in ENGINES:
+        raise HamburgerError(f"engine must be one of {ENGINES}, got {kind!r}")
+    supported = getattr(model.base.config, "model_type", "") in SUPPORTED
+    if kind == "reference" or (kind == "auto" and not supported):
+        return ReferenceEngine(model)
+    return Engine(model, compile=compile)

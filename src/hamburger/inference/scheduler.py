@@ -1,0 +1,367 @@
+"""Continuous batching on the fast engine: requests join the running batch at macro-step boundaries and
+leave it (finished or cancelled) right after one, each row of a preallocated cache holding one request.
+
+Every row keeps its own cache length (write slot), positions, step lengths, confidence, limits, EOS set
+and sampling, so a request's greedy output does not depend on which others share the batch. Each live
+row adds exactly one KV entry per macro-step. One `step()` call:
+
+1. feeds the previous macro-step's tokens of the rows still running to the base (one slot each, at the
+   RoPE position of the step's last token), 2. prefills newly admitted requests into free rows (together,
+   shortest first, right-padded, in passes of at most `prefill_tokens` padded tokens; prompt positions
+   0..P-1), 3. runs one macro-step over every live row and reports its tokens.
+
+When a request leaves, the highest running ones move down into the freed rows (`_compact`), so every pass
+computes exactly the running rows.
+
+`submit` and `cancel` may be called from any thread; `step` only from the one thread that owns the model.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from hamburger.errors import HamburgerError
+from hamburger.inference.engine import Engine, KVCache
+from hamburger.inference.reference import eos_ids
+from hamburger.inference.sampling import SamplingParams, continues, sample
+from hamburger.inference.stats import GenerationStats
+from hamburger.model.config import check_confidence
+from hamburger.model.hamburger_model import HamburgerModel
+
+# Padded prompt tokens per prefill pass. Measured on 2 CPU cores, 32 chat prompts at once
+# (benchmarks/scheduler_prefill.py): 256-1024 -> 1.5x faster than one by one; 4096 pads 62 % and is slower.
+PREFILL_TOKENS = 512
+
+
+class CacheView(KVCache):
+    """The first `rows` rows of a `KVCache` as a cache of their own (views: writes land in the parent)."""
+
+    def __init__(self, parent: KVCache, rows: slice) -> None:
+        self.k, self.v = parent.k[:, rows], parent.v[:, rows]
+
+
+class SlotWrites(CacheView):
+    """Rows 0..n-1 of a cache where each row writes its one new entry at its own slot."""
+
+    def __init__(self, parent: KVCache, slots: torch.Tensor) -> None:
+        super().__init__(parent, slice(0, len(slots)))
+        self.slots, self.rows = slots, torch.arange(len(slots), device=slots.device)
+        self.width = int(slots.max()) + 1
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k[layer][self.rows, :, self.slots] = k[:, :, 0]
+        self.v[layer][self.rows, :, self.slots] = v[:, :, 0]
+        return self.k[layer, :, :, : self.width], self.v[layer, :, :, : self.width]
+
+
+@dataclass
+class RequestEvent:
+    """What one macro-step gave a request. finish_reason: "stop" (EOS), "length" or "cancelled"."""
+
+    id: int
+    tokens: list[int]
+    finished: bool
+    finish_reason: str | None
+    stats: GenerationStats
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    max_new_tokens: int
+    confidence: float
+    sampling: SamplingParams
+    eos: set[int]
+    row: int = -1
+    tokens: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    started: float = 0.0  # when its prefill began
+    rng: torch.Generator | None = None
+    warpers: object = None
+
+
+class Scheduler:
+    """`max_batch_size` rows of `max_len` KV entries each; requests wait in FIFO order for a free row.
+
+    Newly admitted requests are prefilled in one base pass per group of at most `prefill_tokens` padded prompt
+    tokens (a longer prompt goes alone), which bounds the pass's memory."""
+
+    def __init__(self, model: HamburgerModel, max_batch_size: int = 8, max_len: int | None = None,
+                 prefill_tokens: int = PREFILL_TOKENS) -> None:
+        self.engine = engine = Engine(model)  # checks the architecture; owns the shortlist head
+        self.model, self.k = model, engine.k
+        cfg = model.base.config
+        context = getattr(cfg, "max_position_embeddings", None) or 2048
+        self.max_len = min(max_len or context, context)
+        if max_batch_size < 1 or self.max_len < 2:
+            raise HamburgerError(f"need max_batch_size >= 1 and max_len >= 2, got {max_batch_size}, {self.max_len}")
+        if prefill_tokens < 1:
+            raise HamburgerError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
+        self.prefill_tokens = prefill_tokens
+        rows, dev, dtype = max_batch_size, engine.device, engine.dtype
+        head_dim = model.base.base_model.layers[0].self_attn.head_dim
+        self.cache = KVCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, self.max_len, head_dim, dtype, dev)
+        self.micro_cache = None
+        if self.k > 1:
+            micro = model.micro
+            self.micro_cache = KVCache(len(micro.layers), rows, cfg.num_key_value_heads, micro.num_features + self.k,
+                                       micro.layers[0].self_attn.head_dim, dtype, dev)
+        n_states = 1 + (model.micro.num_features if self.k > 1 else 0)
+        self.states = torch.zeros(rows, n_states, cfg.hidden_size, dtype=dtype, device=dev)
+        zeros = lambda dt=torch.long: torch.zeros(rows, dtype=dt, device=dev)  # noqa: E731
+        self.cache_len, self.gen_len, self.prompt_len, self.max_new = zeros(), zeros(), zeros(), zeros()
+        self.confidence = zeros(torch.float32)
+        self.live = zeros(torch.bool)
+        self.step_tok = torch.zeros(rows, self.k, dtype=torch.long, device=dev)
+        self.step_len = zeros()
+        self.eos = torch.full((rows, 1), -1, dtype=torch.long, device=dev)
+        self.default_eos = eos_ids(model)
+        self.rows: list[Request | None] = [None] * rows
+        self._waiting: deque[Request] = deque()
+        self._cancels: set[int] = set()
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+
+    # --- the thread-safe side ----------------------------------------------------------------------------
+
+    def submit(self, prompt_ids: list[int], max_new_tokens: int, confidence: float | None = None,
+               sampling: SamplingParams | None = None, eos_token_ids: set[int] | None = None) -> int:
+        """Queue a request; returns its id. Raises HamburgerError when it cannot fit in a row."""
+        prompt = [int(t) for t in prompt_ids]
+        if not prompt:
+            raise HamburgerError("the prompt must have at least one token")
+        if max_new_tokens < 1:
+            raise HamburgerError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if len(prompt) + max_new_tokens > self.max_len:
+            raise HamburgerError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
+                                 f"context of {self.max_len} tokens")
+        conf = check_confidence(self.model.config.default_confidence if confidence is None else confidence)
+        eos = self.default_eos if eos_token_ids is None else set(eos_token_ids)
+        req = Request(next(self._ids), prompt, int(max_new_tokens), conf, sampling or SamplingParams(), eos)
+        with self._lock:
+            self._waiting.append(req)
+        return req.id
+
+    def cancel(self, request_id: int) -> None:
+        """Drop a request (waiting or running) at the next step; its row is free for the step after."""
+        with self._lock:
+            self._cancels.add(request_id)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._cancels or self.running)
+
+    def kv_entries(self) -> int:
+        """KV entries per layer held by the running requests."""
+        return sum(len(r.prompt) + len(r.steps) for r in self.rows if r is not None)
+
+    # --- the model thread ----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestEvent]:
+        """Cancel, feed the last steps to the base, admit, then one macro-step: the events of this step."""
+        with torch.inference_mode():
+            events = self._apply_cancels()
+            self._compact()
+            self._feed_steps()
+            self._admit()
+            if self.running:
+                events += self._macro_step()
+        return events
+
+    def _apply_cancels(self) -> list[RequestEvent]:
+        with self._lock:
+            cancels, self._cancels = self._cancels, set()
+            dropped = [r for r in self._waiting if r.id in cancels]
+            for req in dropped:
+                self._waiting.remove(req)
+        dropped += [r for r in self.rows if r is not None and r.id in cancels]
+        for req in dropped:
+            self._free(req)
+        return [RequestEvent(r.id, [], True, "cancelled", r.stats) for r in dropped]
+
+    def _free(self, req: Request) -> None:
+        if req.row >= 0:
+            self.rows[req.row] = None
+            self.live[req.row] = False
+            req.row = -1
+
+    def _compact(self) -> None:
+        """Move the highest running requests into the lowest free rows, so rows 0..n-1 are exactly the running
+        ones and no pass computes a free row. A move copies the row's cache entries in use and its state once."""
+        while True:
+            free = next((i for i, r in enumerate(self.rows) if r is None), None)
+            src = self._span() - 1
+            if free is None or src < free:
+                return
+            req, used = self.rows[src], int(self.cache_len[src])
+            for cache in (self.cache.k, self.cache.v):
+                cache[:, free, :, :used] = cache[:, src, :, :used]
+            for tensor in (self.states, self.step_tok, self.step_len, self.cache_len, self.gen_len, self.prompt_len,
+                           self.max_new, self.confidence, self.live, self.eos):
+                tensor[free] = tensor[src]
+            self.rows[free], self.rows[src], req.row = req, None, free
+            self.live[src] = False
+
+    def _span(self) -> int:
+        """Rows 0..n-1 cover every running request (rows are taken lowest first)."""
+        return max((i + 1 for i, r in enumerate(self.rows) if r is not None), default=0)
+
+    def _feed_steps(self) -> None:
+        """One base slot per running row for the tokens of its last step (free rows write a dummy at slot 0)."""
+        n = self._span()
+        if n == 0:
+            return
+        live = self.live[:n]
+        step_len = self.step_len[:n].clamp(min=1)
+        embeds = self.model.smash(self.step_tok[:n], step_len)[:, None]
+        positions = (self.prompt_len[:n] + self.gen_len[:n] - 1).clamp(min=0)[:, None]
+        slots = torch.where(live, self.cache_len[:n], 0)
+        mask = (torch.arange(int(slots.max()) + 1, device=slots.device)[None] <= slots[:, None])[:, None, None]
+        states = self.engine._base(embeds, positions, SlotWrites(self.cache, slots), 0, mask, (step_len > 1)[:, None])
+        self.states[:n] = torch.stack(states, 1)
+        self.cache_len[:n] += live.long()
+        for req in self.rows[:n]:
+            if req is not None:
+                req.stats.base_forwards += 1
+                req.stats.row_forwards += 1
+
+    def _admit(self) -> None:
+        """Fill the free rows from the queue (FIFO). The admitted prompts are prefilled shortest first in groups
+        of at most `prefill_tokens` padded tokens (similar lengths, little padding); all of them get their first
+        token in this step's macro-step, so the grouping changes no one's wait."""
+        free = [i for i, r in enumerate(self.rows) if r is None]
+        with self._lock:
+            admitted = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
+        admitted.sort(key=lambda r: len(r.prompt))
+        group: list[Request] = []
+        for req in admitted:
+            if group and len(req.prompt) * (len(group) + 1) > self.prefill_tokens:  # sorted: req is the widest
+                self._prefill(group, free[: len(group)])
+                free, group = free[len(group):], []
+            group.append(req)
+        if group:
+            self._prefill(group, free[: len(group)])
+
+    def _prefill(self, reqs: list[Request], rows: list[int]) -> None:
+        """The prompts, unmerged and right-padded, in one pass at positions 0..P-1 into slots 0..P-1 of their
+        rows. Causal attention keeps each prompt's real positions from seeing its padding, and the padding's
+        entries lie past the row's cache length, where the next step overwrites them and no mask reaches."""
+        dev, start = self.states.device, time.perf_counter()
+        lens = [len(r.prompt) for r in reqs]
+        m, width = len(reqs), max(lens)
+        ids = torch.zeros(m, width, dtype=torch.long, device=dev)
+        for i, req in enumerate(reqs):
+            ids[i, : lens[i]] = torch.tensor(req.prompt, dtype=torch.long)
+        positions = torch.arange(width, device=dev)[None].expand(m, -1)
+        mask = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None, None]
+        c = self.cache
+        scratch = KVCache(c.k.shape[0], m, c.k.shape[2], width, c.k.shape[4], c.k.dtype, dev)
+        states = self.engine._base(self.model.embed(ids), positions, scratch, 0, mask, last=False)
+        at, rows_t = torch.tensor(lens, device=dev) - 1, torch.tensor(rows, device=dev)
+        c.k[:, rows_t, :, :width], c.v[:, rows_t, :, :width] = scratch.k, scratch.v
+        self.states[rows_t] = torch.stack([s[torch.arange(m, device=dev), at] for s in states], 1)
+        for req, row, p in zip(reqs, rows, lens):
+            req.row, req.started = row, start
+            self.rows[row] = req
+            for tensor, value in ((self.cache_len, p), (self.prompt_len, p), (self.gen_len, 0),
+                                  (self.max_new, req.max_new_tokens), (self.confidence, req.confidence),
+                                  (self.live, True)):
+                tensor[row] = value
+            self._set_eos(row, req.eos)
+            req.stats = GenerationStats(sequences=1, prompt_tokens=p, base_forwards=1, row_forwards=1)
+            req.rng, req.warpers = req.sampling.generator(dev), req.sampling.warpers()
+
+    def _set_eos(self, row: int, ids: set[int]) -> None:
+        if len(ids) > self.eos.shape[1]:
+            pad = self.eos.new_full((self.eos.shape[0], len(ids) - self.eos.shape[1]), -1)
+            self.eos = torch.cat([self.eos, pad], 1)
+        self.eos[row] = -1
+        self.eos[row, : len(ids)] = torch.tensor(sorted(ids), dtype=torch.long)
+
+    # --- one macro-step over the live rows ----------------------------------------------------------------------
+
+    def _pick(self, h: torch.Tensor, active: torch.Tensor, micro: bool) -> torch.Tensor:
+        """Greedy rows by one argmax; sampled rows one by one with their own generator (only when active,
+        so a request draws the same random numbers as when it runs alone)."""
+        shortlist = micro and self.engine.vocab is not None
+        logits = F.linear(h, self.engine.short_head) if shortlist else self.model.lm_head(h)
+        tok = logits.argmax(-1)
+        sampled = [(i, r) for i, r in enumerate(self.rows[: len(h)]) if r is not None and not r.sampling.greedy]
+        if sampled:
+            on = active.tolist()
+            for i, req in sampled:
+                if on[i]:
+                    tok[i] = sample(logits[i : i + 1], req.sampling, req.rng, req.warpers)[0]
+        return self.engine.vocab[tok] if shortlist else tok
+
+    def _ends(self, tok: torch.Tensor, n: int) -> torch.Tensor:
+        return (tok[:, None] == self.eos[:n]).any(-1) | (self.gen_len[:n] >= self.max_new[:n])
+
+    def _macro_step(self) -> list[RequestEvent]:
+        """Token 0 from the base's head, then micro-steps while any live row's step goes on."""
+        model, k, n = self.model, self.k, self._span()
+        live, h0 = self.live[:n], self.states[:n, 0]
+        tok = self._pick(h0, live, micro=False)
+        step_tok = torch.zeros(n, k, dtype=torch.long, device=tok.device)
+        step_tok[:, 0] = tok
+        step_len = live.long()
+        self.gen_len[:n] += step_len
+        ended = live & self._ends(tok, n)
+        go_on = live & ~ended
+        if k > 1:
+            go_on &= continues(model.stop_head(h0), self.confidence[:n])
+        micro_cache = CacheView(self.micro_cache, slice(0, n)) if k > 1 else None
+        for i in range(1, k):
+            if not bool(go_on.any()):  # the one host sync per micro-step
+                break
+            x = model.embed(tok)[:, None]
+            if i == 1:  # the micro-decoder's cache restarts each macro-step with the base's features
+                feats = [norm(self.states[:n, j + 1]) for j, norm in enumerate(model.micro.feature_norms)]
+                x = torch.cat([torch.stack(feats, 1), x], 1)
+            h = self.engine._micro(x, micro_cache, 0 if i == 1 else model.micro.num_features + i - 1)
+            tok = self._pick(h, go_on, micro=True)
+            step_tok[:, i] = torch.where(go_on, tok, step_tok[:, i])
+            step_len += go_on.long()
+            self.gen_len[:n] += go_on.long()
+            now_ends = go_on & self._ends(tok, n)
+            ended |= now_ends
+            go_on = go_on & ~now_ends & (step_len < k) & continues(model.stop_head(h), self.confidence[:n])
+        self.step_tok[:n], self.step_len[:n] = step_tok, step_len
+        return self._report(step_tok.tolist(), step_len.tolist(), ended.tolist())  # the one transfer per step
+
+    def _report(self, rows: list[list[int]], lens: list[int], ended: list[bool]) -> list[RequestEvent]:
+        now, events = time.perf_counter(), []
+        for i, req in enumerate(self.rows[: len(rows)]):
+            if req is None:
+                continue
+            new = rows[i][: lens[i]]
+            req.tokens += new
+            req.steps.append(len(new))
+            s = req.stats
+            s.generated_tokens, s.macro_steps = len(req.tokens), len(req.steps)
+            s.micro_steps = s.generated_tokens - s.macro_steps
+            if s.macro_steps == 1:
+                s.prefill_s = now - req.started
+            s.decode_s = now - req.started - s.prefill_s
+            reason = None
+            if ended[i]:
+                reason = "stop" if new[-1] in req.eos else "length"
+                self._free(req)
+            events.append(RequestEvent(req.id, new, ended[i], reason, s))
+        return events

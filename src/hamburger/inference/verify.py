@@ -1,0 +1,252 @@
+"""Verify mode: the micro-step decoder drafts, the base checks, the output is exactly the base's.
+
+After the base's own token t0, the micro-step decoder drafts up to K-1 tokens (its stop head may end a draft
+early: `confidence` is the P(next draft is right) a draft must keep to go on). The next base forward takes
+[t0, d1, .., dn] as separate positions (one KV entry each), keeps the longest prefix of drafts that the base
+agrees with, and adds the base's own next token, so every forward emits 1..n+1 tokens. Greedy: a draft is
+kept when it is the base's argmax. Sampling: speculative-sampling acceptance (keep d with probability
+min(1, p(d)/q(d)), else draw from max(p - q, 0)), so the output follows the base's distribution exactly.
+
+Rows accept different numbers of tokens, so each row keeps its own cache length: a pass writes at each
+row's own slots (`RowSlots`) and a rejected draft's entries are simply overwritten by the next pass.
+
+Compress mode is the same loop with a KV merger: each decided step is then merged into one KV entry, and the
+drafts are checked against a base whose past steps are merged (`merge_step`, `merged_mask`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from hamburger.inference.engine import KVCache, RowSlots
+from hamburger.inference.reference import StepEvent, left_pad
+from hamburger.inference.sampling import SamplingParams, continues
+
+if TYPE_CHECKING:
+    from hamburger.inference.engine import Engine, EngineGeneration
+    from hamburger.model.merger import KVMerger
+
+
+def accept_greedy(drafts: torch.Tensor, n_drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts (B, D), n_drafts (B,), the base's logits (B, D+1, V) after t0, d1..dD.
+
+    Returns how many drafts each row keeps (B,) and the base's own token after them (B,).
+    """
+    choice = logits.argmax(-1)
+    d = drafts.shape[1]
+    ok = (drafts == choice[:, :d]) & (torch.arange(d, device=drafts.device)[None] < n_drafts[:, None])
+    kept = ok.long().cumprod(1).sum(1)
+    return kept, choice.gather(1, kept[:, None]).squeeze(1)
+
+
+def accept_sampled(drafts: torch.Tensor, n_drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
+                   generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative-sampling acceptance. q (B, D, V): the draft distributions the drafts were drawn from;
+    p (B, D+1, V): the base's (warped) distributions at t0, d1..dD. Returns (kept (B,), next token (B,))."""
+    b, d = drafts.shape
+    live = torch.arange(d, device=drafts.device)[None] < n_drafts[:, None]
+    p_d = p[:, :d].gather(-1, drafts[..., None]).squeeze(-1)
+    q_d = q.gather(-1, drafts[..., None]).squeeze(-1)
+    u = torch.rand(b, d, generator=generator, device=drafts.device)
+    ok = (u * q_d <= p_d) & live  # accept with probability min(1, p/q)
+    kept = ok.long().cumprod(1).sum(1)
+    # At the first rejection draw from max(p - q, 0); after the last kept draft (no rejection) from p itself.
+    q_pad = torch.cat([q * live[..., None], q.new_zeros(b, 1, p.shape[-1])], 1)
+    at = kept[:, None, None].expand(-1, 1, p.shape[-1])
+    residual = (p.gather(1, at) - q_pad.gather(1, at)).squeeze(1).clamp(min=0)
+    total = residual.sum(-1, keepdim=True)
+    residual = torch.where(total > 0, residual / total.clamp(min=1e-30), p.gather(1, at).squeeze(1))
+    return kept, torch.multinomial(residual, 1, generator=generator).squeeze(1)
+
+
+def draft(engine: Engine, states: list[torch.Tensor], t0: torch.Tensor, limit: torch.Tensor, confidence: float,
+          sampling: SamplingParams, rng, warpers, cache: KVCache):
+    """Up to min(K-1, limit) drafts per row from the micro-step decoder.
+
+    Returns drafts (B, D), their number (B,) and, when sampling, the distributions they were drawn from
+    (B, D, V) (None when greedy). D is the most any row drafted (0 when none did).
+    """
+    model, k = engine.model, engine.k
+    bsz = t0.shape[0]
+    h0, feats = states[0], states[1:]
+    go_on = (limit > 0) & continues(model.stop_head(h0), confidence)
+    toks, qs = [], []
+    n = torch.zeros(bsz, dtype=torch.long, device=t0.device)
+    tok = t0
+    for i in range(1, k):
+        if not bool(go_on.any()):  # the one host sync per micro-step
+            break
+        x = model.embed(tok)[:, None]
+        if i == 1:
+            normed = [norm(f) for f, norm in zip(feats, model.micro.feature_norms)]
+            x = torch.cat([torch.stack(normed, 1), x], 1)
+        h = engine._micro(x, cache, 0 if i == 1 else model.micro.num_features + i - 1)
+        tok, q = draw(engine, h, sampling, rng, warpers)
+        toks.append(tok)
+        if q is not None:
+            qs.append(q)
+        n += go_on.long()
+        go_on = go_on & (n < limit) & continues(model.stop_head(h), confidence)
+    if not toks:
+        return torch.zeros(bsz, 0, dtype=torch.long, device=t0.device), n, None
+    return torch.stack(toks, 1), n, torch.stack(qs, 1) if qs else None
+
+
+def draw(engine: Engine, h: torch.Tensor, sampling: SamplingParams, rng, warpers):
+    """One draft token per row, and (sampling only) the full-vocabulary distribution it was drawn from."""
+    vocab = engine.vocab
+    logits = F.linear(h, engine.short_head) if vocab is not None else engine.model.lm_head(h)
+    if sampling.greedy:
+        tok = logits.argmax(-1)
+        return (vocab[tok] if vocab is not None else tok), None
+    probs = torch.softmax(warpers(None, logits.float()), -1)
+    tok = torch.multinomial(probs, 1, generator=rng).squeeze(1)
+    if vocab is None:
+        return tok, probs
+    full = torch.zeros(h.shape[0], engine.model.base.config.vocab_size, device=h.device)
+    return vocab[tok], full.index_copy_(1, vocab, probs)
+
+
+def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = None) -> Iterator[StepEvent]:
+    """Verify-mode decoding: one base forward per step over t0 and the drafts, each row at its own length.
+
+    With a `merger`, compress mode: once a pass has decided a step (t0 and its kept drafts), the step's KV
+    entries are replaced by the merger's one entry per layer (`merge_step`), and later passes add the merger's
+    bias to those entries' attention logits. The drafts are then checked against a base that reads its past
+    compressed; the prompt's entries stay as they are.
+    """
+
+    model, k, dev = engine.model, engine.k, engine.device
+    cfg = model.base.config
+    bsz = len(gen.prompts)
+    lengths = torch.tensor([len(p) for p in gen.prompts], device=dev)
+    width = int(lengths.max())
+    max_len = width + gen.max_new_tokens + k  # drafts of the last step may be written past the budget
+    cache = KVCache(cfg.num_hidden_layers, bsz, cfg.num_key_value_heads, max_len,
+                    model.base.base_model.layers[0].self_attn.head_dim, engine.dtype, dev)
+    ids, prompt_mask = left_pad(gen.prompts, getattr(model.tokenizer, "pad_token_id", None) or 0, dev)
+    valid = torch.ones(bsz, max_len, dtype=torch.bool, device=dev)
+    valid[:, :width] = prompt_mask.bool()
+    positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
+    mask = valid[:, None, None, :width] & torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None, None]
+    micro_cache = None
+    if k > 1:
+        micro_cache = KVCache(len(model.micro.layers), bsz, cfg.num_key_value_heads, model.micro.num_features + k,
+                              model.micro.layers[0].self_attn.head_dim, engine.dtype, dev)
+    eos = sorted(gen.eos_token_ids)
+    warpers, rng = gen.sampling.warpers(), gen.sampling.generator(dev)
+    gen.stats.unmerged = merger is None
+    merged_len = torch.zeros(bsz, max_len, dtype=torch.long, device=dev)  # tokens merged into each entry (0: none)
+
+    start_t = time.perf_counter()
+    states = engine._base(model.embed(ids), positions, cache, 0, mask)
+    gen.stats.base_forwards += 1
+    gen.stats.row_forwards += bsz
+    t0 = pick(model.lm_head(states[0])[:, None], gen.sampling, rng, warpers)[:, 0]
+    gen.stats.prefill_s = time.perf_counter() - start_t
+    done = [False] * bsz
+    new = [[t] for t in t0.tolist()]
+    cache_len = [width] * bsz  # entries in use per row: t0 of the coming pass is written at cache_len
+    next_pos = lengths.clone()  # position id of t0
+    for step in range(gen.max_new_tokens):
+        for b, toks in enumerate(new):
+            done[b] = done[b] or record(gen, b, toks, eos)
+        gen.stats.macro_steps = sum(map(len, gen.steps))
+        gen.stats.generated_tokens = sum(map(len, gen.tokens))
+        gen.stats.micro_steps = gen.stats.generated_tokens - gen.stats.macro_steps
+        yield StepEvent(step, new, list(done))
+        if all(done):
+            return
+        # Drafts may not run past the token budget: the pass adds the kept drafts and one token of the base's.
+        left = torch.tensor([0 if d else gen.max_new_tokens - len(t) - 1 for d, t in zip(done, gen.tokens)], device=dev)
+        drafts, n_drafts, q = (draft(engine, states, t0, left, gen.confidence, gen.sampling, rng, warpers, micro_cache)
+                               if k > 1 else (torch.zeros(bsz, 0, dtype=torch.long, device=dev), left * 0, None))
+        gen.stats.drafted_tokens += int(n_drafts.sum())
+        tokens = torch.cat([t0[:, None], drafts], 1)
+        t = tokens.shape[1]
+        offsets = torch.arange(t, device=dev)
+        slots = torch.tensor(cache_len, device=dev)[:, None] + offsets
+        end = max(cache_len) + t
+        key = torch.arange(end, device=dev)
+        step_mask = (valid[:, None, None, :end] & (key[None, None, None] <= slots[:, None, :, None]))
+        if merger is not None:  # per layer: -inf where hidden, the merger's bias on merged entries
+            step_mask = merged_mask(merger, step_mask, merged_len[:, :end], engine.dtype)
+        states = engine._base(model.embed(tokens), next_pos[:, None] + offsets, cache, RowSlots(slots, end), step_mask,
+                              last=False)
+        gen.stats.base_forwards += 1
+        gen.stats.row_forwards += done.count(False)
+        logits = model.lm_head(states[0])
+        if gen.sampling.greedy:
+            kept, t0 = accept_greedy(drafts, n_drafts, logits)
+        else:
+            p = torch.softmax(warpers(None, logits.flatten(0, 1).float()), -1).view(*logits.shape[:2], -1)
+            kept, t0 = accept_sampled(drafts, n_drafts, q if q is not None else p[:, :0], p, rng)
+        # The features for the next draft: the base's states at the position that produced the new t0.
+        at = kept[:, None, None].expand(-1, 1, states[0].shape[-1])
+        states = [s.gather(1, at).squeeze(1) for s in states]
+        kept_l, t0_l, drafts_l = kept.tolist(), t0.tolist(), drafts.tolist()  # the one transfer per step
+        new = [[] if done[b] else drafts_l[b][: kept_l[b]] + [t0_l[b]] for b in range(bsz)]
+        # A row that ended before this pass stays where it is: it is still computed (the batch is rectangular)
+        # but writes over its own unused slots, so the cache never grows past its last live entry.
+        if merger is not None:  # the decided step [t0, kept drafts] becomes one entry at its first slot
+            merge_step(merger, cache, torch.tensor(cache_len, device=dev), 1 + kept, merged_len)
+            cache_len = [c if done[b] else c + 1 for b, c in enumerate(cache_len)]
+        else:
+            cache_len = [c if done[b] else c + 1 + kept_l[b] for b, c in enumerate(cache_len)]
+        next_pos += (1 + kept) * torch.tensor([not d for d in done], device=dev)
+
+
+def merged_mask(merger: KVMerger, visible: torch.Tensor, merged_len: torch.Tensor, dtype):
+    """The attention mask of layer i as a function of i: visible (B, 1, T, S) -> (B, H, T, S) floats, -inf where
+    hidden and a*log k + c on entries that merge k tokens (`merged_len` (B, S), 0: an ordinary entry). Built one
+    layer at a time: all layers at once would be layers x heads x T x S floats per row."""
+    floor = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+    logk = torch.log(merged_len.clamp(min=1).to(merger.a.dtype))[:, None]  # (B, 1, S)
+    on = (merged_len > 0)[:, None].to(merger.a.dtype)
+
+    def layer(i: int) -> torch.Tensor:
+        bias = (merger.a[i][None, :, None] * logk + merger.c[i][None, :, None]) * on  # (B, H, S)
+        return floor + bias.to(dtype)[:, :, None]
+
+    return layer
+
+
+def merge_step(merger: KVMerger, cache: KVCache, start: torch.Tensor, lengths: torch.Tensor,
+               merged_len: torch.Tensor) -> None:
+    """Replace each row's entries start..start+length-1 (every layer) by the merger's one entry at `start`."""
+    rows = torch.arange(start.shape[0], device=start.device)
+    width = int(lengths.max())
+    idx = start[:, None] + torch.minimum(torch.arange(width, device=start.device)[None], lengths[:, None] - 1)
+    # cache (L, B, kvh, S, hd)[:, rows, :, idx] -> (B, width, L, kvh, hd) -> (L, B, kvh, width, hd)
+    k = cache.k[:, rows[:, None], :, idx].permute(2, 0, 3, 1, 4)
+    v = cache.v[:, rows[:, None], :, idx].permute(2, 0, 3, 1, 4)
+    mk, mv = merger.merge_all_layers(k, v, lengths)  # (L, B, kvh, hd)
+    cache.k[:, rows, :, start] = mk.transpose(0, 1)
+    cache.v[:, rows, :, start] = mv.transpose(0, 1)
+    merged_len[rows, start] = lengths
+
+
+def pick(logits: torch.Tensor, sampling: SamplingParams, rng, warpers) -> torch.Tensor:
+    """(B, T, V) -> (B, T) tokens: argmax, or one draw per position from the warped distribution."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    b, t, v = logits.shape
+    probs = torch.softmax(warpers(None, logits.reshape(b * t, v).float()), -1)
+    return torch.multinomial(probs, 1, generator=rng).view(b, t)
+
+
+def record(gen: EngineGeneration, b: int, toks: list[int], eos: list[int]) -> bool:
+    """Append a row's new tokens (cut after EOS and at the token budget) as one step; True when the row ends."""
+    if not toks:
+        return False
+    room = gen.max_new_tokens - len(gen.tokens[b])
+    cut = next((i + 1 for i, t in enumerate(toks) if t in eos), len(toks))
+    toks[:] = toks[: min(cut, room)]
+    gen.tokens[b].extend(toks)
+    gen.steps[b].append(len(toks))
+    return toks[-1] in eos or len(gen.tokens[b]) >= gen.max_new_tokens

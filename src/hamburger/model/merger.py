@@ -1,0 +1,515 @@
+"""Process, then compress: a frozen base whose KV cache keeps ONE merged entry per macro-step.
+
+Each macro-step's 1..K tokens go through the frozen base as ordinary positions (causal among themselves,
+attending to the compressed past). When the step is done its keys and values are replaced, in every layer
+and KV head, by one entry: softmax-weighted sums over the step's tokens, the weights indexed by offset from
+the step's *end* (so "the last token" is the same weight whatever the step's length). Later queries add a
+bias a*log(k) + c (per layer and query head) to that entry's attention logit: k identical keys would add
+exactly log k to the softmax, so a = 1, c = 0 with mean weights is the untrained start. Keys are merged
+after rotation, each at its own position, so a merged entry needs no position of its own.
+
+Two forms of the same computation: `parallel_forward` (all positions at once under an explicit float
+mask: training and evaluation) and `stepwise_forward` (step by step with a list cache, as a decoder would
+run it: the reference the tests hold the parallel form to). `hamburger train-merger` fits the merger by
+KL(unmerged base || merged base) on every response position, the base frozen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from hamburger.errors import HamburgerError
+from hamburger.model.base import fingerprint
+from hamburger.training.train import read_examples, split_eval
+
+WEIGHTS = "merger.safetensors"
+
+
+class KVMerger(nn.Module):
+    """Per layer and KV head: softmax logits over step offsets for K and for V (zeros: the mean), one set per
+    head or, with `channels`, one per head and channel; per layer and query head: the merged entry's bias
+    a*log k + c; optionally per-channel gates on merged K and V."""
+
+    def __init__(self, layers: int, kv_heads: int, heads: int, max_step_tokens: int, head_dim: int,
+                 gates: bool = False, channels: bool = False) -> None:
+        super().__init__()
+        self.config = dict(layers=layers, kv_heads=kv_heads, heads=heads, max_step_tokens=max_step_tokens,
+                           head_dim=head_dim, gates=gates, channels=channels)
+        self.max_step_tokens = max_step_tokens
+        shape = (layers, kv_heads, max_step_tokens, head_dim if channels else 1)
+        self.k_logits = nn.Parameter(torch.zeros(shape))
+        self.v_logits = nn.Parameter(torch.zeros(shape))
+        self.a = nn.Parameter(torch.ones(layers, heads))
+        self.c = nn.Parameter(torch.zeros(layers, heads))
+        self.k_gate = nn.Parameter(torch.ones(layers, kv_heads, head_dim)) if gates else None
+        self.v_gate = nn.Parameter(torch.ones(layers, kv_heads, head_dim)) if gates else None
+
+    @classmethod
+    def for_base(cls, config, max_step_tokens: int, gates: bool = False, channels: bool = False) -> KVMerger:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(config.num_hidden_layers, config.num_key_value_heads, config.num_attention_heads,
+                   max_step_tokens, head_dim, gates, channels)
+
+    def weights(self, logits: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+        """Softmax over each step's own tokens: (kvh, K, c) logits, lengths (*) -> (*, kvh, width, c), c = 1 or
+        head_dim."""
+        offset = lengths[..., None] - 1 - torch.arange(width, device=lengths.device)  # from the step's end
+        w = logits[:, offset.clamp(min=0)].movedim(0, -3)  # (*, kvh, width, c)
+        w = w.masked_fill((offset < 0)[..., None, :, None], float("-inf"))  # padding past the step's end
+        return torch.softmax(w, -2)
+
+    def merge(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+              lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A step's rotated keys and values (*, kvh, width, hd), its first `lengths` (*) tokens real ->
+        one merged key and value each (*, kvh, 1, hd). Works for any leading shape (B or B, S)."""
+        width = k.shape[-2]
+        mk = (self.weights(self.k_logits[layer], lengths, width).to(k.dtype) * k).sum(-2, keepdim=True)
+        mv = (self.weights(self.v_logits[layer], lengths, width).to(v.dtype) * v).sum(-2, keepdim=True)
+        if self.k_gate is not None:
+            mk, mv = mk * self.k_gate[layer, :, None].to(k.dtype), mv * self.v_gate[layer, :, None].to(v.dtype)
+        return mk, mv
+
+    def bias(self, layer: int, lengths: torch.Tensor) -> torch.Tensor:
+        """Additive attention bias of merged entries of `lengths` (*) tokens -> (*, heads)."""
+        return self.a[layer] * torch.log(lengths.to(self.a.dtype))[..., None] + self.c[layer]
+
+    def merge_all_layers(self, k: torch.Tensor, v: torch.Tensor,
+                         lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`merge` for every layer at once (the decoder's form): (L, B, kvh, width, hd), lengths (B,) ->
+        (L, B, kvh, hd) each."""
+        width = k.shape[-2]
+        offset = lengths[:, None] - 1 - torch.arange(width, device=lengths.device)  # (B, width)
+
+        def weights(logits: torch.Tensor) -> torch.Tensor:  # (L, kvh, K, c) -> (L, B, kvh, width, c)
+            w = logits[:, :, offset.clamp(min=0)].permute(0, 2, 1, 3, 4)
+            return torch.softmax(w.masked_fill((offset < 0)[None, :, None, :, None], float("-inf")), -2)
+
+        mk = (weights(self.k_logits).to(k.dtype) * k).sum(-2)
+        mv = (weights(self.v_logits).to(v.dtype) * v).sum(-2)
+        if self.k_gate is not None:
+            mk, mv = mk * self.k_gate[:, None].to(k.dtype), mv * self.v_gate[:, None].to(v.dtype)
+        return mk, mv
+
+    def save(self, path: str | Path, **meta: str) -> None:
+        """Float32 safetensors with the config (and `meta`, strings) in the header: a few kB."""
+        tensors = {k: v.detach().float().contiguous() for k, v in self.state_dict().items()}
+        save_file(tensors, str(path), metadata={"config": json.dumps(self.config), **meta})
+
+    @classmethod
+    def load(cls, path: str | Path) -> KVMerger:
+        """A saved merger; `.meta` keeps what it was saved with (e.g. the base's fingerprint, to check)."""
+        with safe_open(str(path), "pt") as f:
+            meta = f.metadata()
+            merger = cls(**json.loads(meta.pop("config")))
+            state = {k: f.get_tensor(k) for k in f.keys()}
+            for name in ("k_logits", "v_logits"):  # saved before per-channel weights existed: (L, kvh, K)
+                if state.get(name) is not None and state[name].dim() == 3:
+                    state[name] = state[name][..., None]
+            merger.load_state_dict(state)
+        merger.meta = meta
+        return merger
+
+
+# --- the base's own layer math ----------------------------------------------------------------------------
+
+def project(layer, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, rotated keys and values of (B, T, d) by the layer's own modules: each (B, heads, T, hd)."""
+    attn = layer.self_attn
+    b, t, _ = x.shape
+    hd = attn.head_dim
+    h = layer.input_layernorm(x)
+    q = attn.q_proj(h).view(b, t, -1, hd)
+    k = attn.k_proj(h).view(b, t, -1, hd)
+    v = attn.v_proj(h).view(b, t, -1, hd).transpose(1, 2)
+    if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's queries and keys
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *rope)
+    return q, k, v
+
+
+def attend(layer, x: torch.Tensor, q, keys, values, mask: torch.Tensor) -> torch.Tensor:
+    """The rest of the layer: attention under a float mask, output projection, MLP (both residual)."""
+    attn = layer.self_attn
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
+                                       enable_gqa=keys.shape[1] != q.shape[1])
+    x = x + attn.o_proj(o.transpose(1, 2).reshape(*x.shape[:2], -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+# --- the parallel (training) form -------------------------------------------------------------------------
+
+@dataclass
+class Layout:
+    """A right-padded batch of sequences (prompt, then a response cut into steps) and where each piece sits."""
+
+    ids: torch.Tensor  # (B, T) token ids, 0 past each row's end
+    prompt_len: torch.Tensor  # (B,)
+    step_of: torch.Tensor  # (B, T) -1 prompt, j for a token of step j, -2 padding (sees only prompt+padding)
+    step_tokens: torch.Tensor  # (B, S, W) positions of each step's tokens (past its end: its last one, masked)
+    step_len: torch.Tensor  # (B, S) 1 for padding steps (never visible), so every softmax has a token
+    valid: torch.Tensor  # (B, R) response token r exists
+    starts: torch.Tensor  # (B, R) response token r begins a step
+
+    @classmethod
+    def build(cls, ids: list[list[int]], prompt_len: list[int], steps: list[list[int]], device=None) -> Layout:
+        b = len(ids)
+        t, s = max(map(len, ids)), max(map(len, steps))
+        w = max(max(st) for st in steps)
+        r = t - min(prompt_len)
+        out = cls(torch.zeros(b, t, dtype=torch.long), torch.tensor(prompt_len), torch.full((b, t), -2),
+                  torch.zeros(b, s, w, dtype=torch.long), torch.ones(b, s, dtype=torch.long),
+                  torch.zeros(b, r, dtype=torch.bool), torch.zeros(b, r, dtype=torch.bool))
+        for i, (row, p, st) in enumerate(zip(ids, prompt_len, steps)):
+            if p < 1 or not st or sum(st) != len(row) - p or min(st) < 1:
+                raise HamburgerError(f"steps {st} must be lengths >= 1 summing to the response ({len(row) - p})")
+            out.ids[i, : len(row)] = torch.tensor(row)
+            out.step_of[i, :p] = -1
+            out.valid[i, : len(row) - p] = True
+            start = p
+            for j, n in enumerate(st):
+                out.step_of[i, start : start + n] = j
+                out.step_tokens[i, j] = (start + torch.arange(w)).clamp(max=start + n - 1)
+                out.step_len[i, j] = n
+                out.starts[i, start - p] = True
+                start += n
+        return out.to(device) if device is not None else out
+
+    def to(self, device) -> Layout:
+        return Layout(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
+
+
+def parallel_forward(base, merger: KVMerger | None, ids, prompt_len, steps, merged: bool = True) -> torch.Tensor:
+    """Logits (B, R, V) predicting each response token r (from position prompt_len - 1 + r), every query
+    seeing the prompt's tokens, earlier steps as merged entries and its own step's earlier tokens. With
+    `merged=False` (merger unused), the plain base. One example or a right-padded batch (see `Layout.valid`)."""
+    if isinstance(prompt_len, int):  # one example
+        ids, prompt_len, steps = [ids], [prompt_len], [steps]
+    return forward_layout(base, merger, Layout.build(ids, prompt_len, steps, next(base.parameters()).device), merged)
+
+
+def forward_layout(base, merger: KVMerger | None, lay: Layout, merged: bool = True) -> torch.Tensor:
+    model = base.base_model
+    b, t = lay.ids.shape
+    if merged and int(lay.step_len.max()) > merger.max_step_tokens:  # checked once, not per layer (a host sync)
+        raise HamburgerError(f"steps of more than {merger.max_step_tokens} tokens do not fit this merger")
+    s = lay.step_len.shape[1]
+    heads = base.config.num_attention_heads
+    pos = torch.arange(t, device=lay.ids.device)
+    visible = (pos[:, None] >= pos[None, :])[None].expand(b, -1, -1)  # (B, query, key)
+    if merged:
+        q_step, k_step = lay.step_of[:, :, None], lay.step_of[:, None, :]
+        own = visible & ((k_step == -1) | (k_step == q_step))  # the prompt, and this step's earlier tokens
+        past = torch.arange(s, device=pos.device) < q_step  # (B, T, S) merged entries of earlier steps
+        visible = torch.cat([own, past], -1)
+    x = model.embed_tokens(lay.ids)
+    mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill(~visible, float("-inf"))[:, None]
+    rope = model.rotary_emb(x, pos[None].expand(b, -1))
+    rows = torch.arange(b, device=x.device)[:, None, None]
+    for i, layer in enumerate(model.layers):
+        q, k, v = project(layer, x, rope)
+        layer_mask = mask
+        if merged:
+            # Gather each step's tokens (B, S, W, kvh, hd) -> (B, S, kvh, W, hd), merge, back to (B, kvh, S, hd).
+            sk = k.transpose(1, 2)[rows, lay.step_tokens].transpose(2, 3)
+            sv = v.transpose(1, 2)[rows, lay.step_tokens].transpose(2, 3)
+            mk, mv = merger.merge(i, sk, sv, lay.step_len)
+            k = torch.cat([k, mk.squeeze(-2).transpose(1, 2)], 2)
+            v = torch.cat([v, mv.squeeze(-2).transpose(1, 2)], 2)
+            bias = merger.bias(i, lay.step_len).to(x.dtype).transpose(1, 2)[:, :, None]  # (B, H, 1, S)
+            layer_mask = torch.cat([mask[..., :t].expand(-1, heads, -1, -1), mask[..., t:] + bias], -1)
+        x = attend(layer, x, q, k, v, layer_mask)
+    at = (lay.prompt_len[:, None] - 1 + torch.arange(lay.valid.shape[1], device=x.device)).clamp(max=t - 1)
+    return base.get_output_embeddings()(model.norm(x[rows[:, :, 0], at]))
+
+
+# --- the stepwise (decoding) reference -------------------------------------------------------------------
+
+@torch.no_grad()
+def stepwise_forward(base, merger: KVMerger | None, ids: list[int], prompt_len: int, steps: list[int],
+                     merged: bool = True) -> torch.Tensor:
+    """The same logits (1, R, V) computed as a decoder would: the prompt prefilled, then each response token
+    alone against a list cache [prompt entries, merged entries of earlier steps, own step so far]; a finished
+    step's entries are merged and appended. Plain and slow: the reference for `parallel_forward`."""
+    model = base.base_model
+    dev = next(base.parameters()).device
+    heads = base.config.num_attention_heads
+    cache: list[list[tuple]] = [[] for _ in model.layers]  # per layer: (keys, values, bias (1, H) or None)
+    own: list[list[tuple]] = [[] for _ in model.layers]  # per layer: the current step's (keys, values)
+
+    def run(tokens: list[int], start: int) -> torch.Tensor:
+        x = model.embed_tokens(torch.tensor([tokens], device=dev))
+        rope = model.rotary_emb(x, torch.arange(start, start + len(tokens), device=dev)[None])
+        n = len(tokens)
+        for i, layer in enumerate(model.layers):
+            q, k, v = project(layer, x, rope)
+            own[i].append((k, v))
+            entries = cache[i] + [(ek, ev, None) for ek, ev in own[i]]
+            cols = [torch.zeros(1, heads, ek.shape[2], dtype=x.dtype, device=dev) if eb is None
+                    else eb.to(x.dtype)[:, :, None] for ek, _, eb in entries]
+            mask = torch.cat(cols, -1)[:, :, None].repeat(1, 1, n, 1)  # (1, H, n, all entries)
+            mask[..., -n:] += torch.full((n, n), float("-inf"), device=dev).triu(1)  # causal among the new
+            x = attend(layer, x, q, torch.cat([e[0] for e in entries], 2), torch.cat([e[1] for e in entries], 2), mask)
+        return base.get_output_embeddings()(model.norm(x[:, -1]))
+
+    def close_step(merge: bool) -> None:
+        for i in range(len(model.layers)):
+            k, v = torch.cat([e[0] for e in own[i]], 2), torch.cat([e[1] for e in own[i]], 2)
+            if merge:
+                n = torch.tensor([k.shape[2]], device=dev)
+                mk, mv = merger.merge(i, k, v, n)
+                cache[i].append((mk, mv, merger.bias(i, n)))
+            else:
+                cache[i].append((k, v, None))
+            own[i] = []
+
+    logits = [run(ids[:prompt_len], 0)]
+    close_step(merge=False)  # the prompt's entries stay individual
+    pos, last = prompt_len, len(ids) - 1
+    for n in steps:
+        for _ in range(n):
+            if pos == last:  # the final token predicts nothing we compare
+                return torch.stack(logits, 1)
+            logits.append(run([ids[pos]], pos))
+            pos += 1
+        close_step(merged)
+    return torch.stack(logits, 1)
+
+
+# --- training ---------------------------------------------------------------------------------------------
+
+@dataclass
+class MergerArgs:
+    data: str
+    out: str
+    max_steps: int = 1000  # optimizer steps of `batch_size` examples each
+    max_minutes: float = 0.0  # stop training after this long (then evaluate and save); 0: no limit
+    batch_size: int = 1
+    lr: float = 0.05  # a thousand logits and biases: large steps are safe (the pilot's rate)
+    max_len: int = 384  # tokens of an example read (prompt included)
+    max_step_tokens: int = 4
+    random_steps: bool = False  # cut responses into uniform random steps of 1..K instead of the data's
+    gates: bool = False
+    channels: bool = False  # softmax weights per channel, not per head
+    eval_fraction: float = 0.05  # the same held-out split as `hamburger train`
+    eval_examples: int = 30
+    eval_every: int = 100
+    save_every: int = 100
+    seed: int = 0
+
+
+def clip_example(ids: list[int], prompt_len: int, steps: list[int], max_len: int) -> tuple[list[int], list[int]]:
+    """The first `max_len` tokens, and the steps that cover them (the last one cut short)."""
+    ids, left, out = ids[:max_len], max_len - prompt_len, []
+    for n in steps:
+        if left <= 0:
+            break
+        out.append(min(n, left))
+        left -= out[-1]
+    return ids, out
+
+
+def random_steps(n: int, k: int, gen: torch.Generator) -> list[int]:
+    """Uniform step lengths in 1..k covering n tokens (the last one cut short)."""
+    return clip_example([], 0, torch.randint(1, k + 1, (n,), generator=gen).tolist(), n)[1]
+
+
+def kl_per_position(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || student) at each position: (B, R, V) logits -> (B, R)."""
+    return F.kl_div(F.log_softmax(student.float(), -1), F.log_softmax(teacher.float(), -1), log_target=True,
+                    reduction="none").sum(-1)
+
+
+@torch.no_grad()
+def evaluate_merger(base, merger: KVMerger, examples: list[tuple[list[int], int, list[int]]],
+                    batch_size: int = 1) -> dict[str, float]:
+    """Held-out agreement of the merged base's argmax with the base's own greedy token (unmerged) at each
+    response position: at step starts (what a decoder's next step begins with) and over all tokens; and KL."""
+    sums = torch.zeros(5, dtype=torch.float64)  # right at starts, starts, right, positions, KL
+    for i in range(0, len(examples), batch_size):
+        lay = Layout.build(*zip(*examples[i : i + batch_size]), next(base.parameters()).device)
+        teacher, student = forward_layout(base, None, lay, merged=False), forward_layout(base, merger, lay)
+        ok = student.argmax(-1) == teacher.argmax(-1)
+        kl = kl_per_position(student, teacher)[lay.valid].sum()
+        sums += torch.stack([ok[lay.starts].sum(), lay.starts.sum(), ok[lay.valid].sum(), lay.valid.sum(), kl]).cpu()
+    starts, n = max(1.0, float(sums[1])), max(1.0, float(sums[3]))
+    return {"step_start_acc": float(sums[0]) / starts, "all_acc": float(sums[2]) / n, "kl": float(sums[4]) / n}
+
+
+class MergerTrainer:
+    """KL(unmerged base || merged base) on every response position; only the merger learns. The state
+    (merger, optimizer, schedule, step, RNG) resumes a run exactly; the example order is a seeded function."""
+
+    def __init__(self, base, args: MergerArgs) -> None:
+        self.base, self.args, self.out = base, args, Path(args.out)
+        k = args.max_step_tokens
+        rows = read_examples(Path(args.data))
+        for _, ex in rows:
+            ex.validate(k)
+        train, held = split_eval(rows, args.eval_fraction)
+        # An example whose prompt fills max_len has no response to learn from.
+        self.train = [ex for _, ex in train if ex.prompt_len < args.max_len]
+        if not self.train:
+            raise HamburgerError(f"no training examples with a prompt shorter than --max-len {args.max_len}")
+        # Held-out examples keep the data's steps, so runs with and without --random-steps compare.
+        self.held: list[tuple[list[int], int, list[int]]] = []
+        for _, ex in held[: args.eval_examples]:
+            if ex.prompt_len < args.max_len:
+                ids, steps = clip_example(ex.input_ids, ex.prompt_len, ex.steps, args.max_len)
+                self.held.append((ids, ex.prompt_len, steps))
+        base.requires_grad_(False)
+        base.eval()
+        self.merger = KVMerger.for_base(base.config, k, args.gates, args.channels).to(next(base.parameters()).device)
+        self.opt = torch.optim.Adam(self.merger.parameters(), lr=args.lr)
+        total = max(1, args.max_steps)  # cosine from lr to lr/10: the late steps refine
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total) / total)))
+        self.step = 0
+        self.gen = torch.Generator().manual_seed(args.seed)  # random step lengths
+        self.fingerprint = fingerprint(base)  # stored with the merger: it fits only this base
+
+    def order(self, epoch: int) -> list[int]:
+        idx = list(range(len(self.train)))
+        random.Random(self.args.seed * 1_000_003 + epoch).shuffle(idx)
+        return idx
+
+    def batch(self) -> Layout:
+        """The examples of the current step, cut to max_len, with the data's or random steps."""
+        a, out = self.args, []
+        for j in range(self.step * a.batch_size, (self.step + 1) * a.batch_size):
+            epoch, i = divmod(j, len(self.train))
+            ex = self.train[self.order(epoch)[i]]
+            ids, steps = clip_example(ex.input_ids, ex.prompt_len, ex.steps, a.max_len)
+            if a.random_steps:
+                steps = random_steps(len(ids) - ex.prompt_len, a.max_step_tokens, self.gen)
+            out.append((ids, ex.prompt_len, steps))
+        return Layout.build(*zip(*out), next(self.base.parameters()).device)
+
+    def train_step(self) -> float:
+        lay = self.batch()
+        with torch.no_grad():
+            teacher = forward_layout(self.base, None, lay, merged=False)
+        loss = kl_per_position(forward_layout(self.base, self.merger, lay), teacher)[lay.valid].mean()
+        self.opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.merger.parameters(), 1.0)
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        return loss.item()
+
+    def save(self) -> None:
+        state = self.out / "state"
+        state.mkdir(parents=True, exist_ok=True)
+        self.merger.save(self.out / WEIGHTS, base=str(getattr(self.base.config, "hamburger_ref", "")),
+                         base_fingerprint=self.fingerprint)
+        torch.save({"merger": self.merger.state_dict(), "optimizer": self.opt.state_dict(),
+                    "scheduler": self.sched.state_dict(), "rng": self.gen.get_state()}, state / "state.pt")
+        (state / "trainer.json").write_text(json.dumps({"step": self.step, "args": asdict(self.args)}))
+
+    def resume(self) -> bool:
+        state = self.out / "state"
+        if not (state / "trainer.json").is_file():
+            return False
+        saved = torch.load(state / "state.pt", weights_only=True)
+        # A run saved before per-channel weights existed keeps (L, kvh, K) logits: the same numbers, one dim less.
+        params = dict(self.merger.named_parameters())
+        saved["merger"] = {k: v.view(params[k].shape) if k in params and v.numel() == params[k].numel() else v
+                           for k, v in saved["merger"].items()}
+        shapes = [p.shape for p in self.merger.parameters()]
+        for i, st in saved["optimizer"]["state"].items():
+            for key, v in st.items():
+                if v.dim() and v.shape != shapes[i] and v.numel() == shapes[i].numel():
+                    st[key] = v.view(shapes[i])
+        self.merger.load_state_dict(saved["merger"])
+        self.opt.load_state_dict(saved["optimizer"])
+        self.sched.load_state_dict(saved["scheduler"])
+        self.gen.set_state(saved["rng"])
+        self.step = json.loads((state / "trainer.json").read_text())["step"]
+        return True
+
+    def log(self, row: dict) -> None:
+        row = {k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}
+        with (self.out / "log.jsonl").open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+
+    def evaluate(self) -> dict[str, float]:
+        return {f"heldout_{k}": v for k, v in evaluate_merger(self.base, self.merger, self.held,
+                                                               self.args.batch_size).items()}
+
+    def fit(self, log_every: int = 10) -> dict[str, float]:
+        a = self.args
+        self.out.mkdir(parents=True, exist_ok=True)
+        metrics: dict[str, float] = {}
+        t0, done0, losses = time.perf_counter(), self.step, []
+        if self.step == 0 and self.held:
+            metrics = self.evaluate()
+            self.log({"step": 0, **metrics})
+        t1 = time.perf_counter()
+        while self.step < a.max_steps:
+            losses.append(self.train_step())
+            if self.step % log_every == 0:
+                self.log({"step": self.step, "train_kl": sum(losses) / len(losses), "lr": self.sched.get_last_lr()[0],
+                          "s_per_step": (time.perf_counter() - t1) / (self.step - done0)})
+                losses = []
+            out_of_time = bool(a.max_minutes) and time.perf_counter() - t0 > 60 * a.max_minutes
+            last = out_of_time or self.step == a.max_steps
+            if self.held and (self.step % a.eval_every == 0 or last):
+                metrics = self.evaluate()
+                self.log({"step": self.step, **metrics})
+            if self.step % a.save_every == 0 or last:
+                self.save()
+            if out_of_time:
+                break
+        return metrics
+
+
+def cmd_train_merger(args: argparse.Namespace) -> int:
+    from hamburger.cli import load_from_args  # noqa: PLC0415 - cli imports this module to register it
+
+    margs = MergerArgs(**{f: getattr(args, f) for f in MergerArgs.__dataclass_fields__})
+    read_examples(Path(margs.data))  # fail on bad data before loading a model
+    out = Path(margs.out)
+    if out.exists() and any(out.iterdir()) and not args.resume:
+        raise HamburgerError(f"{out} is not empty: pass --resume to continue that run, or pick a new --out")
+    model, _ = load_from_args(args)  # a HAMburger checkpoint stands for its base
+    torch.manual_seed(margs.seed)
+    trainer = MergerTrainer(model.base, margs)
+    if args.resume and trainer.resume():
+        print(f"resumed at step {trainer.step}", file=sys.stderr)
+    metrics = trainer.fit()
+    size = (out / WEIGHTS).stat().st_size if (out / WEIGHTS).is_file() else 0
+    print(json.dumps({"final": metrics, "merger": str(out / WEIGHTS), "bytes": size,
+                      "parameters": sum(p.numel() for p in trainer.merger.parameters())}), file=sys.stderr)
+    return 0
+
+
+def register(sub, add_model_args) -> None:
+    p = sub.add_parser("train-merger", help="fit a KV merger ('process, then compress': one KV entry per step) "
+                                            "to a frozen base by KL to its unmerged self")
+    add_model_args(p)
+    p.add_argument("--data", required=True, help="segmented JSONL (the data's steps, or --random-steps)")
+    p.add_argument("--out", required=True, help=f"run folder: {WEIGHTS}, state/ to resume, log.jsonl")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--random-steps", action="store_true", help="cut responses into random steps of 1..K")
+    p.add_argument("--gates", action="store_true", help="per-channel gates on merged keys and values")
+    p.add_argument("--channels", action="store_true", help="merge weights per channel (not per head): "
+                   "head_dim times the parameters")
+    for name, f in MergerArgs.__dataclass_fields__.items():
+        if name not in ("data", "out", "random_steps", "gates", "channels"):
+            p.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=f.default)
+    p.set_defaults(func=cmd_train_merger)

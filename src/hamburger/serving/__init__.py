@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server, its metrics and its web page."""

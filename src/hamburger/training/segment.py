@@ -1,0 +1,245 @@
+"""Entropy-based segmentation: cut each response into steps of 1..K tokens by the base's own uncertainty.
+
+A token joins the current step if the step has fewer than K tokens and its next-token entropy H_t is
+below `abs_threshold`, or below `rel_threshold` times the largest entropy already in the step; otherwise
+it starts a new step. Runs data-parallel under `accelerate launch` (each process takes every n-th row).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
+
+from hamburger.errors import HamburgerError
+from hamburger.inference.reference import eos_ids
+from hamburger.model.base import encode_chat
+from hamburger.model.hamburger_model import HamburgerModel
+from hamburger.training.teacher import TeacherWriter, teacher_dir, top_k
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    max_step_tokens: int = 4
+    abs_threshold: float = 0.05
+    rel_threshold: float = 0.3
+
+
+def segment(entropies: list[float], th: Thresholds) -> list[int]:
+    """Step lengths for one response from the entropy of each of its tokens."""
+    steps: list[int] = []
+    size, top = 0, 0.0
+    for h in entropies:
+        if 0 < size < th.max_step_tokens and (h < th.abs_threshold or h < th.rel_threshold * top):
+            size, top = size + 1, max(top, h)
+        else:
+            if size:
+                steps.append(size)
+            size, top = 1, h
+    if size:
+        steps.append(size)
+    return steps
+
+
+def chat_example(tokenizer, messages: list[dict], eos: set[int]) -> tuple[list[int], int] | None:
+    """(input_ids, prompt_len) of a chat whose last message is the assistant's reply, ending at its EOS."""
+    if not messages or messages[-1].get("role") != "assistant":
+        return None
+    prompt = encode_chat(tokenizer, messages[:-1])
+    full = encode_chat(tokenizer, messages[:-1], reply=messages[-1]["content"])
+    if full[: len(prompt)] != prompt:
+        raise HamburgerError("the chat template does not extend the prompt when a reply is added; cannot segment")
+    response = full[len(prompt) :]
+    ends = [i for i, t in enumerate(response) if t in eos]
+    response = response[: ends[0] + 1] if ends else response
+    return (prompt + response, len(prompt)) if response else None
+
+
+@torch.no_grad()
+def response_entropies(model: HamburgerModel, batch: list[tuple[list[int], int]], teacher_k: int = 0) -> list[tuple]:
+    """For each example: the entropy (nats) of the base's next-token distribution at every response token,
+    teacher-forced, and with `teacher_k` > 0 the base's top-k ids and log-probabilities there (`teacher.top_k`),
+    else None for both."""
+    device = next(model.parameters()).device
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    for b, (row, _) in enumerate(batch):
+        ids[b, : len(row)] = torch.tensor(row, device=device)
+        mask[b, : len(row)] = 1
+    logits = model.base(input_ids=ids, attention_mask=mask).logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    entropy = -(logp.exp() * logp).sum(-1)  # (B, T): entropy at t predicts token t+1
+    out = []
+    for b, (row, p) in enumerate(batch):
+        at = slice(p - 1, len(row) - 1)  # the positions that predict the response tokens
+        teacher = top_k(logits[b, at], teacher_k) if teacher_k else (None, None)
+        out.append((entropy[b, at].tolist(), *teacher))
+    return out
+
+
+def summarize(examples: list[dict], max_step_tokens: int) -> dict:
+    hist = Counter(s for ex in examples for s in ex["steps"])
+    tokens = sum(hist[k] * k for k in hist)
+    steps = sum(hist.values())
+    return {
+        "examples": len(examples),
+        "response_tokens": tokens,
+        "steps": steps,
+        "mean_tokens_per_step": tokens / steps if steps else 0.0,
+        "step_length_histogram": {str(k): hist.get(k, 0) for k in range(1, max_step_tokens + 1)},
+    }
+
+
+def read_chats(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise HamburgerError(f"data file {path} does not exist")
+    rows = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise HamburgerError(f"{path}:{n}: not valid JSON: {exc}") from exc
+            if "messages" not in row and {"prompt", "response"} <= row.keys():
+                row["messages"] = [{"role": "user", "content": row["prompt"]},
+                                   {"role": "assistant", "content": row["response"]}]
+            if not isinstance(row.get("messages"), list):
+                raise HamburgerError(f"{path}:{n}: needs `messages` or `prompt` and `response`")
+            rows.append(row)
+    return rows
+
+
+def segment_rows(model: HamburgerModel, rows: list[dict], th: Thresholds, batch_size: int = 8,
+                 progress: bool = True, include_unfinished: bool = False, teacher: TeacherWriter | None = None,
+                 teacher_k: int = 0) -> list[dict]:
+    """Each usable row as {id, input_ids, prompt_len, steps}, in the rows' order; with `teacher` and `teacher_k`
+    the base's top-k at every response token also goes to the writer, keyed by the example's id."""
+    eos = eos_ids(model)
+    encoded = []
+    for i, row in enumerate(rows):
+        if not include_unfinished and row.get("finished") is False:
+            continue
+        if isinstance(row.get("response_ids"), list) and row["response_ids"]:  # exact tokens from `distill`
+            prompt = encode_chat(model.tokenizer, row["messages"][:-1])
+            ex = (prompt + row["response_ids"], len(prompt))
+        else:
+            ex = chat_example(model.tokenizer, row["messages"], eos)
+        if ex is not None:
+            encoded.append((i, row.get("id", str(i)), *ex))
+    order = sorted(range(len(encoded)), key=lambda j: len(encoded[j][2]))
+    out: dict[int, dict] = {}
+    columns = (TextColumn("segment"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
+    with Progress(*columns, disable=not progress, console=Console(stderr=True)) as bar:
+        task = bar.add_task("segment", total=len(order))
+        t0 = said = time.perf_counter()
+        for start in range(0, len(order), batch_size):
+            chunk = [encoded[j] for j in order[start : start + batch_size]]
+            found = response_entropies(model, [(ids, p) for _, _, ids, p in chunk], teacher_k if teacher else 0)
+            for (i, rid, ids, p), (ent, top_ids, top_logp) in zip(chunk, found):
+                out[i] = {"id": rid, "input_ids": ids, "prompt_len": p, "steps": segment(ent, th)}
+                if teacher is not None:
+                    teacher.add(rid, top_ids, top_logp)
+            bar.update(task, advance=len(chunk))
+            done = min(start + batch_size, len(order))
+            if progress and not bar.console.is_terminal and (time.perf_counter() - said > 60 or done == len(order)):
+                said = time.perf_counter()  # a log file gets a plain line a minute instead of a live bar
+                print(f"segment {done}/{len(order)} examples, elapsed {said - t0:.0f}s", file=sys.stderr, flush=True)
+    return [out[i] for i in sorted(out)]
+
+
+def cmd_segment(args: argparse.Namespace) -> int:
+    from accelerate import PartialState  # noqa: PLC0415
+
+    from hamburger.cli import load_from_args  # noqa: PLC0415
+    from hamburger.model.base import fingerprint  # noqa: PLC0415
+
+    th = Thresholds(args.max_step_tokens, args.abs_threshold, args.rel_threshold)
+    if th.max_step_tokens < 1 or args.batch_size < 1:
+        raise HamburgerError("--max-step-tokens and --batch-size must be >= 1")
+    if args.teacher_top_k < 0:
+        raise HamburgerError("--teacher-top-k must be >= 0 (0: no teacher cache)")
+    out = Path(args.out)
+    cache = teacher_dir(out)
+    for path in (out, cache):
+        if path.exists() and not args.force:
+            raise HamburgerError(f"{path} exists: pass --force to replace it")
+    rows = read_chats(Path(args.data))
+    if args.teacher_top_k:
+        seen = Counter(str(row.get("id", i)) for i, row in enumerate(rows))
+        twice = [rid for rid, n in seen.items() if n > 1]
+        if twice:
+            raise HamburgerError(f"--teacher-top-k keys the cache by example id, and {len(twice)} ids repeat in "
+                                 f"{args.data} (e.g. {twice[0]!r})")
+    state = PartialState(cpu=not torch.cuda.is_available())  # cpu=True lets torchrun workers use gloo
+    if state.num_processes > 1 and state.device.type != "cpu":
+        args.device = str(state.device)  # one accelerator per process
+    model, _ = load_from_args(args)
+    mine = rows[state.process_index :: state.num_processes]
+    part = out.with_name(f"{out.name}.part{state.process_index}")
+    building = cache.with_name(cache.name + ".tmp")
+    writer = None
+    if args.teacher_top_k:
+        if state.is_main_process and building.exists():
+            shutil.rmtree(building)  # a crashed run's leftovers
+        state.wait_for_everyone()
+        writer = TeacherWriter(building, args.teacher_top_k, fingerprint(model.base), f"part{state.process_index}")
+    done = segment_rows(model, mine, th, args.batch_size, progress=state.is_local_main_process,
+                        include_unfinished=args.include_unfinished, teacher=writer, teacher_k=args.teacher_top_k)
+    if writer is not None:
+        writer.flush()
+    part.write_text("".join(json.dumps(ex) + "\n" for ex in done))
+    state.wait_for_everyone()
+    if state.is_main_process:
+        parts = [out.with_name(f"{out.name}.part{i}") for i in range(state.num_processes)]
+        examples = [json.loads(line) for p in parts for line in p.read_text().splitlines()]
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_text("".join(json.dumps(ex) + "\n" for ex in examples))
+        if cache.exists():  # --force: an old cache would not match the new data
+            shutil.rmtree(cache)
+        tmp.replace(out)
+        if writer is not None:
+            building.replace(cache)
+        for p in parts:
+            p.unlink()
+        summary = summarize(examples, th.max_step_tokens) | {"thresholds": asdict(th), "source": str(args.data),
+                                                              "teacher_top_k": args.teacher_top_k}
+        out.with_name(out.name + ".summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(json.dumps(summary, indent=2), file=sys.stderr)
+        if writer is not None:
+            print(f"teacher: top-{args.teacher_top_k} of the base at every response token in {cache}/",
+                  file=sys.stderr)
+    return 0
+
+
+def register(sub, add_model_args) -> None:
+    p = sub.add_parser("segment", help="cut distilled replies into steps by the base's entropy")
+    p.add_argument("--data", required=True, help="JSONL of chats (`messages`, or `prompt` + `response`)")
+    p.add_argument("--out", required=True, help="JSONL of {id, input_ids, prompt_len, steps}; a summary lands beside it")
+    add_model_args(p)
+    p.add_argument("--max-step-tokens", type=int, default=4)
+    p.add_argument("--abs-threshold", type=float, default=0.05)
+    p.add_argument("--rel-threshold", type=float, default=0.3)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--include-unfinished", action="store_true", help="also use replies cut off at max_new_tokens")
+    p.add_argument("--teacher-top-k", type=int, default=0, metavar="K",
+                   help="also cache the base's top-K next tokens and log-probabilities at every response token in "
+                        "OUT.teacher/ (safetensors shards), read by `train --kd-weight` instead of a second base "
+                        "forward per batch (32: about 6 bytes x 32 per token)")
+    p.add_argument("--force", action="store_true", help="replace an existing --out file (and its teacher cache)")
+    p.set_defaults(func=cmd_segment)

@@ -1,0 +1,537 @@
+"""Training on segmented data with accelerate: one script for 1 CPU, `accelerate launch` DDP, or FSDP.
+
+Modes: `frozen` (base untouched, only the embedder, micro-step decoder and stop head learn: a small
+checkpoint), `lora` (adapters on the base's attention learn too, at the base learning rate; still small,
+mergeable), `full` (the base learns too, at its own learning rate; the checkpoint carries the base). Batches are cut and sharded by
+this module itself (a seeded permutation per epoch, length-bucketed so a batch holds examples of similar
+length; each global batch is split over the processes), so a run resumes exactly from (epoch, batch) with
+the optimizer, scheduler and RNG states that accelerate saves. The resumable state holds only the weights
+that train (the base is reloaded from its reference, and checked by fingerprint) unless the base trains too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import random
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
+from transformers import get_cosine_schedule_with_warmup
+
+from hamburger.errors import HamburgerError
+from hamburger.inference.reference import eos_ids
+from hamburger.model.base import fingerprint, load_base
+from hamburger.model.config import HamburgerConfig, check_confidence
+from hamburger.model.hamburger_model import (
+    NEW_MODULES,
+    HamburgerModel,
+    is_trained_key,
+    metrics_from_counts,
+)
+from hamburger.training.data import SegmentedExample, collate, cut_steps
+from hamburger.training.teacher import read_teacher, teacher_dir
+
+MODES = ("frozen", "lora", "full")
+
+
+@dataclass
+class TrainArgs:
+    data: str
+    out: str
+    mode: str = "frozen"
+    epochs: int = 1
+    max_steps: int = 0  # optimizer steps; 0 = as many as the epochs give
+    batch_size: int = 8  # examples per process per micro-batch
+    grad_accum: int = 1
+    lr: float = 1e-4  # new modules
+    base_lr: float = 5e-5  # the base, in full mode
+    warmup_ratio: float = 0.03
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    bucket_pool: int = 32  # global batches per length-sorted pool (length bucketing); 0 = plain random batches
+    eval_fraction: float = 0.05
+    eval_every: int = 100
+    save_every: int = 100
+    bf16: bool = True
+    verified_stops: bool = False  # the stop head also ends a step before a token the micro-decoder gets wrong
+    kd_weight: float = 0.0  # dense loss: KL(unmerged base || model) at every target (frozen mode)
+    state_weight: float = 0.0  # dense loss: merged slots' states regressed onto the unmerged base's (frozen mode)
+    partial_steps: float = 0.0  # probability that a training step of >= 2 tokens is cut in two (`data.cut_steps`)
+    teacher_cache: bool = True  # KD reads DATA.teacher/ (from `segment --teacher-top-k`) when it is there
+    seed: int = 0
+    report_to: str = "none"  # an accelerate tracker (tensorboard, wandb, mlflow, ...) that also gets the metrics
+
+
+def check_tracker(name: str) -> str | None:
+    """The accelerate tracker `--report-to` names, or None for "none"; a clear error if it is unknown or its
+    package is not installed (accelerate itself would skip it silently)."""
+    if name == "none":
+        return None
+    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers  # noqa: PLC0415
+
+    if name not in LOGGER_TYPE_TO_CLASS:
+        raise HamburgerError(f"--report-to {name!r}: not a tracker accelerate knows; choose none or one of "
+                             f"{', '.join(sorted(LOGGER_TYPE_TO_CLASS))}")
+    if name not in [str(t) for t in get_available_trackers()]:
+        raise HamburgerError(f"--report-to {name}: its package is not installed (pip install {name})")
+    return name
+
+
+def read_examples(path: Path) -> list[tuple[str, SegmentedExample]]:
+    if not path.is_file():
+        raise HamburgerError(f"segmented data {path} does not exist (make it with `hamburger segment`)")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                row = json.loads(line)
+                out.append((str(row.get("id", n)), SegmentedExample(row["input_ids"], row["prompt_len"], row["steps"])))
+            except (ValueError, KeyError, TypeError) as exc:
+                raise HamburgerError(f"{path}:{n}: not a segmented example ({exc})") from exc
+    if not out:
+        raise HamburgerError(f"{path} holds no examples")
+    return out
+
+
+def attach_teacher(rows: list[tuple[str, SegmentedExample]], data: Path, model: HamburgerModel) -> int:
+    """Give every example its cached teacher (`segment --teacher-top-k`, in DATA.teacher/) when there is one;
+    returns its top-k, or 0 when there is none (KD then runs the base a second time per batch)."""
+    folder = teacher_dir(data)
+    if not folder.is_dir():
+        return 0
+    cached, meta = read_teacher(folder)
+    mine = fingerprint(model.base)
+    if meta.get("base_fingerprint") != mine:
+        raise HamburgerError(f"{folder} was cached from another base (fingerprint {meta.get('base_fingerprint')}, "
+                             f"this one {mine}): re-run `hamburger segment --teacher-top-k` with this base, "
+                             "or pass --no-teacher-cache")
+    missing = [rid for rid, _ in rows if rid not in cached]
+    if missing:
+        raise HamburgerError(f"{folder} has no teacher for {len(missing)} of the {len(rows)} examples "
+                             f"(e.g. {missing[0]!r}): it was cached for other data (re-run `hamburger segment`)")
+    for rid, ex in rows:
+        ex.teacher_ids, ex.teacher_logprobs = cached[rid]
+    return int(meta.get("top_k", 0))
+
+
+def split_eval(rows: list[tuple[str, SegmentedExample]], fraction: float) -> tuple[list, list]:
+    """A stable split by id hash, so a resumed or re-launched run evaluates on the same examples."""
+    def held(rid: str) -> bool:
+        return int(hashlib.sha256(rid.encode()).hexdigest(), 16) % 10_000 < fraction * 10_000
+    return [r for r in rows if not held(r[0])], [r for r in rows if held(r[0])]
+
+
+def epoch_batches(n: int, batch_size: int, epoch: int, seed: int, lengths: list[int] | None = None,
+                  pool: int = 0) -> list[list[int]]:
+    """One epoch's global batches: a seeded permutation of the n examples cut into batches, the ragged tail dropped.
+
+    With `lengths` and `pool` > 0 the batches are length-bucketed: the permutation is cut into pools of
+    `pool` batches, each pool is sorted by length (ties keep the random order) and cut into batches, and
+    then the order of the epoch's batches is shuffled. A batch then holds examples of similar length (little
+    padding) while which examples share a batch, and the order of the batches, still change every epoch.
+    """
+    rng = random.Random(seed * 1_000_003 + epoch)
+    order = list(range(n))
+    rng.shuffle(order)
+    order = order[: n - n % batch_size]  # drop the ragged tail
+    if lengths is None or pool <= 0:
+        return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+    batches = []
+    for start in range(0, len(order), pool * batch_size):
+        chunk = sorted(order[start : start + pool * batch_size], key=lambda i: lengths[i])
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    rng.shuffle(batches)
+    return batches
+
+
+def configure_optimizer(model: HamburgerModel, args: TrainArgs) -> torch.optim.Optimizer:
+    new = [p for name in NEW_MODULES for p in getattr(model, name).parameters()]
+    groups = [{"params": new, "lr": args.lr}]
+    if args.mode == "full":
+        groups.append({"params": list(model.base.parameters()), "lr": args.base_lr})
+        return torch.optim.AdamW(groups, weight_decay=args.weight_decay)
+    model.base.requires_grad_(False)
+    if args.mode == "lora":
+        if not model.config.lora_rank:
+            raise HamburgerError("--mode lora needs a model built with lora_rank > 0 (--lora-rank)")
+        lora = [p for n, p in model.base.named_parameters() if ".lora_" in n]
+        for p in lora:
+            p.requires_grad_(True)
+        groups.append({"params": lora, "lr": args.base_lr})
+    return torch.optim.AdamW(groups, weight_decay=args.weight_decay)
+
+
+@torch.no_grad()
+def evaluate(model, examples: list[SegmentedExample], k: int, pad: int, batch_size: int, device,
+             dense: bool = False) -> dict[str, float]:
+    """Loss, token accuracy by position in the step and stop accuracy over held-out examples; with `dense`
+    also the dense losses (KL to the unmerged base, state distance), whatever the run trains on.
+
+    Each metric is a mean over the whole set's items it counts (tokens; tokens at in-step index k for
+    acc@k; the stop labels that count for the stop loss and accuracy), not a mean of batch means.
+    Examples are batched in length order (less padding; the results do not depend on the batching).
+    """
+    examples = sorted(examples, key=lambda ex: ex.num_slots)
+    counts: dict[str, tuple[float, int]] = {}
+    for i in range(0, len(examples), batch_size):
+        out = model(collate(examples[i : i + batch_size], k, pad).to(device), dense_metrics=dense)
+        for key, (total, n) in out.metric_counts(k).items():
+            before = counts.get(key, (0.0, 0))
+            counts[key] = (before[0] + total, before[1] + n)
+    return metrics_from_counts(counts)
+
+
+class Trainer:
+    def __init__(self, model: HamburgerModel, args: TrainArgs) -> None:
+        from accelerate import Accelerator  # noqa: PLC0415
+
+        if args.mode not in MODES:
+            raise HamburgerError(f"--mode must be one of {MODES}, got {args.mode!r}")
+        if not 0 <= args.partial_steps <= 1:
+            raise HamburgerError(f"--partial-steps is a probability in [0, 1], got {args.partial_steps}")
+        if args.kd_weight < 0 or args.state_weight < 0:
+            raise HamburgerError("--kd-weight and --state-weight must be >= 0")
+        if (args.kd_weight or args.state_weight) and args.mode != "frozen":
+            raise HamburgerError("--kd-weight and --state-weight distil the unmerged base, which only stays the "
+                                 f"base in --mode frozen (not --mode {args.mode})")
+        self.args, self.out = args, Path(args.out)
+        rows = read_examples(Path(args.data))
+        self.teacher_top_k = attach_teacher(rows, Path(args.data), model) if args.kd_weight and args.teacher_cache else 0
+        bf16 = args.bf16 and (torch.cuda.is_available() or torch.backends.mkldnn.is_available())
+        tracker = check_tracker(args.report_to)
+        self.acc = Accelerator(gradient_accumulation_steps=args.grad_accum, mixed_precision="bf16" if bf16 else "no",
+                               cpu=not torch.cuda.is_available(),  # cpu=True lets torchrun workers use gloo
+                               log_with=tracker, project_dir=str(self.out / "tracker") if tracker else None)
+        torch.manual_seed(args.seed)
+        model.config.base_in_checkpoint = args.mode == "full"
+        train, held = split_eval(rows, args.eval_fraction)
+        self.train_ids, self.train = [r[0] for r in train], [r[1] for r in train]
+        self.held = [r[1] for r in held]
+        self.lengths = [ex.num_slots for ex in self.train]
+        self.k = model.config.max_step_tokens
+        for ex in self.train + self.held:
+            ex.validate(self.k)
+        self.pad = getattr(model.tokenizer, "pad_token_id", None) or 0
+        global_batch = args.batch_size * self.acc.num_processes
+        self.batches_per_epoch = len(self.train) // global_batch
+        if self.batches_per_epoch < args.grad_accum:
+            raise HamburgerError(f"{len(self.train)} training examples are too few for a global batch of "
+                                 f"{global_batch} x {args.grad_accum} accumulation steps")
+        steps_per_epoch = self.batches_per_epoch // args.grad_accum
+        self.total_steps = args.max_steps or steps_per_epoch * args.epochs
+        optimizer = configure_optimizer(model, args)
+        scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(args.warmup_ratio * self.total_steps),
+                                                    self.total_steps)
+        self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
+        self.hamburger = model
+        if tracker:  # under out/tracker/hamburger; every logged row goes there too, by optimizer step
+            config = {k: v for k, v in asdict(args).items() if isinstance(v, (int, float, str, bool))}
+            self.acc.init_trackers("hamburger", config=config)
+        self.step, self.seen = 0, []  # optimizer steps done; ids this process trained on (for tests and logs)
+        # Without the base training, the resumable state stores only the weights that train (not the whole base).
+        from accelerate.utils import DistributedType  # noqa: PLC0415
+
+        self.base_in_state = args.mode == "full" or self.acc.distributed_type in (
+            DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+        if not self.base_in_state:
+            self.acc.register_save_state_pre_hook(self._keep_trained_weights)
+            self.acc.register_load_state_pre_hook(self._load_trained_weights)
+
+    # --- checkpoints ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def _trained(key: str) -> bool:
+        return is_trained_key(key.removeprefix("module."))  # DDP wraps the model as `module`
+
+    def _keep_trained_weights(self, models, weights: list[dict], output_dir: str) -> None:
+        """accelerate save hook: drop the frozen base's weights from the state to be written."""
+        for state in weights:
+            for key in [key for key in state if not self._trained(key)]:
+                del state[key]
+
+    def _load_trained_weights(self, models: list, input_dir: str) -> None:
+        """accelerate load hook: load the trained weights (strictly: all of them, nothing else) ourselves."""
+        from safetensors.torch import load_file  # noqa: PLC0415
+
+        for i, model in enumerate(models):
+            path = Path(input_dir) / ("model.safetensors" if i == 0 else f"model_{i}.safetensors")
+            state = load_file(str(path), device=str(self.acc.device))
+            missing, unexpected = model.load_state_dict(state, strict=False)
+            missing = [key for key in missing if self._trained(key)]
+            if missing or unexpected:
+                raise HamburgerError(f"{path} does not match this model: missing {missing[:5]}, "
+                                     f"unexpected {unexpected[:5]}")
+        models.clear()  # loaded: accelerate goes on with the optimizer, scheduler and RNG states
+
+    def save(self) -> None:
+        """Resumable state (trained weights, optimizer, scheduler, RNG) plus a plain HAMburger checkpoint to ship."""
+        self.acc.wait_for_everyone()
+        self.acc.save_state(str(self.out / "state"))
+        if self.acc.is_main_process:
+            row = {"step": self.step, "args": asdict(self.args), "base_in_state": self.base_in_state,
+                   "base_fingerprint": self.hamburger.config.base_fingerprint}
+            (self.out / "state" / "trainer.json").write_text(json.dumps(row))
+            self.acc.unwrap_model(self.model).save_pretrained(self.out / "hamburger")
+        self.acc.wait_for_everyone()
+
+    def resume(self) -> bool:
+        state = self.out / "state" / "trainer.json"
+        if not state.is_file():
+            return False
+        saved = json.loads(state.read_text())
+        if not saved.get("base_in_state", True):  # (states written before this key held the whole model)
+            if self.base_in_state:
+                raise HamburgerError(f"{state.parent} holds no base weights (saved in --mode "
+                                     f"{saved['args']['mode']}): resume in that mode, not --mode {self.args.mode}")
+            if saved.get("base_fingerprint") != self.hamburger.config.base_fingerprint:
+                raise HamburgerError(f"{state.parent} was trained on base {saved.get('base_fingerprint')} (not stored "
+                                     f"in the state) but this run's base is {self.hamburger.config.base_fingerprint}: "
+                                     "resume with the same --model")
+        self.acc.load_state(str(self.out / "state"))
+        self.step = saved["step"]
+        return True
+
+    # --- the loop ------------------------------------------------------------------------------------
+
+    def batches(self):
+        """(micro-batch number, example indices) of each micro-batch of this process from the current step on,
+        in a fixed order."""
+        a, world, rank = self.args, self.acc.num_processes, self.acc.process_index
+        per_epoch = (self.batches_per_epoch // a.grad_accum) * a.grad_accum
+        start = self.step * a.grad_accum
+        cached = (None, None)
+        for micro in range(start, self.total_steps * a.grad_accum):
+            epoch, i = divmod(micro, per_epoch)
+            if cached[0] != epoch:
+                cached = (epoch, epoch_batches(len(self.train), a.batch_size * world, epoch, a.seed, self.lengths,
+                                               a.bucket_pool))
+            yield micro, cached[1][i][rank * a.batch_size : (rank + 1) * a.batch_size]
+
+    def fit(self, progress: bool = True) -> dict[str, float]:
+        a = self.args
+        metrics: dict[str, float] = {}
+        columns = (TextColumn("train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
+                   TimeRemainingColumn())
+        show = progress and self.acc.is_local_main_process
+        with Progress(*columns, disable=not show, console=Console(stderr=True)) as bar:
+            task = bar.add_task("train", total=self.total_steps, completed=self.step, info="")
+            tokens, t0 = 0, time.perf_counter()
+            said = t0
+            self.model.train()
+            for micro, idx in self.batches():
+                self.seen.extend(self.train_ids[j] for j in idx)
+                examples = [self.train[j] for j in idx]
+                if a.partial_steps:  # seeded by the micro-batch: a resumed run cuts the same steps
+                    rng = random.Random((a.seed * 1_000_003 + micro) * 1_000_003 + self.acc.process_index)
+                    examples = [cut_steps(ex, rng, a.partial_steps) for ex in examples]
+                batch = collate(examples, self.k, self.pad).to(self.acc.device)
+                with self.acc.accumulate(self.model):
+                    out = self.model(batch, verified_stops=a.verified_stops, kd_weight=a.kd_weight,
+                                     state_weight=a.state_weight)
+                    self.acc.backward(out.loss)
+                    if self.acc.sync_gradients:
+                        self.acc.clip_grad_norm_(self.model.parameters(), a.max_grad_norm)
+                    self.optimizer.step()
+                    self.scheduler.step()
+                    self.optimizer.zero_grad()
+                tokens += out.targets.numel()
+                if not self.acc.sync_gradients:
+                    continue
+                self.step += 1
+                rate = tokens * self.acc.num_processes / (time.perf_counter() - t0)
+                info = f"loss {out.loss.item():.3f} {rate:.0f} tok/s"
+                if out.kd_loss is not None:
+                    info += f" (ce {out.ce_loss.item():.3f} kd {out.kd_loss.item():.3f}"
+                    info += f" state {out.state_loss.item():.3f})" if out.state_loss is not None else ")"
+                bar.update(task, completed=self.step, info=info)
+                if a.report_to != "none":
+                    parts = {"loss": out.loss, "ce_loss": out.ce_loss, "kd_loss": out.kd_loss, "state_loss": out.state_loss}
+                    row = {f"train/{k}": v.item() for k, v in parts.items() if v is not None}
+                    self.acc.log({**row, "train/tokens_per_s": rate, "train/lr": self.scheduler.get_last_lr()[0]},
+                                 step=self.step)
+                if show and not bar.console.is_terminal and (time.perf_counter() - said > 60
+                                                             or self.step == self.total_steps):
+                    said = time.perf_counter()  # a log file gets a plain line a minute instead of a live bar
+                    print(f"step {self.step}/{self.total_steps} {info} elapsed {said - t0:.0f}s", file=sys.stderr,
+                          flush=True)
+                if self.held and (self.step % a.eval_every == 0 or self.step == self.total_steps):
+                    metrics = self.evaluate()
+                    self.log({"step": self.step, **metrics, "tokens_per_s": rate})
+                    if a.report_to != "none":
+                        self.acc.log({f"eval/{k}": v for k, v in metrics.items()}, step=self.step)
+                if self.step % a.save_every == 0 or self.step == self.total_steps:
+                    self.save()
+        self.record_process()
+        if a.report_to != "none":
+            self.acc.end_training()
+        return metrics
+
+    def record_process(self) -> None:
+        """What this process trained on and a hash of its weights: DDP replicas must agree on the latter."""
+        model = self.acc.unwrap_model(self.model)
+        digest = {name: fingerprint(getattr(model, name), samples_per_tensor=1 << 30) for name in NEW_MODULES}
+        row = {"process": self.acc.process_index, "seen": self.seen, "weights": digest}
+        (self.out / f"process-{self.acc.process_index}.json").write_text(json.dumps(row))
+
+    def evaluate(self) -> dict[str, float]:
+        self.model.eval()
+        with self.acc.autocast():
+            metrics = evaluate(self.acc.unwrap_model(self.model), self.held, self.k, self.pad, self.args.batch_size,
+                               self.acc.device, dense=self.args.mode == "frozen")
+        self.model.train()
+        return metrics
+
+    def log(self, row: dict) -> None:
+        if self.acc.is_main_process:
+            with (self.out / "log.jsonl").open("a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), file=sys.stderr)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from accelerate import PartialState  # noqa: PLC0415
+
+    targs = TrainArgs(**{f: getattr(args, f) for f in TrainArgs.__dataclass_fields__})
+    read_examples(Path(targs.data))  # fail on bad data or a missing tracker before loading a model
+    check_tracker(targs.report_to)
+    out = Path(targs.out)
+    if out.exists() and any(out.iterdir()) and not args.resume:
+        raise HamburgerError(f"{out} is not empty: pass --resume to continue that run, or pick a new --out")
+    state = PartialState(cpu=not torch.cuda.is_available())
+    device = str(state.device)
+    torch.manual_seed(targs.seed)  # the new modules' initialisation, identical on every process
+    if HamburgerConfig.is_checkpoint(args.model):  # continue training a checkpoint's modules
+        model = HamburgerModel.from_pretrained(args.model, device=device)
+        print(f"continuing the modules of checkpoint {args.model}", file=sys.stderr)
+        if args.slot_adapter_rank and not model.config.slot_adapter_rank:
+            model.attach_slot_adapters(args.slot_adapter_rank)
+    else:
+        base, tokenizer = load_base(args.model, device=device)
+        cfg = HamburgerConfig(max_step_tokens=args.max_step_tokens, micro_layers=args.micro_layers,
+                              lora_rank=args.lora_rank if targs.mode == "lora" else 0,
+                              slot_adapter_rank=args.slot_adapter_rank)
+        model = HamburgerModel.wrap(base, tokenizer, cfg)
+        print(f"fresh modules around base {model.config.base_model}", file=sys.stderr)
+    out.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(model, targs)
+    if targs.kd_weight:
+        print(f"kd teacher: the base's top-{trainer.teacher_top_k} cached in {teacher_dir(Path(targs.data))}/"
+              if trainer.teacher_top_k else "kd teacher: the base, run a second time per batch (cache it with "
+              "`hamburger segment --teacher-top-k 32`)", file=sys.stderr)
+    if args.resume and trainer.resume():
+        print(f"resumed at step {trainer.step}", file=sys.stderr)
+    metrics = trainer.fit()
+    if state.is_main_process:
+        print(json.dumps({"final": metrics, "checkpoint": str(out / "hamburger")}), file=sys.stderr)
+    return 0
+
+
+def micro_vocab(rows: list[tuple[str, SegmentedExample]], size: int, always: list[int]) -> tuple[torch.Tensor, float]:
+    """The `size` most frequent response tokens of segmented data (plus `always`, e.g. EOS), and their coverage."""
+    if size < 1:
+        raise HamburgerError(f"--micro-vocab-size must be >= 1, got {size}")
+    counts = Counter(t for _, ex in rows for t in ex.input_ids[ex.prompt_len:])
+    chosen = list(dict.fromkeys(always + [t for t, _ in counts.most_common(size)]))[:max(size, len(always))]
+    covered = sum(counts[t] for t in set(chosen))
+    return torch.tensor(sorted(chosen), dtype=torch.long), covered / max(1, sum(counts.values()))
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """A checkpoint for shipping: optionally LoRA merged into the base, weights stored in a smaller dtype."""
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise HamburgerError(f"{out} is not empty: pass --force to replace its files")
+    model = HamburgerModel.from_pretrained(args.checkpoint)
+    if args.micro_vocab:
+        model.micro_vocab, coverage = micro_vocab(read_examples(Path(args.micro_vocab)), args.micro_vocab_size,
+                                                  sorted(eos_ids(model)))
+        print(f"micro-step shortlist: {len(model.micro_vocab)} tokens covering {coverage:.2%} of the response "
+              f"tokens in {args.micro_vocab}", file=sys.stderr)
+    if args.slot_adapter_rank is not None:
+        if not model.config.slot_adapter_rank:
+            raise HamburgerError(f"{args.checkpoint} has no slot adapters to cut")
+        error = model.truncate_slot_adapters(args.slot_adapter_rank)
+        print(f"slot adapters cut to rank {args.slot_adapter_rank}: largest relative error {error:.3f}", file=sys.stderr)
+    if args.default_confidence is not None:
+        model.config.default_confidence = check_confidence(args.default_confidence)
+    if args.merge_lora:
+        if not model.config.lora_rank:
+            raise HamburgerError(f"{args.checkpoint} has no LoRA adapters to merge")
+        model.merge_lora()
+    model.save_pretrained(out, dtype=getattr(torch, args.dtype))
+    size = (out / "model.safetensors").stat().st_size
+    print(json.dumps({"checkpoint": str(out), "bytes": size, "parameters": model.parameter_counts()}), file=sys.stderr)
+    return 0
+
+
+def register(sub, add_model_args) -> None:
+    e = sub.add_parser("export", help="write a checkpoint for shipping (smaller dtype, LoRA merged)")
+    e.add_argument("checkpoint", help="a HAMburger checkpoint folder (e.g. RUN/hamburger)")
+    e.add_argument("out")
+    e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    e.add_argument("--merge-lora", action="store_true")
+    e.add_argument("--micro-vocab", default=None, metavar="SEGMENTED_JSONL",
+                   help="store a shortlist of the most frequent response tokens of this data: the fast engine's "
+                   "micro-steps choose among them (a cheaper LM head)")
+    e.add_argument("--micro-vocab-size", type=int, default=8192)
+    e.add_argument("--slot-adapter-rank", type=int, default=None,
+                   help="cut the slot adapters to this rank (best approximation by SVD) for a smaller checkpoint")
+    e.add_argument("--default-confidence", type=float, default=None,
+                   help="the confidence generation uses when none is given (e.g. the best point of an eval sweep)")
+    e.add_argument("--force", action="store_true")
+    e.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("train", help="train the HAMburger modules on segmented data (accelerate launch for DDP)")
+    p.add_argument("--data", required=True, help="segmented JSONL from `hamburger segment`")
+    p.add_argument("--out", required=True, help="run folder: state/ to resume, hamburger/ the checkpoint, log.jsonl")
+    p.add_argument("--model", default="default",
+                   help="a base model to wrap with fresh modules (default: the embedded base), or a HAMburger "
+                   "checkpoint folder whose modules training continues (the shipped one is "
+                   "hamburger/checkpoints/SmolLM2-135M-Instruct in the package)")
+    p.add_argument("--mode", choices=MODES, default="frozen")
+    p.add_argument("--max-step-tokens", type=int, default=4)
+    p.add_argument("--micro-layers", type=int, default=4)
+    p.add_argument("--lora-rank", type=int, default=16, help="adapter rank in --mode lora")
+    p.add_argument("--slot-adapter-rank", type=int, default=0,
+                   help="adapters on the base that act only at merged slots (the base stays exact on plain tokens)")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--no-bf16", dest="bf16", action="store_false")
+    p.add_argument("--verified-stops", action="store_true",
+                   help="train the stop head to also end a step before a token the micro-step decoder gets wrong")
+    p.add_argument("--kd-weight", type=float, default=0.0,
+                   help="dense loss: KL(unmerged base || model) of the next-token distribution at every target, "
+                   "token 0 after a smashed slot and the micro tokens (--mode frozen)")
+    p.add_argument("--state-weight", type=float, default=0.0,
+                   help="dense loss: each merged slot's states at every layer regressed onto the unmerged base's "
+                   "states at the step's last token (relative squared error; --mode frozen)")
+    p.add_argument("--partial-steps", type=float, default=0.0, metavar="P",
+                   help="cut each training step of >= 2 tokens in two at a random point with probability P, so the "
+                   "base also learns to read step prefixes (inference ends steps early; held-out figures keep "
+                   "the data's steps)")
+    p.add_argument("--no-teacher-cache", dest="teacher_cache", action="store_false",
+                   help="with --kd-weight, run the base for the teacher even where DATA.teacher/ holds a cached one "
+                   "(the full KL instead of the top-k one)")
+    p.add_argument("--report-to", default="none",
+                   help="also send the training and held-out metrics to an accelerate tracker: tensorboard "
+                   "(pip install tensorboard; written under OUT/tracker), wandb, mlflow, ...")
+    for name, f in TrainArgs.__dataclass_fields__.items():
+        if name in ("data", "out", "mode", "bf16", "verified_stops", "kd_weight", "state_weight", "report_to",
+                    "teacher_cache", "partial_steps"):
+            continue
+        p.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=f.default)
+    p.set_defaults(func=cmd_train)

@@ -1,0 +1,169 @@
+"""`hamburger bench` end to end on a tiny checkpoint: every system, the table, JSON, plots, bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hamburger.cli import main
+from hamburger.evaluation.bench import bench_messages, long_documents
+
+
+def test_bench_runs_every_system(tmp_path, checkpoint, capsys):
+    out = tmp_path / "bench.json"
+    code = main(["bench", "--model", str(checkpoint), "--sets", "code,chat", "--batch-sizes", "1,2",
+                 "--max-new-tokens", "6", "--runs", "1", "--confidence", "0.3,0.8", "--json", str(out),
+                 "--plot", str(tmp_path / "plots")])
+    assert code == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    systems = {(r["system"], r["batch_size"], r["confidence"]) for r in result["rows"]}
+    for name in ("hf_generate", "engine_base", "hamburger_ref", "hamburger_engine"):
+        assert any(s[0] == name and s[1] == 2 for s in systems)
+    for name in ("prompt_lookup", "spec_int8_k2", "spec_int8_k4"):  # batch 1 only in transformers
+        assert (name, 1, None) in systems and (name, 2, None) not in systems
+    assert ("hamburger_engine", 1, 0.3) in systems and ("hamburger_engine", 2, 0.3) not in systems
+    for row in result["rows"]:
+        assert row["generated_tokens"] > 0 and row["decode_tokens_per_s"] > 0
+        assert row["kv_entries"] >= row["prompt_tokens"]
+    base = next(r for r in result["rows"] if r["system"] == "engine_base" and r["batch_size"] == 1)
+    assert base["tokens_per_step"] == 1.0 and base["kv_entries_per_generated_token"] == 1.0
+    summary = result["summary"]
+    assert {"hamburger_vs_base_b1", "hamburger_vs_hf_generate_b1", "kv_entries_per_generated_token"} <= summary.keys()
+    assert "hamburger_vs_base_b16" not in summary  # 16 was not among the batch sizes
+    costs = result["step_costs"]
+    assert costs["base_step_s"] > 0 and costs["micro_over_base"] > 0
+    curve = result["kv_curve"]
+    assert curve["hamburger"][-1] <= curve["base"][-1]
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
+        "confidence_sweep.png", "kv_entries.png", "tokens_per_s.png"]
+    assert "decode tok/s" in capsys.readouterr().out
+
+
+def test_bench_prompt_sets_are_held_out_and_long():
+    assert len(bench_messages("code", 2)) == 2 and len(bench_messages("chat", 2)) == 2
+    assert all(len(doc) >= 1500 for _, doc in long_documents(2))
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--batch-sizes", "0"], "positive"),
+    (["--systems", "nope"], "unknown systems"),
+    (["--sets", "poems"], "unknown prompt sets"),
+    (["--runs", "0"], ">= 1"),
+    (["--confidence", "1.5"], "confidence"),
+    (["--quantize", "none,int3"], "--quantize must be a comma list from none, int8, int4"),
+    (["--quantize", "int4", "--group-size", "48"], "group_size must be one of"),
+])
+def test_bench_bad_input(checkpoint, capsys, args, message):
+    assert main(["bench", "--model", str(checkpoint), *args]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bench_forced_steps_replay_the_data_distribution(tmp_path, checkpoint, capsys):
+    import random
+
+    rows = []
+    rng = random.Random(0)
+    for i in range(8):
+        steps = [rng.choice([1, 2, 4]) for _ in range(6)]
+        rows.append({"id": f"x{i}", "input_ids": [5, 6] + [7] * sum(steps), "prompt_len": 2, "steps": steps})
+    data = tmp_path / "seg.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "b.json"
+    assert main(["bench", "--model", str(checkpoint), "--sets", "code", "--systems", "engine_base,hamburger_forced",
+                 "--batch-sizes", "1", "--max-new-tokens", "16", "--runs", "1", "--forced-steps", str(data),
+                 "--profile", "--json", str(out)]) == 0, capsys.readouterr().err
+    result = json.loads(out.read_text())
+    assert result["profile"] and all(p["self_ms_per_step"] >= 0 for p in result["profile"])
+    summary = result["summary"]
+    assert summary["forced_steps_tokens_per_step_b1"] > 1.5 and summary["forced_steps_vs_base_b1"] > 0
+
+
+def test_bench_quantized_schemes_side_by_side(tmp_path, checkpoint, capsys):
+    out = tmp_path / "q.json"
+    code = main(["bench", "--model", str(checkpoint), "--sets", "code,chat",
+                 "--systems", "engine_base,hamburger_engine", "--quantize", "none,int8", "--batch-sizes", "1,2", "--max-new-tokens", "8", "--runs", "1",
+                 "--json", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    result = json.loads(out.read_text())
+    assert result["quantize"] == ["none", "int8"]
+    rows = {(r["system"], r["batch_size"]): r for r in result["rows"]}
+    assert set(rows) == {(s + q, b) for s in ("engine_base", "hamburger_engine") for q in ("", "+int8") for b in (1, 2)}
+    for (system, batch), row in rows.items():
+        plain = rows[system.removesuffix("+int8"), batch]
+        assert row["prompt_tokens"] == plain["prompt_tokens"]  # the same prompts for every scheme
+        if system.endswith("+int8"):
+            assert row["quantize"] == "int8" and row["weights_mb"] < plain["weights_mb"]
+            assert 0 <= row["prefix_vs_float"] <= 1 and row["compared_replies"] == 2
+            assert f"{system}_b{batch}_vs_base" in result["summary"]
+        else:
+            assert row["quantize"] == "none" and "same_as_float" not in row
+    # int8 does not flip the tiny base's (peaky) greedy choices: the base's replies are the float ones.
+    assert rows["engine_base+int8", 1]["same_as_float"] == 1.0
+    assert "hamburger_vs_base_b1" in result["summary"]  # the float comparison is still there
+    assert "engine_base+int8" in captured.out and "weights MB" in captured.out
+    assert captured.err.count("quantize: int8:") == 1  # one quantized load for the whole run
+
+
+def test_bench_agreement():
+    from hamburger.evaluation.bench import agreement
+
+    ref = {(1,): [5, 6, 7, 1], (2,): [8, 9]}
+    assert agreement(ref, ref) == {"same_as_float": 1.0, "prefix_vs_float": 1.0, "compared_replies": 2}
+    got = agreement(ref, {(1,): [5, 6, 0, 1], (2,): [8, 9, 10, 11]})
+    assert got["same_as_float"] == 0 and got["prefix_vs_float"] == (2 / 4 + 2 / 4) / 2
+
+
+def test_llama_cpp_is_skipped_with_the_reason(tmp_path, checkpoint, capsys, monkeypatch):
+    """Without llama-cpp-python (or without a GGUF base) the system is skipped, the reason logged and kept."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if not installed
+    from hamburger.inference.llamacpp import Unavailable, llama_cpp_system
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(Unavailable, match="llama-cpp-python is not installed"):
+        llama_cpp_system(gguf, {1})
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(checkpoint), "--systems", "engine_base,llama_cpp", "--sets", "chat",
+                 "--batch-sizes", "1", "--max-new-tokens", "4", "--runs", "1", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [r["system"] for r in result["rows"]] == ["engine_base"]
+    assert "llama.cpp needs the base as a .gguf file" in result["skipped"]["llama_cpp"]  # a tiny HF-format base
+    assert "llama_cpp: skipped" in capsys.readouterr().err
+
+
+def test_llama_cpp_system_times_greedy_generation(tmp_path, monkeypatch):
+    """The llama_cpp system against a stand-in for llama-cpp-python: greedy settings, a fresh cache per prompt,
+    EOS and the token limit respected, the figures counted like every other system's."""
+    import sys
+    import types
+
+    calls = []
+
+    class FakeLlama:
+        def __init__(self, model_path, **kwargs):
+            calls.append(("init", model_path, kwargs["n_batch"], kwargs["n_threads"]))
+
+        def reset(self):
+            calls.append(("reset",))
+
+        def generate(self, tokens, temp, top_k, repeat_penalty, **kwargs):
+            assert temp == 0.0 and top_k == 1 and repeat_penalty == 1.0
+            yield from [len(tokens) + 10, len(tokens) + 11, 1, 99, 99]  # EOS (1) at the third token
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
+    from hamburger.inference.llamacpp import llama_cpp_system
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF" * 10)
+    record: dict = {}
+    run = llama_cpp_system(gguf, {1}, record=record)
+    stats = run([[5, 6], [7, 8, 9]], 8)
+    assert stats.sequences == 2 and stats.prompt_tokens == 5 and stats.generated_tokens == 6
+    assert record[(5, 6)] == [12, 13, 1] and record[(7, 8, 9)] == [13, 14, 1]
+    assert run([[5, 6]], 2).generated_tokens == 2  # the token limit
+    assert calls[0][2] == 1 and [c for c in calls if c == ("reset",)] == [("reset",)] * 3
+    assert run.weights_bytes == 40

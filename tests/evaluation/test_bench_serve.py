@@ -1,0 +1,32 @@
+"""`hamburger bench-serve` on a tiny checkpoint and its plain base: a table and JSON rows per concurrency."""
+
+from __future__ import annotations
+
+import json
+
+from hamburger.cli import main
+from hamburger.evaluation.bench_serve import percentile
+
+
+def test_percentile():
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0 and percentile([1.0, 2.0], 90) == 1.9
+    assert percentile([5.0], 99) == 5.0
+
+
+def test_bench_serve_base_and_hamburger(checkpoint, tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    code = main(["bench-serve", "--models", f"{checkpoint},{tiny_model_dir}", "--requests", "4", "--concurrency", "1,2",
+                 "--max-tokens", "4", "--max-len", "256", "--sets", "chat", "--confidence", "0.3", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["hamburger"], r["concurrency"]) for r in rows] == [(True, 1), (True, 2), (False, 1), (False, 2)]
+    for r in rows:
+        assert r["requests"] == 4 and r["requests_per_s"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
+        assert r["completion_tokens"] <= 16 and r["tokens_per_step"] >= 1.0
+    assert all(r["tokens_per_step"] == 1.0 for r in rows if not r["hamburger"])
+    assert "TTFT p50" in capsys.readouterr().out
+
+
+def test_bench_serve_bad_arguments(capsys):
+    assert main(["bench-serve", "--concurrency", "1,x"]) == 2
+    assert "--concurrency" in capsys.readouterr().err

@@ -1,0 +1,145 @@
+"""The fast engine: greedy output equals the reference path (HAMburger) and HF `generate` (plain base)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import PAD, hamburger
+from hamburger import HamburgerError, HamburgerModel, SamplingParams, generate
+from hamburger.inference.engine import Engine
+
+PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51]]
+
+
+def reference(model, prompts, **kw):
+    return generate(model, prompts, **kw)
+
+
+@pytest.mark.parametrize("slot_rank", [0, 4])
+def test_engine_equals_reference_path(arch, slot_rank):
+    model = hamburger(arch, k=4, slot_adapter_rank=slot_rank)
+    torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
+    engine = Engine(model)
+    for confidence in (0.3, 0.8, 1.0):
+        ref = reference(model, PROMPTS, max_new_tokens=20, confidence=confidence)
+        fast = engine.generate(PROMPTS, max_new_tokens=20, confidence=confidence)
+        assert fast.tokens == ref.tokens and fast.steps == ref.steps
+        assert fast.stats.macro_steps == ref.stats.macro_steps
+        assert fast.stats.generated_tokens == ref.stats.generated_tokens
+
+
+def test_engine_multi_token_steps_happen():
+    model = hamburger("llama", k=4)
+    out = Engine(model).generate([PROMPTS[0]], max_new_tokens=24, confidence=0.05)
+    assert max(out.steps[0]) > 1 and out.stats.tokens_per_step > 1.0
+
+
+def test_plain_base_in_engine_equals_hf_generate(arch):
+    model = HamburgerModel.plain(hamburger(arch).base, None)
+    engine = Engine(model)
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        hf = model.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, do_sample=False,
+                                 eos_token_id=1, pad_token_id=PAD)[0, len(prompt):].tolist()
+        out = engine.generate([prompt], max_new_tokens=20)
+        assert out.tokens[0] == hf and set(out.steps[0]) == {1}
+
+
+def test_engine_batched_equals_unbatched(arch):
+    model = hamburger(arch, k=4)
+    engine = Engine(model)
+    together = engine.generate(PROMPTS, max_new_tokens=16, confidence=0.4)
+    for i, prompt in enumerate(PROMPTS):
+        alone = engine.generate([prompt], max_new_tokens=16, confidence=0.4)
+        assert alone.tokens[0] == together.tokens[i] and alone.steps[0] == together.steps[i]
+
+
+def test_engine_forced_steps_and_limits():
+    model = hamburger("llama", k=4)
+    engine = Engine(model)
+    forced = [[2, 4, 1, 3], [1, 1, 4]]
+    ref = reference(model, PROMPTS[:2], max_new_tokens=9, forced_steps=forced, eos_token_ids=set())
+    fast = engine.generate(PROMPTS[:2], max_new_tokens=9, forced_steps=forced, eos_token_ids=set())
+    assert fast.tokens == ref.tokens and fast.steps == ref.steps
+    assert fast.steps[0][:3] == [2, 4, 1] and all(len(t) == 9 for t in fast.tokens)
+
+
+def test_tokens_per_forward_is_per_sequence_at_any_batch_size():
+    # Rows that end at different steps: a batch pass counts once for each row still generating, so the figure
+    # is each sequence's tokens per base forward (here = tokens per step), not the batch's.
+    model = hamburger("llama", k=4)
+    forced = [[2, 4, 1, 3], [1, 1, 4]]
+    for out in (reference(model, PROMPTS[:2], max_new_tokens=9, forced_steps=forced, eos_token_ids=set()),
+                Engine(model).generate(PROMPTS[:2], max_new_tokens=9, forced_steps=forced, eos_token_ids=set())):
+        assert len(out.steps[0]) != len(out.steps[1])
+        assert out.stats.base_forwards == max(map(len, out.steps))
+        assert out.stats.row_forwards == sum(map(len, out.steps))
+        assert out.stats.tokens_per_forward == pytest.approx(out.stats.tokens_per_step)
+
+
+def test_engine_streams_and_counts():
+    model = hamburger("llama", k=4)
+    gen = Engine(model).stream(PROMPTS, max_new_tokens=10, confidence=0.3)
+    events = list(gen)
+    out = gen.output()
+    for b in range(len(PROMPTS)):
+        assert [t for e in events for t in e.tokens[b]] == out.tokens[b]
+    assert events[-1].finished == [True] * len(PROMPTS)
+    s = out.stats
+    assert s.generated_tokens == sum(map(len, out.tokens)) and s.macro_steps == sum(map(len, out.steps))
+    assert s.prefill_s > 0 and s.decode_s > 0
+
+
+def test_engine_sampling_is_seeded():
+    model = hamburger("llama", k=4)
+    engine = Engine(model)
+    params = SamplingParams(temperature=1.0, top_k=20, seed=3)
+    a = engine.generate(PROMPTS, max_new_tokens=12, sampling=params)
+    b = engine.generate(PROMPTS, max_new_tokens=12, sampling=params)
+    greedy = engine.generate(PROMPTS, max_new_tokens=12)
+    assert a.tokens == b.tokens and a.tokens != greedy.tokens
+
+
+def test_engine_bad_input():
+    engine = Engine(hamburger("llama", k=4))
+    with pytest.raises(HamburgerError, match="at least one token"):
+        engine.stream([[]])
+    with pytest.raises(HamburgerError, match="context"):
+        engine.generate([[5] * 200], max_new_tokens=100)
+    with pytest.raises(HamburgerError, match="confidence"):
+        engine.stream([[5]], confidence=0.0)
+
+
+def test_shortlist_of_the_whole_vocabulary_changes_nothing():
+    model = hamburger("llama", k=4)
+    ref = Engine(model).generate(PROMPTS, max_new_tokens=16, confidence=0.3)
+    model.micro_vocab = torch.arange(model.base.config.vocab_size)
+    fast = Engine(model).generate(PROMPTS, max_new_tokens=16, confidence=0.3)
+    assert fast.tokens == ref.tokens and fast.steps == ref.steps
+
+
+def test_micro_steps_choose_from_the_shortlist_only():
+    model = hamburger("llama", k=4)
+    model.micro_vocab = torch.tensor([1, 7, 11, 20, 33, 50, 64, 80])
+    out = Engine(model).generate(PROMPTS, max_new_tokens=24, confidence=0.05)
+    micro = [t for toks, steps in zip(out.tokens, out.steps) for t in _micro_tokens(toks, steps)]
+    assert micro and set(micro) <= set(model.micro_vocab.tolist())
+    full = Engine(model, shortlist=False).generate(PROMPTS, max_new_tokens=24, confidence=0.05)
+    assert not set(t for toks, steps in zip(full.tokens, full.steps) for t in _micro_tokens(toks, steps)) <= set(
+        model.micro_vocab.tolist())
+
+
+def _micro_tokens(tokens, steps):
+    out, i = [], 0
+    for n in steps:
+        out += tokens[i + 1:i + n]
+        i += n
+    return out
+
+
+def test_compiled_engine_equals_eager_or_falls_back():
+    model = hamburger("llama", k=4)
+    eager = Engine(model).generate(PROMPTS[:1], max_new_tokens=6, confidence=0.3)
+    compiled = Engine(model, compile=True).generate(PROMPTS[:1], max_new_tokens=6, confidence=0.3)
+    assert compiled.tokens == eager.tokens and compiled.steps == eager.steps

@@ -1,0 +1,356 @@
+"""Weight-only int8 / int4 quantization (hamburger.inference.quantize): kernels, Q4_1 exactness, whole models, disk cache."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import hamburger
+from hamburger import HamburgerModel, generate
+from hamburger.inference import quantize as qz
+from hamburger.inference.engine import Engine
+from hamburger.inference.quantize import (
+    Int4Linear,
+    Int8Linear,
+    QuantizedLinear,
+    quantize_cached,
+    quantize_model,
+)
+
+
+def tiny_llama(seed: int = 0, hidden: int = 64, vocab: int = 256, dtype=torch.float32) -> LlamaForCausalLM:
+    """A random Llama with the default init (std 0.02) and a tied LM head, as SmolLM2 has."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, eos_token_id=1,
+                      pad_token_id=0, bos_token_id=None, tie_word_embeddings=True)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def q4_1_blocks(n: int, k: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Weights made as GGUF Q4_1 makes them: q in 0..15 per block of 32, each block using both 0 and 15 (its min
+    and max), fp16 scale d and min m; dequantised in float32 as q·d + m. Returns (w, q, d, m)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=gen)
+    q[..., 0], q[..., 1] = 0, 15
+    q = q[..., torch.randperm(32, generator=gen)]
+    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.02 + 1e-3).half().float()
+    m = (-8 * d + torch.randn(n, k // 32, 1, generator=gen) * 0.01).half().float()
+    return (q * d + m).reshape(n, k), q.reshape(n, k), d.squeeze(-1), m.squeeze(-1)
+
+
+def linear_from(w: torch.Tensor, bias: bool = False) -> nn.Linear:
+    layer = nn.Linear(w.shape[1], w.shape[0], bias=bias)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+        if bias:
+            layer.bias.normal_()
+    return layer
+
+
+# --- single layers ---------------------------------------------------------------------------------------------
+
+
+def test_int4_represents_q4_1_blocks_exactly():
+    w, q, d, m = q4_1_blocks(64, 256)
+    layer = Int4Linear.from_linear(linear_from(w), 32)
+    codes, scales, mins = layer.unpack()
+    assert torch.equal(codes.long(), q)  # every 4-bit code comes back as GGUF stored it
+    # The scale is (max - min) / 15 in float32: d up to its rounding; the min is the block's min.
+    assert torch.allclose(scales, d, rtol=4e-7, atol=0) and torch.allclose(mins, m, rtol=0, atol=4e-7 * d.max())
+    # Dequantised (through the kernel): the float weights up to a few float32 ulps of the block's range.
+    tol = 8 * torch.finfo(torch.float32).eps * (m.abs() + 16 * d).repeat_interleave(32, 1)
+    assert ((layer.dequantize() - w).abs() <= tol).all()
+    assert tol.max() < 0.01 * d.min()  # far below one quantisation step: a wrong code or zero would fail
+    x = torch.randn(5, 256)
+    ref = F.linear(x, w)
+    out = layer(x)
+    assert (out - ref).abs().max() < 1e-4 * ref.abs().max()
+
+
+def test_int4_q4_1_blocks_in_bfloat16_up_to_rounding():
+    """A bfloat16 model: the cast already rounds the weights (so each block's min and max), and the scale and
+    zero (= min + 8·scale) are kept in bfloat16. The codes still come back exactly; scale and weights up to
+    those roundings (unit roundoff u = 2^-8 each: the scale inherits the min's and max's, over 15)."""
+    w, q, d, m = q4_1_blocks(32, 128, seed=1)
+    layer = Int4Linear.from_linear(linear_from(w).to(torch.bfloat16), 32)
+    codes, scales, _ = layer.unpack()
+    assert scales.dtype == torch.bfloat16 and torch.equal(codes.long(), q)
+    u, top, zero = 2**-8, (m + 15 * d).abs(), (m + 8 * d).abs()
+    scale_tol = u * (d + (m.abs() + top) / 15)
+    assert ((scales.float() - d).abs() <= scale_tol).all()
+    tol = 16 * scale_tol + u * (zero + m.abs())
+    err = (layer.dequantize().float() - w).abs()
+    assert (err <= tol.repeat_interleave(32, 1)).all()
+
+
+def test_int4_general_weights_within_half_a_step():
+    w = torch.randn(48, 128)
+    layer = Int4Linear.from_linear(linear_from(w, bias=True), 64)
+    _, scales, _ = layer.unpack()
+    err = (layer.dequantize() - w).abs()
+    assert (err <= scales.repeat_interleave(64, 1) * 0.5 + 1e-5).all()
+    x = torch.randn(2, 3, 128)  # leading dims and a bias, as nn.Linear takes them
+    lin = linear_from(w, bias=True)
+    layer.bias.data.copy_(lin.bias)
+    assert torch.allclose(layer(x), F.linear(x, layer.dequantize(), lin.bias), atol=1e-4)
+
+
+def test_int8_per_channel():
+    w = torch.randn(40, 72) * torch.linspace(0.1, 3, 40)[:, None]
+    lin = linear_from(w, bias=True)
+    layer = Int8Linear.from_linear(lin)
+    assert layer.weight_int8.dtype == torch.int8 and layer.scales.shape == (40,)
+    assert torch.allclose(layer.scales, w.abs().amax(1) / 127)
+    assert ((layer.weight - w).abs() <= layer.scales[:, None] * 0.5 + 1e-6).all()
+    x = torch.randn(3, 72)
+    assert torch.allclose(layer(x), F.linear(x, layer.weight, lin.bias), atol=1e-4)
+    assert torch.allclose(layer(x), lin(x), rtol=0, atol=0.02 * lin(x).abs().max().item())
+
+
+def test_int4_zero_and_constant_groups():
+    w = torch.zeros(16, 64)
+    w[1] = 0.5  # a constant row
+    layer = Int4Linear.from_linear(linear_from(w), 32)
+    assert torch.equal(layer.dequantize(), w)
+    assert torch.equal(Int8Linear.from_linear(linear_from(w)).weight, w)
+
+
+# --- whole models ------------------------------------------------------------------------------------------------
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+@pytest.mark.parametrize("hidden", [64, 128])
+def test_quantized_logits_close_to_float(hidden):
+    """Random Gaussian weights are the hard case for 4 bits (a trained base from Q4_1 is exact, see above):
+    measured relative logit errors are ~0.01 (int8) and ~0.11-0.15 (int4), asserted with ~2x margin. Greedy
+    tokens may only differ where the float top-2 are within the logits' error of each other."""
+    base = tiny_llama(hidden=hidden)
+    ids = torch.randint(2, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    ref = logits(base, ids)
+    top2 = ref.topk(2, -1).values
+    margin = top2[..., 0] - top2[..., 1]
+    for scheme, bound in (("int8", 0.03), ("int4", 0.3)):
+        model = copy.deepcopy(base)
+        summary = quantize_model(model, scheme)
+        assert summary["quantized"] == 2 * 7 + 1 and summary["skipped"] == 0
+        out = logits(model, ids)
+        assert ((out - ref).norm() / ref.norm()).item() < bound, scheme
+        worst = (out - ref).abs().max()
+        differ = out.argmax(-1) != ref.argmax(-1)
+        assert (margin[differ] < 2 * worst).all()
+        if scheme == "int8":
+            assert not differ.any()
+
+
+def test_tied_head_and_float_embedding():
+    model = tiny_llama()
+    emb = model.get_input_embeddings().weight
+    before = emb.detach().clone()
+    summary = quantize_model(model, "int4")
+    head = model.get_output_embeddings()
+    assert isinstance(head, Int4Linear) and model.get_input_embeddings().weight is emb
+    assert emb.dtype == torch.float32 and torch.equal(emb, before)  # the lookup stays float, untouched
+    assert summary["head"] == "int4" and summary["bytes_after"] < summary["bytes_before"]
+    assert summary["linear_bytes_after"] * 5 < summary["linear_bytes_before"]
+    # A different head scheme (e.g. int8 for a head that came from Q8_0).
+    model = tiny_llama()
+    quantize_model(model, "int4", head="int8")
+    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.layers[0].mlp.up_proj, Int4Linear)
+    model = tiny_llama()
+    quantize_model(model, "int4", head="none")
+    assert type(model.lm_head) is nn.Linear
+
+
+def test_none_changes_nothing():
+    model = tiny_llama()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    summary = quantize_model(model, "none")
+    assert summary["quantized"] == 0 and summary["bytes_after"] == summary["bytes_before"]
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+    after = model.state_dict()
+    assert state.keys() == after.keys() and all(torch.equal(state[k], after[k]) for k in state)
+
+
+def test_quantizing_twice_is_idempotent_or_refused():
+    model = tiny_llama()
+    quantize_model(model, "int4")
+    ids = torch.tensor([[3, 4, 5, 6]])
+    first = logits(model, ids)
+    again = quantize_model(model, "int4")
+    assert again["quantized"] == 0 and again["already_quantized"] == 15
+    assert torch.equal(logits(model, ids), first)
+    assert quantize_model(model, "none")["quantized"] == 0
+    with pytest.raises(ValueError, match="already quantized as int4"):
+        quantize_model(model, "int8")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_model(model, "int4", group_size=64)
+
+
+def test_bad_arguments_are_value_errors():
+    model = tiny_llama()
+    for group in (16, 48, 0, 33, "32", True):
+        with pytest.raises(ValueError, match="group_size must be one of"):
+            quantize_model(model, "int4", group_size=group)
+    with pytest.raises(ValueError, match="scheme must be one of"):
+        quantize_model(model, "int3")
+    with pytest.raises(ValueError, match="head scheme must be one of"):
+        quantize_model(model, "int4", head="fp8")
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+
+
+def test_layers_the_kernels_cannot_take_stay_float_and_are_counted():
+    model = nn.Sequential(nn.Linear(48, 32), nn.Linear(32, 20), nn.Linear(32, 32), nn.Linear(64, 32))
+    summary = quantize_model(model, "int4")
+    assert summary["quantized"] == 2 and summary["skipped"] == 2
+    assert "multiple of the group size 32" in summary["skipped_layers"]["0"]  # in_features 48
+    assert "multiple of 16" in summary["skipped_layers"]["1"]  # out_features 20 (CPU int4 packing)
+    assert [type(m) for m in model] == [nn.Linear, nn.Linear, Int4Linear, Int4Linear]
+    summary = quantize_model(nn.Sequential(nn.Linear(32, 32), nn.Linear(64, 32)), "int4", group_size=64)
+    assert summary["quantized"] == 1 and list(summary["skipped_layers"]) == ["0"]
+    summary = quantize_model(nn.Sequential(nn.Linear(48, 32), nn.Linear(32, 20)), "int8")
+    assert summary["quantized"] == 2 and summary["skipped"] == 0  # int8 takes any shape
+
+
+def test_bfloat16_model():
+    base = tiny_llama(dtype=torch.bfloat16)
+    ids = torch.tensor([[3, 4, 5, 6, 7]])
+    ref = logits(base, ids).float()
+    for scheme in ("int8", "int4"):
+        model = copy.deepcopy(base)
+        quantize_model(model, scheme)
+        out = logits(model, ids)
+        assert out.dtype == torch.bfloat16
+        assert ((out.float() - ref).norm() / ref.norm()).item() < (0.05 if scheme == "int8" else 0.3)
+
+
+def test_hamburger_model_engine_equals_reference_path_when_quantized():
+    """Base, micro-step decoder and head quantized; both decoding paths run the same quantized modules, and
+    the slot adapters' hooks move to the swapped layers."""
+    model = hamburger("llama", k=4, slot_adapter_rank=4)
+    torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
+    summary = quantize_model(model, "int4")
+    n_base, n_micro = 4 * 7, len(model.micro.layers) * 7
+    assert summary["quantized"] == n_base + n_micro + 1
+    assert all(type(m) is nn.Linear for m in model.stop_head.modules() if isinstance(m, nn.Linear))
+    q_proj = model.base.model.layers[0].self_attn.q_proj
+    assert isinstance(q_proj, Int4Linear) and len(q_proj._forward_hooks) == 1
+    prompts = [[5, 17, 33, 8, 60, 12, 9], [40, 41]]
+    for confidence in (0.3, 1.0):
+        ref = generate(model, prompts, max_new_tokens=16, confidence=confidence)
+        fast = Engine(model).generate(prompts, max_new_tokens=16, confidence=confidence)
+        assert fast.tokens == ref.tokens and fast.steps == ref.steps
+    model.slot_adapters.remove()
+    assert len(q_proj._forward_hooks) == 0
+
+
+def test_engine_shortlist_reads_the_quantized_head():
+    model = hamburger("llama", k=4)
+    quantize_model(model, "int8")
+    model.micro_vocab = torch.arange(2, 50)
+    engine = Engine(model)
+    assert torch.equal(engine.short_head, model.base.lm_head.dequantize()[2:50])
+    out = engine.generate([[5, 6, 7]], max_new_tokens=8)
+    assert len(out.tokens[0]) == 8
+
+
+def test_plain_engine_greedy_int8_equals_float():
+    base = tiny_llama()
+    float_model = HamburgerModel.plain(copy.deepcopy(base), None)
+    quant = HamburgerModel.plain(base, None)
+    quantize_model(quant, "int8")
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    assert Engine(quant).generate(prompts, max_new_tokens=20).tokens == \
+        Engine(float_model).generate(prompts, max_new_tokens=20).tokens
+
+
+# --- disk cache ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_disk_cache_second_start_reads_it(tmp_path, monkeypatch, scheme):
+    ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
+    first = tiny_llama()
+    s1 = quantize_cached(first, scheme, root=tmp_path)
+    assert s1["cache"] == "miss" and s1["quantized"] == 15
+    files = list(tmp_path.iterdir())
+    assert [p.name for p in files] == [s1["cache_path"].rsplit("/", 1)[-1]] and scheme in files[0].name
+
+    def no_quantizing(*a, **k):
+        raise AssertionError("quantized again instead of reading the cache")
+
+    monkeypatch.setattr(qz, "int8_weights", no_quantizing)
+    monkeypatch.setattr(qz, "int4_weights", no_quantizing)
+    second = tiny_llama()
+    s2 = quantize_cached(second, scheme, root=tmp_path)
+    assert s2["cache"] == "hit" and s2["cache_path"] == s1["cache_path"] and s2["quantized"] == 15
+    assert torch.equal(logits(second, ids), logits(first, ids))
+    b1, b2 = dict(first.named_buffers()), dict(second.named_buffers())
+    assert b1.keys() == b2.keys() and all(torch.equal(b1[k], b2[k]) for k in b1)
+
+
+def test_disk_cache_keys_and_stale_files(tmp_path):
+    a, b = tiny_llama(seed=0), tiny_llama(seed=1)
+    pa, pb = qz.cache_path(a, "int4", root=tmp_path), qz.cache_path(b, "int4", root=tmp_path)
+    assert pa != pb  # another model's weights
+    assert pa != qz.cache_path(a, "int4", 64, root=tmp_path) != qz.cache_path(a, "int8", root=tmp_path)
+    assert pa != qz.cache_path(a, "int4", head="int8", root=tmp_path)
+    assert pa != qz.cache_path(a.to(torch.bfloat16), "int4", root=tmp_path)  # same fingerprint, other dtype
+    a = tiny_llama(seed=0)
+    path = qz.cache_path(a, "int4", root=tmp_path)
+    path.write_bytes(b"not a safetensors file")
+    with pytest.warns(UserWarning, match="ignoring the quantized cache"):
+        summary = quantize_cached(a, "int4", root=tmp_path)
+    assert summary["cache"] == "miss" and summary["quantized"] == 15
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert quantize_cached(tiny_llama(seed=0), "int4", root=tmp_path)["cache"] == "hit"
+
+
+def test_load_quantized_refuses_another_plan(tmp_path):
+    model = tiny_llama()
+    quantize_model(model, "int4")
+    path = tmp_path / "q.safetensors"
+    assert qz.save_quantized(model, path) == 15
+    fresh = tiny_llama()
+    with pytest.raises(ValueError, match="other layers or schemes"):
+        qz.load_quantized(fresh, path, "int4", head="int8")
+    assert not any(isinstance(m, QuantizedLinear) for m in fresh.modules())  # untouched
+    qz.load_quantized(fresh, path, "int4")
+    assert isinstance(fresh.lm_head, Int4Linear)
+
+
+def test_cache_off(monkeypatch):
+    monkeypatch.setenv("HAMBURGER_CACHE", "off")
+    summary = quantize_cached(tiny_llama(), "int8")
+    assert summary["cache"] == "off" and summary["quantized"] == 15
+
+
+# --- the real default (slow) ------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_default_q4_1_base_is_exact_in_int4():
+    """SmolLM2's GGUF stores its projections as Q4_1 (every block uses codes 0 and 15): int4 at group 32 gives
+    them back up to float32 rounding. Its tied head/embedding is Q8_0, which int4 only approximates."""
+    from hamburger.model.hamburger_model import load_model
+
+    model, _ = load_model("SmolLM2-135M-Instruct")
+    floats = {n: m.weight.detach().clone() for n, m in model.base.named_modules()
+              if isinstance(m, nn.Linear) and not n.endswith("lm_head")}
+    quantize_model(model.base, "int4")
+    for name, w in floats.items():
+        layer = model.base.get_submodule(name)
+        _, scales, _ = layer.unpack()
+        err = (layer.dequantize() - w).abs().max()
+        assert err < 1e-3 * scales.min() + 1e-6, name

@@ -1,0 +1,153 @@
+"""Continuous batching: each request's output equals the fast engine's for it alone, whoever shares the batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import hamburger
+from hamburger import HamburgerError, HamburgerModel, SamplingParams
+from hamburger.inference.engine import Engine
+from hamburger.inference.scheduler import Scheduler
+
+PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51], [11], [64, 3, 70, 22], [30, 31, 32, 33, 34, 35]]
+LIMITS = [20, 7, 16, 12, 3, 18]
+
+
+def run_staggered(sched: Scheduler, jobs: list[tuple[int, list[int], int]], **kw) -> dict[int, list]:
+    """jobs: (step at which to submit, prompt, max_new_tokens). Returns {job index: events of it}."""
+    ids, out, step = {}, {}, 0
+    while len(ids) < len(jobs) or sched.has_work():
+        for j, (at, prompt, limit) in enumerate(jobs):
+            if at == step:
+                ids[sched.submit(prompt, limit, **kw)] = j
+        for ev in sched.step():
+            out.setdefault(ids[ev.id], []).append(ev)
+        step += 1
+        assert step < 500
+    return out
+
+
+def check_equals_alone(model, confidence: float, rows: int) -> None:
+    engine, sched = Engine(model), Scheduler(model, max_batch_size=rows, max_len=64)
+    jobs = [(2 * j if j % 2 else j, p, n) for j, (p, n) in enumerate(zip(PROMPTS, LIMITS))]
+    out = run_staggered(sched, jobs, confidence=confidence)
+    for j, (_, prompt, limit) in enumerate(jobs):
+        alone = engine.generate([prompt], max_new_tokens=limit, confidence=confidence)
+        events = out[j]
+        assert [t for e in events for t in e.tokens] == alone.tokens[0]
+        assert [len(e.tokens) for e in events] == alone.steps[0]
+        assert events[-1].finished and events[-1].finish_reason in ("stop", "length")
+        assert events[-1].stats.macro_steps == len(alone.steps[0])
+        assert events[-1].stats.generated_tokens == len(alone.tokens[0])
+    assert sched.running == 0 and sched.kv_entries() == 0
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_hamburger_multi_token_steps_equal_alone(arch, rows):
+    model = hamburger(arch, k=4)
+    torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
+    check_equals_alone(model, 0.3, rows)
+    out = Engine(model).generate(PROMPTS, max_new_tokens=20, confidence=0.3)
+    assert max(max(s) for s in out.steps) > 1  # the comparison covered multi-token steps
+
+
+@pytest.mark.parametrize("prefill_tokens", [4096, 12, 1])
+def test_requests_prefilled_together_equal_alone(arch, prefill_tokens):
+    # Six prompts of 1..7 tokens arrive at once: prefilled right-padded, shortest first, in one pass (4096), in
+    # groups of at most 12 padded tokens (1+2+4 | 5+6 | 7), or one by one (1: each alone).
+    model = hamburger(arch, k=4)
+    torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
+    engine, sched = Engine(model), Scheduler(model, max_batch_size=6, max_len=64, prefill_tokens=prefill_tokens)
+    calls = []
+    prefill = sched._prefill
+    sched._prefill = lambda reqs, rows: (calls.append(len(reqs)), prefill(reqs, rows))
+    out = run_staggered(sched, [(0, p, n) for p, n in zip(PROMPTS, LIMITS)], confidence=0.3)
+    assert sum(calls) == 6 and len(calls) == {4096: 1, 12: 3, 1: 6}[prefill_tokens]
+    for j, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
+        alone = engine.generate([prompt], max_new_tokens=limit, confidence=0.3)
+        assert [t for e in out[j] for t in e.tokens] == alone.tokens[0]
+        assert [len(e.tokens) for e in out[j]] == alone.steps[0]
+    with pytest.raises(HamburgerError, match="prefill_tokens"):
+        Scheduler(model, prefill_tokens=0)
+
+
+def test_plain_base_equals_alone(arch):
+    check_equals_alone(HamburgerModel.plain(hamburger(arch).base, None), 1.0, 3)
+
+
+def test_shortlist_respected():
+    model = hamburger("llama", k=4)
+    model.micro_vocab = torch.tensor([1, 7, 11, 20, 33, 50, 64, 80])
+    check_equals_alone(model, 0.05, 3)
+
+
+def test_sampled_request_equals_alone_with_its_seed():
+    model = hamburger("llama", k=4)
+    params = SamplingParams(temperature=1.0, top_k=20, seed=3)
+    alone = Engine(model).generate([PROMPTS[0]], max_new_tokens=16, confidence=0.3, sampling=params)
+    sched = Scheduler(model, max_batch_size=3, max_len=64)
+    rid = sched.submit(PROMPTS[0], 16, confidence=0.3, sampling=params)
+    sched.submit(PROMPTS[1], 9, confidence=0.3)  # a greedy neighbour
+    tokens = []
+    while sched.has_work():
+        tokens += [t for e in sched.step() if e.id == rid for t in e.tokens]
+    assert tokens == alone.tokens[0]
+
+
+def test_cancel_frees_the_row_and_queue_drains():
+    model = hamburger("llama", k=4)
+    sched = Scheduler(model, max_batch_size=2, max_len=64)
+    first = sched.submit(PROMPTS[0], 30, eos_token_ids=set())
+    ids = [sched.submit(p, n) for p, n in zip(PROMPTS[1:], LIMITS[1:])]
+    sched.step()
+    assert sched.running == 2 and sched.waiting == len(ids) - 1
+    sched.cancel(first)
+    events = sched.step()
+    assert [e.finish_reason for e in events if e.id == first] == ["cancelled"]
+    assert sched.running == 2  # the freed row went to the next waiting request in the same step
+    finished = {first}
+    while sched.has_work():
+        finished |= {e.id for e in sched.step() if e.finished}
+    assert finished == {first, *ids} and sched.running == 0 and sched.waiting == 0
+
+
+def test_submit_rejects_what_cannot_fit():
+    sched = Scheduler(hamburger("llama", k=4), max_batch_size=1, max_len=32)
+    with pytest.raises(HamburgerError, match="context"):
+        sched.submit([5] * 30, 3)
+    with pytest.raises(HamburgerError, match="at least one"):
+        sched.submit([], 3)
+    with pytest.raises(HamburgerError, match=">= 1"):
+        sched.submit([5], 0)
+    with pytest.raises(HamburgerError, match="confidence"):
+        sched.submit([5], 3, confidence=1.5)
+
+
+def test_rows_are_compacted_when_a_request_leaves():
+    # Three requests; the one in row 0 ends first: the highest running request moves down into row 0, so the
+    # passes cover exactly the running rows, and every output still equals the engine's alone.
+    model = hamburger("llama", k=4)
+    torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
+    engine, sched = Engine(model), Scheduler(model, max_batch_size=3, max_len=64)
+    jobs = [(0, PROMPTS[1], 8), (0, PROMPTS[0], 20), (0, PROMPTS[2], 16)]
+    ids = [sched.submit(p, n, confidence=0.3) for _, p, n in jobs]
+    out: dict[int, list] = {}
+    passes = []  # (rows a one-slot feeding pass computed, requests running); prompts here are >= 2 tokens
+    base = sched.engine._base
+
+    def counted(embeds, *args, **kw):
+        if embeds.shape[1] == 1:
+            passes.append((embeds.shape[0], sched.running))
+        return base(embeds, *args, **kw)
+
+    sched.engine._base = counted
+    while sched.has_work():
+        for ev in sched.step():
+            out.setdefault(ev.id, []).append(ev)
+    assert all(rows <= running for rows, running in passes)
+    assert (3, 3) in passes and (2, 2) in passes  # the first request left while the others ran on
+    for rid, (_, prompt, limit) in zip(ids, jobs):
+        alone = engine.generate([prompt], max_new_tokens=limit, confidence=0.3)
+        assert [t for e in out[rid] for t in e.tokens] == alone.tokens[0]
+        assert [len(e.tokens) for e in out[rid]] == alone.steps[0]

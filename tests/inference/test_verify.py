@@ -1,0 +1,200 @@
+"""Verify mode: the base checks the micro-step decoder's drafts, so the output is exactly the base's."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from conftest import PAD, base_greedy, hamburger
+from hamburger import HamburgerError, SamplingParams
+from hamburger.inference import verify as verify_mod
+from hamburger.inference.engine import Engine, make_engine
+from hamburger.inference.verify import accept_greedy, accept_sampled
+
+PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51]]
+
+
+# --- acceptance on hand-built logits, no model --------------------------------------------------------------
+
+def test_accept_greedy_keeps_the_longest_agreeing_prefix():
+    v = 8
+    base = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 6], [3, 4, 5, 6]])  # the base's argmax after t0, d1, d2, d3
+    logits = torch.nn.functional.one_hot(base, v).float()
+    drafts = torch.tensor([[3, 4, 7], [2, 4, 5], [3, 4, 5]])
+    kept, nxt = accept_greedy(drafts, torch.tensor([3, 3, 2]), logits)
+    assert kept.tolist() == [2, 0, 2]  # row 2 drafted only two tokens: its third is not looked at
+    assert nxt.tolist() == [5, 3, 5]
+
+
+def test_accept_sampled_follows_the_target_distribution():
+    """Whatever the draft distribution q, the emitted tokens follow p: the first exactly p[0], and the second,
+    given the first, the target's distribution after it (built here as a table indexed by the first)."""
+    gen = torch.Generator().manual_seed(0)
+    n, v = 200_000, 5
+    p0 = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+    p1_table = torch.softmax(torch.randn(v, v, generator=gen) * 2, -1)  # p(second | first)
+    q0 = torch.tensor([0.1, 0.1, 0.2, 0.3, 0.3])
+    q1 = torch.full((v,), 1 / v)
+    d1 = torch.multinomial(q0, n, replacement=True, generator=gen)
+    d2 = torch.multinomial(q1, n, replacement=True, generator=gen)
+    drafts = torch.stack([d1, d2], 1)
+    q = torch.stack([q0.expand(n, v), q1.expand(n, v)], 1)
+    p = torch.stack([p0.expand(n, v), p1_table[d1], torch.full((n, v), 1 / v)], 1)
+    kept, nxt = accept_sampled(drafts, torch.full((n,), 2), q, p, gen)
+    first = torch.where(kept >= 1, d1, nxt)
+    assert torch.allclose(torch.bincount(first, minlength=v) / n, p0, atol=0.005)
+    second = torch.where(kept >= 2, d2, nxt)[kept >= 1]  # rows whose first token was the draft d1
+    for t in range(v):
+        rows = d1[kept >= 1] == t
+        emp = torch.bincount(second[rows], minlength=v) / rows.sum()
+        assert torch.allclose(emp, p1_table[t], atol=0.02), t
+    assert 0.3 < (kept >= 1).float().mean() < 0.9  # the test sees both accepted and rejected drafts
+
+
+def test_accept_sampled_without_drafts_draws_from_the_target():
+    gen = torch.Generator().manual_seed(1)
+    n, v = 50_000, 4
+    p = torch.tensor([0.7, 0.1, 0.1, 0.1]).expand(n, 1, v)
+    kept, nxt = accept_sampled(torch.zeros(n, 0, dtype=torch.long), torch.zeros(n, dtype=torch.long),
+                               torch.zeros(n, 0, v), p, gen)
+    assert kept.eq(0).all()
+    assert torch.allclose(torch.bincount(nxt, minlength=v) / n, p[0, 0], atol=0.01)
+
+
+# --- end to end on tiny models -------------------------------------------------------------------------------
+
+def test_verify_equals_the_base_greedy_output(arch):
+    model = hamburger(arch, k=4)
+    engine = Engine(model)
+    for confidence in (0.05, 0.3, 1.0):
+        together = engine.generate(PROMPTS, max_new_tokens=24, confidence=confidence, mode="verify")
+        for i, prompt in enumerate(PROMPTS):
+            assert together.tokens[i] == base_greedy(model, prompt, 24), (arch, confidence, i)
+            alone = engine.generate([prompt], max_new_tokens=24, confidence=confidence, mode="verify")
+            assert alone.tokens[0] == together.tokens[i]
+        stats = together.stats
+        assert stats.unmerged and stats.kv_entries == stats.kv_entries_base
+        if confidence == 1.0:
+            assert stats.drafted_tokens == 0  # confidence 1.0 drafts nothing: the plain base
+
+
+def test_verify_keeps_long_agreeing_drafts_with_rows_at_different_lengths(monkeypatch):
+    """An oracle drafter (right 70% of the time) makes rows accept different numbers of tokens per forward;
+    the output is still the base's, and far fewer base forwards are needed."""
+    model = hamburger("llama", k=4)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    n = 30
+    expected = [base_greedy(model, p, n) for p in prompts]
+    noise = torch.Generator().manual_seed(0)
+
+    def oracle(engine, states, t0, limit, confidence, sampling, rng, warpers, cache):
+        # The base's continuation after the tokens emitted so far (t0 included), 30% of tokens spoiled.
+        width = engine.k - 1
+        rows = [expected[b][len(gen.tokens[b]): len(gen.tokens[b]) + width] for b in range(len(prompts))]
+        n_drafts = torch.tensor([min(len(r), max(0, lim)) for r, lim in zip(rows, limit.tolist())])
+        drafts = torch.tensor([r + [0] * (width - len(r)) for r in rows])
+        wrong = torch.rand(drafts.shape, generator=noise) < 0.3
+        return torch.where(wrong, (drafts + 1) % 96, drafts), n_drafts, None
+
+    monkeypatch.setattr(verify_mod, "draft", oracle)
+    gen = Engine(model).stream(prompts, max_new_tokens=n, confidence=0.5, mode="verify")
+    for _ in gen:
+        pass
+    out = gen.output()
+    assert out.tokens == expected
+    assert max(max(s) for s in out.steps) == 4  # some forwards kept all three drafts
+    assert out.steps[0] != out.steps[1]  # the rows took different paths
+    assert out.stats.tokens_per_forward > 1.6
+    assert out.stats.row_forwards == sum(map(len, out.steps))  # each row: its prefill and one pass per later step
+    assert out.stats.micro_steps > 0 and out.stats.acceptance < 1.0
+
+
+def test_a_row_that_ends_early_does_not_outgrow_the_cache(monkeypatch):
+    """One row drafts perfectly and ends after a few forwards, the other drafts nothing and needs one forward
+    per token: the finished row must not keep taking cache slots while the other goes on."""
+    model = hamburger("llama", k=4)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    n = 40
+    expected = [base_greedy(model, p, n) for p in prompts]
+
+    def oracle(engine, states, t0, limit, confidence, sampling, rng, warpers, cache):
+        width = engine.k - 1
+        row = expected[0][len(gen.tokens[0]): len(gen.tokens[0]) + width]
+        drafts = torch.zeros(2, width, dtype=torch.long)
+        drafts[0, : len(row)] = torch.tensor(row, dtype=torch.long)
+        return drafts, torch.tensor([min(len(row), max(0, int(limit[0]))), 0]), None
+
+    monkeypatch.setattr(verify_mod, "draft", oracle)
+    gen = Engine(model).stream(prompts, max_new_tokens=n, confidence=0.5, mode="verify")
+    for _ in gen:
+        pass
+    out = gen.output()
+    assert out.tokens == expected
+    assert len(out.steps[0]) < len(out.steps[1]) - model.config.max_step_tokens
+
+
+def test_verify_respects_eos_and_the_token_budget():
+    model = hamburger("llama", k=4)
+    engine = Engine(model)
+    for n in (1, 2, 5):
+        out = engine.generate(PROMPTS, max_new_tokens=n, confidence=0.05, mode="verify")
+        for i, prompt in enumerate(PROMPTS):
+            assert out.tokens[i] == base_greedy(model, prompt, n)
+            assert sum(out.steps[i]) == len(out.tokens[i]) <= n
+
+
+def test_verify_errors_are_clear():
+    model = hamburger("llama", k=4)
+    with pytest.raises(HamburgerError, match="mode"):
+        Engine(model).stream(PROMPTS, mode="bogus")
+    with pytest.raises(HamburgerError, match="forced steps"):
+        Engine(model).stream(PROMPTS, mode="verify", forced_steps=[[2], [2], [2]])
+    with pytest.raises(HamburgerError, match="fast engine"):
+        make_engine(model, "reference").stream(PROMPTS, mode="verify")
+
+
+def exact_marginals(model, prompt, temperature):
+    """The base's exact distributions of generated tokens 1, 2 and 3 (marginals), by enumeration."""
+    v = model.base.config.vocab_size
+    with torch.no_grad():
+        def dist(seqs):
+            logits = model.base(torch.tensor(seqs)).logits[:, -1].float() / temperature
+            return torch.softmax(logits, -1)
+        p1 = dist([prompt])[0]
+        p2_given = dist([prompt + [a] for a in range(v)])  # (v, v)
+        p2 = p1 @ p2_given
+        seqs = [prompt + [a, b] for a in range(v) for b in range(v)]
+        p3_given = torch.cat([dist(seqs[i: i + 2048]) for i in range(0, len(seqs), 2048)]).view(v, v, v)
+        p3 = torch.einsum("a,ab,abc->c", p1, p2_given, p3_given)
+    return p1, p2, p3
+
+
+def tv(counts: torch.Tensor, p: torch.Tensor) -> float:
+    return 0.5 * (counts / counts.sum() - p).abs().sum().item()
+
+
+def test_verify_sampling_follows_the_base_distribution():
+    """Seeded: N sampled continuations in verify mode have the base's exact marginals for tokens 1..3 (within
+    sampling noise), while trust mode with the same drafts (kept blindly) measurably does not."""
+    torch.manual_seed(0)
+    model = hamburger("llama", k=4)
+    prompt, n, temperature = PROMPTS[2], 3000, 1.0
+    exact = exact_marginals(model, prompt, temperature)
+    sampling = SamplingParams(temperature=temperature, seed=123)
+    engine = Engine(model)
+
+    def marginals(mode):
+        out = engine.generate([prompt] * n, max_new_tokens=3, confidence=0.05, sampling=sampling, mode=mode)
+        toks = torch.tensor([t + [PAD] * (3 - len(t)) for t in out.tokens])
+        return [torch.bincount(toks[:, i], minlength=exact[0].numel()).float() for i in range(3)], out.stats
+
+    got, stats = marginals("verify")
+    trusted, _ = marginals("trust")
+    assert stats.micro_steps > 0.1 * n  # drafts were accepted: the acceptance rule is exercised
+    for i, p in enumerate(exact):
+        noise = 0.5 * sum(math.sqrt(2 * x * (1 - x) / (math.pi * n)) for x in p.tolist())  # E[TV] of N samples
+        assert tv(got[i], p) < 2.0 * noise + 0.01, (i, tv(got[i], p), noise)
+        if i > 0:
+            assert tv(trusted[i], p) > 2.0 * noise + 0.01  # the test tells a wrong sampler apart
