@@ -316,15 +316,14 @@ def step_costs(model, context: int = 256, repeats: int = 20) -> dict:
     input + LM head (full, and the shortlist if the checkpoint has one) + stop head. At t tokens per step a
     macro-step costs 1 + c (t - 1) base steps (c = micro / base), so the reachable speed-up is t / (1 + c (t - 1)).
     """
-    from hamburger.inference.engine import Engine, KVCache
+    from hamburger.inference.engine import Engine
+    from hamburger.inference.kv import KVCache
 
     engine = Engine(model)
     cfg, dev, dtype = model.base.config, engine.device, engine.dtype
-    attn = model.base.base_model.layers[0].self_attn
-    cache = KVCache(cfg.num_hidden_layers, 1, cfg.num_key_value_heads, context + 1, attn.head_dim, dtype, dev)
-    micro_attn = model.micro.layers[0].self_attn
+    cache = KVCache.for_layers(engine.base.layers, cfg, 1, context + 1, dtype, dev)
     m = model.micro.num_features
-    micro_cache = KVCache(len(model.micro.layers), 1, cfg.num_key_value_heads, m + 2, micro_attn.head_dim, dtype, dev)
+    micro_cache = KVCache.for_layers(model.micro.layers, cfg, 1, m + 2, dtype, dev)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, context + 1), generator=gen).to(dev)
     mask = torch.ones(1, 1, context + 1, context + 1, dtype=torch.bool, device=dev).tril()

@@ -12,7 +12,6 @@ one transfer of the step's tokens per macro-step (for streaming); nothing per to
 
 from __future__ import annotations
 
-import sys
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -22,6 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from hamburger.errors import HamburgerError
+from hamburger.inference.core import Limits, macro_step
+from hamburger.inference.kv import KVCache, RowSlots, layer_forward
 from hamburger.inference.reference import (
     Generation,
     GenerationOutput,
@@ -33,7 +34,7 @@ from hamburger.inference.reference import (
     timed,
 )
 from hamburger.inference.reference import stream as reference_stream
-from hamburger.inference.sampling import SamplingParams, continues, sample
+from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
 from hamburger.model.config import check_confidence, check_mode
 from hamburger.model.hamburger_model import HamburgerModel
@@ -42,35 +43,6 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 ENGINES = ("auto", "fast", "reference")
 
 
-class KVCache:
-    """Preallocated keys and values of a stack of layers: (layers, B, kv_heads, max_len, head_dim)."""
-
-    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device) -> None:
-        shape = (layers, batch, kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-
-    def update(self, layer: int, start: int | RowSlots, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write (B, h, T, hd) at slots start.. (the same for every row, or each row's own `RowSlots`) and
-        return the keys and values of slots 0..end-1."""
-        if isinstance(start, RowSlots):  # rows at different cache lengths (verify mode)
-            rows = torch.arange(k.shape[0], device=k.device)[:, None]
-            self.k[layer, rows, :, start.slots] = k.transpose(1, 2)
-            self.v[layer, rows, :, start.slots] = v.transpose(1, 2)
-            end = start.end
-        else:
-            end = start + k.shape[2]
-            self.k[layer, :, :, start:end] = k
-            self.v[layer, :, :, start:end] = v
-        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
-
-
-@dataclass
-class RowSlots:
-    """Per-row cache slots (B, T) of a multi-position pass, and `end`: one past the largest slot of any row."""
-
-    slots: torch.Tensor
-    end: int
 
 
 def check_merger(model: HamburgerModel) -> None:
@@ -90,26 +62,6 @@ def check_supported(model: HamburgerModel) -> None:
         raise HamburgerError(f"the fast engine supports {', '.join(SUPPORTED)} models, not {kind!r}: "
                              "use the reference engine (--engine reference)")
 
-
-def layer_forward(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, index: int,
-                  start: int | RowSlots, mask: torch.Tensor) -> torch.Tensor:
-    """One decoder layer of the base's own type over (B, T, d) at cache slots start..start+T-1."""
-    attn = layer.self_attn
-    b, t, _ = x.shape
-    hd = attn.head_dim
-    h = layer.input_layernorm(x)
-    q = attn.q_proj(h).view(b, t, -1, hd)
-    k = attn.k_proj(h).view(b, t, -1, hd)
-    v = attn.v_proj(h).view(b, t, -1, hd).transpose(1, 2)
-    if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's queries and keys
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-    q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *rope)
-    keys, values = cache.update(index, start, k, v)
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
-                                       enable_gqa=keys.shape[1] != q.shape[1])
-    x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 @dataclass
@@ -223,25 +175,41 @@ class Engine:
 
     # --- the loop ------------------------------------------------------------------------------------------
 
-    def run(self, gen: EngineGeneration) -> Iterator[StepEvent]:
+    def start(self, gen: EngineGeneration, extra: int = 0):
+        """Allocate the caches and prefill the prompts (left-padded, one pass). Returns the prefill's states,
+        the base's cache (prompt width + budget + `extra` slots), the micro-step decoder's cache (None at K 1),
+        the slots in use (B, max_len) (False on padding) and the prompt lengths (B,)."""
         model, k, dev = self.model, self.k, self.device
         cfg = model.base.config
         bsz = len(gen.prompts)
         lengths = torch.tensor([len(p) for p in gen.prompts], device=dev)
         width = int(lengths.max())
-        max_len = width + gen.max_new_tokens
-        if max_len > getattr(cfg, "max_position_embeddings", max_len):
+        if width + gen.max_new_tokens > getattr(cfg, "max_position_embeddings", width + gen.max_new_tokens):
             raise HamburgerError(f"prompt ({width}) + max_new_tokens ({gen.max_new_tokens}) exceed the model's "
                                  f"context of {cfg.max_position_embeddings} tokens")
-        attn = model.base.base_model.layers[0].self_attn
-        cache = KVCache(cfg.num_hidden_layers, bsz, cfg.num_key_value_heads, max_len, attn.head_dim, self.dtype, dev)
+        max_len = width + gen.max_new_tokens + extra
+        cache = KVCache.for_layers(self.base.layers, cfg, bsz, max_len, self.dtype, dev)
+        micro_cache = (KVCache.for_layers(model.micro.layers, cfg, bsz, model.micro.num_features + k, self.dtype, dev)
+                       if k > 1 else None)
         ids, prompt_mask = left_pad(gen.prompts, getattr(model.tokenizer, "pad_token_id", None) or 0, dev)
         valid = torch.ones(bsz, max_len, dtype=torch.bool, device=dev)  # slots after the prompt: all in use
         valid[:, :width] = prompt_mask.bool()
         positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
         mask = valid[:, None, None, :width] & torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None, None]
+        states = self._base(model.embed(ids), positions, cache, 0, mask)
+        gen.stats.base_forwards += 1
+        gen.stats.row_forwards += bsz
+        return states, cache, micro_cache, valid, lengths
 
-        eos = torch.tensor(sorted(gen.eos_token_ids) or [-1], device=dev)
+    def run(self, gen: EngineGeneration) -> Iterator[StepEvent]:
+        """Trust mode: one base pass per macro-step over every row, each step smashed into one slot."""
+        model, dev = self.model, self.device
+        bsz = len(gen.prompts)
+        start_t = time.perf_counter()
+        states, cache, micro_cache, valid, lengths = self.start(gen)
+        slot = int(lengths.max())
+        eos = torch.tensor(sorted(gen.eos_token_ids) or [-1], device=dev)[None]
+        limits = Limits(eos, gen.max_new_tokens, gen.confidence)
         forced = None
         if gen.forced_steps is not None:
             most = max(map(len, gen.forced_steps))
@@ -249,22 +217,17 @@ class Engine:
             for b, f in enumerate(gen.forced_steps):
                 forced[b, : len(f)] = torch.tensor(f, dtype=torch.long)
         warpers, rng = gen.sampling.warpers(), gen.sampling.generator(dev)
-        micro_cache = None
-        if k > 1:
-            m_attn = model.micro.layers[0].self_attn
-            micro_cache = KVCache(len(model.micro.layers), bsz, cfg.num_key_value_heads,
-                                  model.micro.num_features + k, m_attn.head_dim, self.dtype, dev)
+
+        def pick(h: torch.Tensor, active: torch.Tensor, micro: bool) -> torch.Tensor:
+            if micro and self.vocab is not None:  # the micro-step shortlist head
+                return self.vocab[sample(F.linear(h, self.short_head), gen.sampling, rng, warpers)]
+            return sample(model.lm_head(h), gen.sampling, rng, warpers)
+
         gen_len = torch.zeros(bsz, dtype=torch.long, device=dev)
         done = torch.zeros(bsz, dtype=torch.bool, device=dev)
-
-        start_t = time.perf_counter()
-        states = self._base(model.embed(ids), positions, cache, 0, mask)
-        gen.stats.base_forwards += 1
-        gen.stats.row_forwards += bsz
-        slot = width
         for step in range(gen.max_new_tokens):
-            step_tok, step_len, ended = self._macro_step(gen, states, done, gen_len, eos, forced, step, warpers, rng,
-                                                         micro_cache)
+            forced_len = None if forced is None else forced[:, min(step, forced.shape[1] - 1)]
+            step_tok, step_len, ended = macro_step(self, states, ~done, gen_len, limits, pick, micro_cache, forced_len)
             if step == 0:
                 gen.stats.prefill_s = time.perf_counter() - start_t
             done |= ended
@@ -288,57 +251,6 @@ class Engine:
             gen.stats.base_forwards += 1
             gen.stats.row_forwards += dn.count(False)
             slot += 1
-
-    def _macro_step(self, gen, states, done, gen_len, eos, forced, step, warpers, rng, micro_cache):
-        """Token 0 from the base's head, then micro-steps while any live sequence's step goes on.
-
-        Returns the step's tokens (B, K), their number (B,) (0 for finished rows) and which rows ended.
-        """
-        model, k = self.model, self.k
-        bsz = done.shape[0]
-        h0, feats = states[0], states[1:]
-        tok = sample(model.lm_head(h0), gen.sampling, rng, warpers)
-        live = ~done
-        step_tok = torch.zeros(bsz, k, dtype=torch.long, device=tok.device)
-        step_tok[:, 0] = tok
-        step_len = live.long()
-        gen_len += step_len
-        ended = live & (torch.isin(tok, eos) | (gen_len >= gen.max_new_tokens))
-        go_on = live & ~ended
-        if k == 1:
-            return step_tok, step_len, ended
-        go_on &= self._wants_more(model.stop_head(h0), step_len, forced, step, gen.confidence)
-        for i in range(1, k):
-            if not bool(go_on.any()):  # the one host sync per micro-step: does any step go on?
-                break
-            x = model.embed(tok)[:, None]
-            if i == 1:  # the micro-step decoder's cache restarts each macro-step with the base's features
-                normed = [norm(f) for f, norm in zip(feats, model.micro.feature_norms)]
-                x = torch.cat([torch.stack(normed, 1), x], 1)
-            h = self._micro(x, micro_cache, 0 if i == 1 else model.micro.num_features + i - 1)
-            tok = self._micro_token(h, gen.sampling, rng, warpers)
-            step_tok[:, i] = torch.where(go_on, tok, step_tok[:, i])
-            step_len += go_on.long()
-            gen_len += go_on.long()
-            now_ends = go_on & (torch.isin(tok, eos) | (gen_len >= gen.max_new_tokens))
-            ended |= now_ends
-            go_on = go_on & ~now_ends & (step_len < k)
-            go_on &= self._wants_more(model.stop_head(h), step_len, forced, step, gen.confidence)
-        return step_tok, step_len, ended
-
-    def _micro_token(self, h: torch.Tensor, sampling: SamplingParams, rng, warpers) -> torch.Tensor:
-        if self.vocab is None:
-            return sample(self.model.lm_head(h), sampling, rng, warpers)
-        return self.vocab[sample(F.linear(h, self.short_head), sampling, rng, warpers)]
-
-    @staticmethod
-    def _wants_more(stop_logits, step_len, forced, step: int, confidence: float) -> torch.Tensor:
-        """The stop head's verdict, or the forced step length where one is given for this step."""
-        says = continues(stop_logits, confidence)
-        if forced is None:
-            return says
-        want = forced[:, min(step, forced.shape[1] - 1)]
-        return torch.where(want > 0, step_len < want, says)
 
     def stream(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256, confidence: float | None = None,

@@ -28,9 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from hamburger.errors import HamburgerError
-from hamburger.inference.engine import Engine, KVCache
+from hamburger.inference.core import Limits, macro_step
+from hamburger.inference.engine import Engine
+from hamburger.inference.kv import CacheView, KVCache, SlotWrites
 from hamburger.inference.reference import eos_ids
-from hamburger.inference.sampling import SamplingParams, continues, sample
+from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
 from hamburger.model.config import check_confidence
 from hamburger.model.hamburger_model import HamburgerModel
@@ -39,26 +41,6 @@ from hamburger.model.hamburger_model import HamburgerModel
 # (benchmarks/scheduler_prefill.py): 256-1024 -> 1.5x faster than one by one; 4096 pads 62 % and is slower.
 PREFILL_TOKENS = 512
 
-
-class CacheView(KVCache):
-    """The first `rows` rows of a `KVCache` as a cache of their own (views: writes land in the parent)."""
-
-    def __init__(self, parent: KVCache, rows: slice) -> None:
-        self.k, self.v = parent.k[:, rows], parent.v[:, rows]
-
-
-class SlotWrites(CacheView):
-    """Rows 0..n-1 of a cache where each row writes its one new entry at its own slot."""
-
-    def __init__(self, parent: KVCache, slots: torch.Tensor) -> None:
-        super().__init__(parent, slice(0, len(slots)))
-        self.slots, self.rows = slots, torch.arange(len(slots), device=slots.device)
-        self.width = int(slots.max()) + 1
-
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.k[layer][self.rows, :, self.slots] = k[:, :, 0]
-        self.v[layer][self.rows, :, self.slots] = v[:, :, 0]
-        return self.k[layer, :, :, : self.width], self.v[layer, :, :, : self.width]
 
 
 @dataclass
@@ -108,13 +90,9 @@ class Scheduler:
             raise HamburgerError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.prefill_tokens = prefill_tokens
         rows, dev, dtype = max_batch_size, engine.device, engine.dtype
-        head_dim = model.base.base_model.layers[0].self_attn.head_dim
-        self.cache = KVCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, self.max_len, head_dim, dtype, dev)
-        self.micro_cache = None
-        if self.k > 1:
-            micro = model.micro
-            self.micro_cache = KVCache(len(micro.layers), rows, cfg.num_key_value_heads, micro.num_features + self.k,
-                                       micro.layers[0].self_attn.head_dim, dtype, dev)
+        self.cache = KVCache.for_layers(engine.base.layers, cfg, rows, self.max_len, dtype, dev)
+        self.micro_cache = (KVCache.for_layers(model.micro.layers, cfg, rows, model.micro.num_features + self.k,
+                                               dtype, dev) if self.k > 1 else None)
         n_states = 1 + (model.micro.num_features if self.k > 1 else 0)
         self.states = torch.zeros(rows, n_states, cfg.hidden_size, dtype=dtype, device=dev)
         zeros = lambda dt=torch.long: torch.zeros(rows, dtype=dt, device=dev)  # noqa: E731
@@ -310,38 +288,13 @@ class Scheduler:
                     tok[i] = sample(logits[i : i + 1], req.sampling, req.rng, req.warpers)[0]
         return self.engine.vocab[tok] if shortlist else tok
 
-    def _ends(self, tok: torch.Tensor, n: int) -> torch.Tensor:
-        return (tok[:, None] == self.eos[:n]).any(-1) | (self.gen_len[:n] >= self.max_new[:n])
-
     def _macro_step(self) -> list[RequestEvent]:
-        """Token 0 from the base's head, then micro-steps while any live row's step goes on."""
-        model, k, n = self.model, self.k, self._span()
-        live, h0 = self.live[:n], self.states[:n, 0]
-        tok = self._pick(h0, live, micro=False)
-        step_tok = torch.zeros(n, k, dtype=torch.long, device=tok.device)
-        step_tok[:, 0] = tok
-        step_len = live.long()
-        self.gen_len[:n] += step_len
-        ended = live & self._ends(tok, n)
-        go_on = live & ~ended
-        if k > 1:
-            go_on &= continues(model.stop_head(h0), self.confidence[:n])
-        micro_cache = CacheView(self.micro_cache, slice(0, n)) if k > 1 else None
-        for i in range(1, k):
-            if not bool(go_on.any()):  # the one host sync per micro-step
-                break
-            x = model.embed(tok)[:, None]
-            if i == 1:  # the micro-decoder's cache restarts each macro-step with the base's features
-                feats = [norm(self.states[:n, j + 1]) for j, norm in enumerate(model.micro.feature_norms)]
-                x = torch.cat([torch.stack(feats, 1), x], 1)
-            h = self.engine._micro(x, micro_cache, 0 if i == 1 else model.micro.num_features + i - 1)
-            tok = self._pick(h, go_on, micro=True)
-            step_tok[:, i] = torch.where(go_on, tok, step_tok[:, i])
-            step_len += go_on.long()
-            self.gen_len[:n] += go_on.long()
-            now_ends = go_on & self._ends(tok, n)
-            ended |= now_ends
-            go_on = go_on & ~now_ends & (step_len < k) & continues(model.stop_head(h), self.confidence[:n])
+        """`core.macro_step` over the running rows, each with its own limits and sampler."""
+        n = self._span()
+        limits = Limits(self.eos[:n], self.max_new[:n], self.confidence[:n])
+        micro_cache = CacheView(self.micro_cache, slice(0, n)) if self.k > 1 else None
+        step_tok, step_len, ended = macro_step(self.engine, list(self.states[:n].unbind(1)), self.live[:n],
+                                               self.gen_len[:n], limits, self._pick, micro_cache)
         self.step_tok[:n], self.step_len[:n] = step_tok, step_len
         return self._report(step_tok.tolist(), step_len.tolist(), ended.tolist())  # the one transfer per step
 

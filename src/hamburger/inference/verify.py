@@ -23,8 +23,9 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from hamburger.inference.engine import KVCache, RowSlots
-from hamburger.inference.reference import StepEvent, left_pad
+from hamburger.inference.core import MicroRun
+from hamburger.inference.kv import KVCache, RowSlots
+from hamburger.inference.reference import StepEvent
 from hamburger.inference.sampling import SamplingParams, continues
 
 if TYPE_CHECKING:
@@ -77,15 +78,11 @@ def draft(engine: Engine, states: list[torch.Tensor], t0: torch.Tensor, limit: t
     go_on = (limit > 0) & continues(model.stop_head(h0), confidence)
     toks, qs = [], []
     n = torch.zeros(bsz, dtype=torch.long, device=t0.device)
-    tok = t0
-    for i in range(1, k):
+    tok, run = t0, MicroRun(engine, feats, cache)
+    for _ in range(1, k):
         if not bool(go_on.any()):  # the one host sync per micro-step
             break
-        x = model.embed(tok)[:, None]
-        if i == 1:
-            normed = [norm(f) for f, norm in zip(feats, model.micro.feature_norms)]
-            x = torch.cat([torch.stack(normed, 1), x], 1)
-        h = engine._micro(x, cache, 0 if i == 1 else model.micro.num_features + i - 1)
+        h = run(tok)
         tok, q = draw(engine, h, sampling, rng, warpers)
         toks.append(tok)
         if q is not None:
@@ -122,31 +119,15 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
     """
 
     model, k, dev = engine.model, engine.k, engine.device
-    cfg = model.base.config
     bsz = len(gen.prompts)
-    lengths = torch.tensor([len(p) for p in gen.prompts], device=dev)
-    width = int(lengths.max())
-    max_len = width + gen.max_new_tokens + k  # drafts of the last step may be written past the budget
-    cache = KVCache(cfg.num_hidden_layers, bsz, cfg.num_key_value_heads, max_len,
-                    model.base.base_model.layers[0].self_attn.head_dim, engine.dtype, dev)
-    ids, prompt_mask = left_pad(gen.prompts, getattr(model.tokenizer, "pad_token_id", None) or 0, dev)
-    valid = torch.ones(bsz, max_len, dtype=torch.bool, device=dev)
-    valid[:, :width] = prompt_mask.bool()
-    positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
-    mask = valid[:, None, None, :width] & torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None, None]
-    micro_cache = None
-    if k > 1:
-        micro_cache = KVCache(len(model.micro.layers), bsz, cfg.num_key_value_heads, model.micro.num_features + k,
-                              model.micro.layers[0].self_attn.head_dim, engine.dtype, dev)
     eos = sorted(gen.eos_token_ids)
     warpers, rng = gen.sampling.warpers(), gen.sampling.generator(dev)
     gen.stats.unmerged = merger is None
-    merged_len = torch.zeros(bsz, max_len, dtype=torch.long, device=dev)  # tokens merged into each entry (0: none)
-
     start_t = time.perf_counter()
-    states = engine._base(model.embed(ids), positions, cache, 0, mask)
-    gen.stats.base_forwards += 1
-    gen.stats.row_forwards += bsz
+    # Drafts of the last step may be written past the budget: k slots more.
+    states, cache, micro_cache, valid, lengths = engine.start(gen, extra=k)
+    width, max_len = int(lengths.max()), valid.shape[1]
+    merged_len = torch.zeros(bsz, max_len, dtype=torch.long, device=dev)  # tokens merged into each entry (0: none)
     t0 = pick(model.lm_head(states[0])[:, None], gen.sampling, rng, warpers)[:, 0]
     gen.stats.prefill_s = time.perf_counter() - start_t
     done = [False] * bsz

@@ -1,0 +1,114 @@
+"""The macro-step: the one definition of how a HAMburger step is decoded on the fast path.
+
+`Engine` (batch generation, bench, eval, demo) and `Scheduler` (the server's continuous batching) both decode
+trust mode by `macro_step`; verify and compress modes draft with the same `MicroRun`. What differs between
+them is only where the rows' states, lengths and limits live (`Limits`) and how a token is chosen (`pick`).
+
+One macro-step over n rows: token 0 from the base's LM head at the state the base pass left, then the
+micro-step decoder, one token per micro-step, while any row's step goes on. A row's step ends at EOS, at its
+token budget, at K tokens, or where the stop head says so (P(continue) <= the row's confidence), unless a
+forced step length replaces the stop head's verdict (bench's forced-steps system).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from hamburger.inference.sampling import continues
+
+if TYPE_CHECKING:
+    from hamburger.inference.engine import Engine
+    from hamburger.inference.kv import KVCache
+
+# pick(h, active, micro) -> (n,) token ids: `h` (n, d) the states that predict them, `active` (n,) the rows
+# whose token is used (samplers draw only for those), `micro` whether h comes from the micro-step decoder.
+Pick = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
+
+
+class MicroRun:
+    """The micro-step decoder over one macro-step of n rows.
+
+    Its cache restarts every macro-step with the base's normed features [f_1..f_m]; each call feeds one token
+    (t_0 first, then each micro token) and returns the normed state (n, d) that predicts the next one.
+    """
+
+    def __init__(self, engine: Engine, feats: list[torch.Tensor], cache: KVCache) -> None:
+        self.engine, self.feats, self.cache, self.fed = engine, feats, cache, 0
+
+    def __call__(self, tok: torch.Tensor) -> torch.Tensor:
+        micro = self.engine.model.micro
+        x = self.engine.model.embed(tok)[:, None]
+        if self.fed == 0:
+            normed = [norm(f) for f, norm in zip(self.feats, micro.feature_norms)]
+            x, start = torch.cat([torch.stack(normed, 1), x], 1), 0
+        else:
+            start = micro.num_features + self.fed
+        self.fed += 1
+        return self.engine._micro(x, self.cache, start)
+
+
+@dataclass
+class Limits:
+    """Per-row rules that end a step or a sequence: EOS ids (n, E) (-1 pads; (1, E) for all rows alike), the
+    token budget (n,) or one int, and the confidence a step needs to go on, (n,) or one float."""
+
+    eos: torch.Tensor
+    max_new: torch.Tensor | int
+    confidence: torch.Tensor | float
+
+    def ends(self, tok: torch.Tensor, gen_len: torch.Tensor) -> torch.Tensor:
+        """Rows whose sequence ends with `tok` (EOS) or has reached its budget (`gen_len` counts `tok`)."""
+        return (tok[:, None] == self.eos).any(-1) | (gen_len >= self.max_new)
+
+
+def macro_step(engine: Engine, states: list[torch.Tensor], live: torch.Tensor, gen_len: torch.Tensor, limits: Limits,
+               pick: Pick, cache: KVCache | None, forced_len: torch.Tensor | None = None):
+    """One macro-step over n rows: token 0 from the base's head, then micro-steps while any live row's step goes on.
+
+    `states`: [final normed state, feature_1..feature_m] of the last base pass, each (n, d). `live` (n,): the
+    rows that decode (the others are computed but emit nothing). `gen_len` (n,): tokens generated so far, updated
+    in place. `cache`: the micro-step decoder's cache for the n rows. `forced_len` (n,): where > 0, the step
+    takes that many tokens whatever the stop head says (EOS and the budget still end it).
+
+    Returns the step's tokens (n, K), their number (n,) (0 on rows not live) and the rows that ended.
+    The one host sync per micro-step is `go_on.any()`; nothing per token.
+    """
+    model, k = engine.model, engine.k
+    h0, feats = states[0], states[1:]
+    tok = pick(h0, live, False)
+    step_tok = torch.zeros(h0.shape[0], k, dtype=torch.long, device=h0.device)
+    step_tok[:, 0] = tok
+    step_len = live.long()
+    gen_len += step_len
+    ended = live & limits.ends(tok, gen_len)
+    go_on = live & ~ended
+    if k == 1:
+        return step_tok, step_len, ended
+    go_on &= _goes_on(model.stop_head(h0), step_len, forced_len, limits.confidence)
+    run = MicroRun(engine, feats, cache)
+    for i in range(1, k):
+        if not bool(go_on.any()):  # the one host sync per micro-step: does any step go on?
+            break
+        h = run(tok)
+        tok = pick(h, go_on, True)
+        step_tok[:, i] = torch.where(go_on, tok, step_tok[:, i])
+        step_len += go_on.long()
+        gen_len += go_on.long()
+        now_ends = go_on & limits.ends(tok, gen_len)
+        ended |= now_ends
+        go_on = go_on & ~now_ends & (step_len < k)
+        go_on &= _goes_on(model.stop_head(h), step_len, forced_len, limits.confidence)
+    return step_tok, step_len, ended
+
+
+def _goes_on(stop_logits: torch.Tensor, step_len: torch.Tensor, forced_len: torch.Tensor | None,
+             confidence: torch.Tensor | float) -> torch.Tensor:
+    """The stop head's verdict, or the forced step length where one is given."""
+    says = continues(stop_logits, confidence)
+    if forced_len is None:
+        return says
+    return torch.where(forced_len > 0, step_len < forced_len, says)

@@ -1,0 +1,94 @@
+"""Preallocated KV caches and the decoder layer that reads and writes them.
+
+One cache holds a stack of layers as (layers, B, kv_heads, max_len, head_dim). A pass writes its new keys and
+values at slots `start..` (the same for every row), at each row's own slots (`RowSlots`: verify mode's rows
+accept different numbers of drafts), or one entry per row at its own slot (`SlotWrites`: the scheduler's
+rows are at different lengths). `CacheView` takes the first rows of a cache as a cache of their own.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class RowSlots:
+    """Per-row cache slots (B, T) of a multi-position pass, and `end`: one past the largest slot of any row."""
+
+    slots: torch.Tensor
+    end: int
+
+
+class KVCache:
+    """Preallocated keys and values of a stack of layers: (layers, B, kv_heads, max_len, head_dim)."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int, dtype, device) -> None:
+        shape = (layers, batch, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    @classmethod
+    def for_layers(cls, layers, config, batch: int, max_len: int, dtype, device) -> KVCache:
+        """A cache for `layers` (decoder layers of the base's type) over `batch` rows of `max_len` slots."""
+        return cls(len(layers), batch, config.num_key_value_heads, max_len, layers[0].self_attn.head_dim, dtype, device)
+
+    def update(self, layer: int, start: int | RowSlots, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write (B, h, T, hd) at slots start.. (the same for every row, or each row's own `RowSlots`) and
+        return the keys and values of slots 0..end-1."""
+        if isinstance(start, RowSlots):  # rows at different cache lengths (verify mode)
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]
+            self.k[layer, rows, :, start.slots] = k.transpose(1, 2)
+            self.v[layer, rows, :, start.slots] = v.transpose(1, 2)
+            end = start.end
+        else:
+            end = start + k.shape[2]
+            self.k[layer, :, :, start:end] = k
+            self.v[layer, :, :, start:end] = v
+        return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
+
+
+class CacheView(KVCache):
+    """The first `rows` rows of a `KVCache` as a cache of their own (views: writes land in the parent)."""
+
+    def __init__(self, parent: KVCache, rows: slice) -> None:
+        self.k, self.v = parent.k[:, rows], parent.v[:, rows]
+
+
+class SlotWrites(CacheView):
+    """Rows 0..n-1 of a cache where each row writes its one new entry at its own slot."""
+
+    def __init__(self, parent: KVCache, slots: torch.Tensor) -> None:
+        super().__init__(parent, slice(0, len(slots)))
+        self.slots, self.rows = slots, torch.arange(len(slots), device=slots.device)
+        self.width = int(slots.max()) + 1
+
+    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k[layer][self.rows, :, self.slots] = k[:, :, 0]
+        self.v[layer][self.rows, :, self.slots] = v[:, :, 0]
+        return self.k[layer, :, :, : self.width], self.v[layer, :, :, : self.width]
+
+
+def layer_forward(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, index: int,
+                  start: int | RowSlots, mask: torch.Tensor) -> torch.Tensor:
+    """One decoder layer of the base's own type over (B, T, d) at cache slots start..start+T-1."""
+    attn = layer.self_attn
+    b, t, _ = x.shape
+    hd = attn.head_dim
+    h = layer.input_layernorm(x)
+    q = attn.q_proj(h).view(b, t, -1, hd)
+    k = attn.k_proj(h).view(b, t, -1, hd)
+    v = attn.v_proj(h).view(b, t, -1, hd).transpose(1, 2)
+    if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's queries and keys
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *rope)
+    keys, values = cache.update(index, start, k, v)
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
+                                       enable_gqa=keys.shape[1] != q.shape[1])
+    x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
