@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from hamburger.evaluation.bench import bench_messages
+from hamburger.evaluation.bench_systems import bench_messages
 from hamburger.inference.scheduler import Scheduler
 from hamburger.model.base import encode_chat
 from hamburger.model.hamburger_model import load_model

@@ -16,7 +16,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 QUANTIZE_COMMANDS = ("generate", "info", "demo", "serve", "eval")
 COMMAND_MODULES: tuple[str, ...] = ("hamburger.training.distill", "hamburger.training.segment", "hamburger.training.train", "hamburger.training.drafter",
                                     "hamburger.evaluation.evaluate",
-                                    "hamburger.model.merger",
+                                    "hamburger.training.train_merger",
                                     "hamburger.evaluation.bench", "hamburger.serving.server", "hamburger.evaluation.bench_serve", "hamburger.evaluation.demo")
 
 

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hamburger.cli import main
-from hamburger.evaluation.bench import bench_messages, long_documents
+from hamburger.evaluation.bench_systems import bench_messages, long_documents
 
 
 def test_bench_runs_every_system(tmp_path, checkpoint, capsys):

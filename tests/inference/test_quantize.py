@@ -13,15 +13,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import hamburger
 from hamburger import HamburgerModel, generate
+from hamburger.inference import qlinear
 from hamburger.inference import quantize as qz
 from hamburger.inference.engine import Engine
-from hamburger.inference.quantize import (
-    Int4Linear,
-    Int8Linear,
-    QuantizedLinear,
-    quantize_cached,
-    quantize_model,
-)
+from hamburger.inference.qlinear import Int4Linear, Int8Linear, QuantizedLinear
+from hamburger.inference.quantize import quantize_cached, quantize_model
 
 
 def tiny_llama(seed: int = 0, hidden: int = 64, vocab: int = 256, dtype=torch.float32) -> LlamaForCausalLM:
@@ -289,8 +285,8 @@ def test_disk_cache_second_start_reads_it(tmp_path, monkeypatch, scheme):
     def no_quantizing(*a, **k):
         raise AssertionError("quantized again instead of reading the cache")
 
-    monkeypatch.setattr(qz, "int8_weights", no_quantizing)
-    monkeypatch.setattr(qz, "int4_weights", no_quantizing)
+    monkeypatch.setattr(qlinear, "int8_weights", no_quantizing)
+    monkeypatch.setattr(qlinear, "int4_weights", no_quantizing)
     second = tiny_llama()
     s2 = quantize_cached(second, scheme, root=tmp_path)
     assert s2["cache"] == "hit" and s2["cache_path"] == s1["cache_path"] and s2["quantized"] == 15

@@ -11,17 +11,8 @@ import torch
 from conftest import VOCAB, random_merger, tiny_base
 from hamburger.cli import main
 from hamburger.model.base import fingerprint
-from hamburger.model.merger import (
-    WEIGHTS,
-    KVMerger,
-    Layout,
-    MergerArgs,
-    MergerTrainer,
-    evaluate_merger,
-    parallel_forward,
-    random_steps,
-    stepwise_forward,
-)
+from hamburger.model.merger import WEIGHTS, KVMerger, Layout, parallel_forward, stepwise_forward
+from hamburger.training.train_merger import MergerArgs, MergerTrainer, evaluate_merger, random_steps
 
 
 def examples(n: int, seed: int = 0, max_response: int = 20) -> list[tuple[list[int], int, list[int]]]:

@@ -85,7 +85,7 @@ async def _run(url: str, bodies: list[dict], concurrency: int, api_key: str | No
 
 
 def _bodies(args: argparse.Namespace, model_name: str) -> list[dict]:
-    from hamburger.evaluation.bench import bench_messages
+    from hamburger.evaluation.bench_systems import bench_messages
 
     pool = [m for name in args.sets.split(",") for m in bench_messages(name.strip(), args.requests)]
     if not pool:

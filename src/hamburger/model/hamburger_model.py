@@ -220,7 +220,7 @@ class HamburgerModel(nn.Module):
     def attach_merger(self, merger) -> None:
         """Use a KV merger (compress mode): a `KVMerger`, or the path of a saved one, which must have been
         fitted to this model's base; None removes it."""
-        from hamburger.model.merger import KVMerger  # noqa: PLC0415 - merger imports the training code
+        from hamburger.model.merger import KVMerger  # noqa: PLC0415 - only for checkpoints with a merger
 
         if merger is None:
             self.__dict__["merger"] = None

@@ -1,0 +1,229 @@
+"""Weight-only quantized linear layers on PyTorch's packed kernels: int8 per output channel and int4 in groups
+(GGUF Q4_1's layout), with the arithmetic that makes their codes. `quantize.py` plans which layers to swap.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+_PROBE = {"cpu": torch.float32, "cuda": torch.bfloat16}  # dtype of the identity used to read int4 codes back
+
+
+# --- the quantization arithmetic (pure functions) ------------------------------------------------------------
+
+
+def int8_weights(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (int8 codes in -127..127, per-row scales in `dtype`) with w ≈ q · scale."""
+    w32 = w.detach().float()
+    amax = w32.abs().amax(1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(dtype)
+    q = (w32 / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def int4_weights(w: torch.Tensor, group_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (uint8 codes in 0..15 (N, K), scales (N, K/g), mins (N, K/g)) with w ≈ q · scale + min.
+
+    Min/max per group (Q4_1's rule): a group's smallest weight gets q = 0, its largest q = 15. The scale
+    and the kernels' zero (min + 8·scale) are rounded to `dtype` first and the codes are computed
+    against the rounded values; the returned mins are those the kernel reproduces (zero - 8·scale).
+    """
+    n, k = w.shape
+    groups = w.detach().float().reshape(n, k // group_size, group_size)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    tiny = torch.finfo(dtype).tiny  # constant groups: any scale works; a tiny one keeps zero == min
+    scale = torch.where(hi > lo, (hi - lo) / 15, torch.full_like(lo, tiny)).to(dtype).float()
+    zero = (lo + 8 * scale).to(dtype).float()
+    low = zero - 8 * scale
+    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    return q.reshape(n, k), scale.to(dtype), low.to(dtype)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes 0..15 -> (N, K/2) uint8, even columns in the low nibble (the cache's portable layout)."""
+    q = q.to(torch.uint8)
+    return q[:, ::2] | (q[:, 1::2] << 4)
+
+
+def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
+    return torch.stack([p & 15, p >> 4], -1).reshape(p.shape[0], -1)
+
+
+# --- the modules ---------------------------------------------------------------------------------------------
+
+
+def _check_device(device: torch.device) -> None:
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"weight-only quantization has packed kernels for cpu and cuda only, not {device.type!r}")
+
+
+class QuantizedLinear(nn.Module):
+    """Common part: same forward as nn.Linear (any leading dims), float bias, `.weight` as a dequantised copy."""
+
+    scheme = ""
+
+    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, group_size: int = 0) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
+        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        raise NotImplementedError
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()
+        y = self._mm(x2)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*lead, self.out_features).to(x.dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """The (out, in) float weights the kernel multiplies with, in the compute dtype."""
+        raise NotImplementedError
+
+    @property
+    def weight(self) -> torch.Tensor:  # a fresh dequantised copy: read-only use (e.g. rows of the LM head)
+        return self.dequantize()
+
+    def portable(self) -> dict[str, torch.Tensor]:
+        """Device-independent CPU tensors that `from_portable` turns back into this module bit for bit."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        group = f", group_size={self.group_size}" if self.group_size else ""
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{group}"
+
+
+class Int8Linear(QuantizedLinear):
+    """Per-channel symmetric int8 weights, `aten._weight_int8pack_mm` (CPU and CUDA)."""
+
+    scheme = "int8"
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(q.shape[1], q.shape[0], bias)
+        self.register_buffer("weight_int8", q.to(torch.int8).contiguous())
+        self.register_buffer("scales", scales.contiguous())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+        w = linear.weight
+        _check_device(w.device)
+        q, scales = int8_weights(w, w.dtype)
+        return cls(q, scales, linear.bias)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight_int8.to(self.scales.dtype) * self.scales[:, None]
+
+    def portable(self) -> dict[str, torch.Tensor]:
+        out = {"q": self.weight_int8.cpu(), "scales": self.scales.cpu()}
+        if self.bias is not None:
+            out["bias"] = self.bias.detach().cpu()
+        return out
+
+    @classmethod
+    def from_portable(cls, t: dict[str, torch.Tensor], device: torch.device, group_size: int = 0) -> Int8Linear:
+        return cls(t["q"].to(device), t["scales"].to(device), t["bias"].to(device) if "bias" in t else None)
+
+
+def _inner_k_tiles(k: int) -> int:
+    """The CUDA packing's innerKTiles: the largest of 8, 4, 2 with K a multiple of innerKTiles·16."""
+    return next(t for t in (8, 4, 2) if k % (t * 16) == 0)
+
+
+class Int4Linear(QuantizedLinear):
+    """Asymmetric group-wise 4-bit weights (Q4_1 layout), the packed int4 kernels of CPU or CUDA."""
+
+    scheme = "int4"
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
+                 bias: torch.Tensor | None = None) -> None:
+        """q: (N, K) codes 0..15 (any int dtype), scales and mins: (N, K/g) with w = q · scale + min."""
+        n, k = q.shape
+        super().__init__(k, n, bias, group_size)
+        device = q.device
+        _check_device(device)
+        self.packed_for = device.type
+        if device.type == "cuda":
+            if scales.dtype != torch.bfloat16:
+                raise ValueError(f"the CUDA int4 kernel runs in bfloat16 only, not {scales.dtype}: load the model "
+                                 "in bfloat16 or use int8")
+            q8 = q.to(torch.uint8)
+            packed = torch.ops.aten._convert_weight_to_int4pack((q8[:, ::2] << 4 | q8[:, 1::2]).contiguous(),
+                                                               _inner_k_tiles(k))
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
+        zeros = mins + 8 * scales  # in the stored dtype, as quantized against
+        self.register_buffer("weight_int4pack", packed)
+        self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1).contiguous())
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
+        w = linear.weight
+        q, scales, mins = int4_weights(w, group_size, w.dtype)
+        return cls(q, scales, mins, group_size, linear.bias)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
+
+    def _kernel(self, x: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
+        if x.device.type != self.packed_for:
+            raise ValueError(f"int4 weights packed for {self.packed_for} cannot run on {x.device.type}: quantize "
+                             "the model on the device it runs on")
+        if self.packed_for == "cuda":
+            return torch.ops.aten._weight_int4pack_mm(x, self.weight_int4pack, self.group_size, scales_and_zeros)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight_int4pack, self.group_size, scales_and_zeros)
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return self._kernel(x, self.scales_and_zeros)
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(codes (N, K) uint8, scales (N, K/g), mins (N, K/g)), read back from the packed weights.
+
+        Layout-agnostic: the kernel itself multiplies an identity with scale 1 and zero 8, so it returns
+        (q - 8) + 8 = q for every weight, exactly.
+        """
+        dtype = _PROBE[self.packed_for]
+        sz = self.scales_and_zeros
+        probe = torch.stack([torch.ones_like(sz[..., 0]), torch.full_like(sz[..., 0], 8)], -1).to(dtype)
+        eye = torch.eye(self.in_features, dtype=dtype, device=sz.device)
+        q = self._kernel(eye, probe).t().round().to(torch.uint8)
+        scales, zeros = sz[..., 0].t(), sz[..., 1].t()
+        return q, scales.contiguous(), (zeros - 8 * scales).contiguous()
+
+    def dequantize(self) -> torch.Tensor:
+        """The kernel's own weights: an identity through the kernel (exactly what any input is multiplied with)."""
+        eye = torch.eye(self.in_features, dtype=self.compute_dtype, device=self.scales_and_zeros.device)
+        return self._mm(eye).t().contiguous()
+
+    def portable(self) -> dict[str, torch.Tensor]:
+        q = self.unpack()[0]
+        out = {"q4": pack_nibbles(q).cpu(), "scales_and_zeros": self.scales_and_zeros.cpu()}
+        if self.bias is not None:
+            out["bias"] = self.bias.detach().cpu()
+        return out
+
+    @classmethod
+    def from_portable(cls, t: dict[str, torch.Tensor], device: torch.device, group_size: int = 32) -> Int4Linear:
+        sz = t["scales_and_zeros"].to(device)
+        scales, zeros = sz[..., 0].t(), sz[..., 1].t()
+        q = unpack_nibbles(t["q4"]).to(device)
+        module = cls(q, scales, zeros - 8 * scales, group_size, t["bias"].to(device) if "bias" in t else None)
+        module.scales_and_zeros.copy_(sz)  # exactly the stored (scale, zero), not re-derived through the min
+        return module
+
+
+MODULES = {"int8": Int8Linear, "int4": Int4Linear}
