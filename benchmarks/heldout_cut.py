@@ -20,7 +20,7 @@ import torch
 from hamburger.errors import HamburgerError
 from hamburger.model.hamburger_model import load_model
 from hamburger.training.data import cut_steps
-from hamburger.training.train import evaluate, read_examples, split_eval
+from hamburger.training.examples import evaluate, read_examples, split_eval
 
 SHOWN = ("token_acc@0", "token_acc@1", "token_acc@2", "token_acc@3", "kd_loss", "stop_acc", "stop_ece")
 

@@ -22,7 +22,7 @@ import torch
 
 from hamburger.model.hamburger_model import load_model
 from hamburger.training.data import SegmentedExample, collate
-from hamburger.training.train import attach_teacher, read_examples, split_eval
+from hamburger.training.examples import attach_teacher, read_examples, split_eval
 
 OBJECTIVES = {  # name: (kd_weight, state_weight, use the cached teacher)
     "CE + stop (the paper's)": (0.0, 0.0, False),

