@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import hamburger
+from conftest import base_greedy, hamburger
 from hamburger import HamburgerError, HamburgerModel, SamplingParams
 from hamburger.inference.engine import Engine
 from hamburger.inference.scheduler import Scheduler
@@ -151,3 +151,78 @@ def test_rows_are_compacted_when_a_request_leaves():
         alone = engine.generate([prompt], max_new_tokens=limit, confidence=0.3)
         assert [t for e in out[rid] for t in e.tokens] == alone.tokens[0]
         assert [len(e.tokens) for e in out[rid]] == alone.steps[0]
+
+
+class OracleScheduler(Scheduler):
+    """Verify rows draft the base's own continuation, 30 % of drafts spoiled (seeded): rows keep different
+    numbers of drafts per pass, and a wrong draft must never reach the output."""
+
+    def __init__(self, model, expected: dict[tuple[int, ...], list[int]], **kw) -> None:
+        super().__init__(model, **kw)
+        self.expected, self.depth, self.noise = expected, 0, torch.Generator().manual_seed(0)
+
+    def _pick(self, h, active, micro):
+        tok = super()._pick(h, active, micro)
+        self.depth = self.depth + 1 if micro else 0
+        if micro:
+            for i, req in enumerate(self.rows[: len(h)]):
+                if req is not None and req.mode == "verify":
+                    want = self.expected[tuple(req.prompt)]
+                    j = len(req.tokens) + len(self.pending[i]) + self.depth  # emitted so far, then token 0
+                    if j < len(want):
+                        spoiled = bool(torch.rand(1, generator=self.noise) < 0.3)
+                        tok[i] = (want[j] + 1) % 96 if spoiled else want[j]
+        return tok
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_verify_requests_equal_the_base_beside_trust_requests(arch, rows):
+    """Verify and trust requests share the batch (one pass: smashed slots and drafts at per-row slots). Each
+    verify request gets exactly the base's greedy output, with drafts kept; each trust request its output alone."""
+    model = hamburger(arch, k=4)
+    torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
+    expected = {tuple(p): base_greedy(model, p, n) for p, n in zip(PROMPTS, LIMITS)}
+    sched = OracleScheduler(model, expected, max_batch_size=rows, max_len=64)
+    engine, ids, out, step = Engine(model), {}, {}, 0
+    modes = ["verify", "trust", "verify", "verify", "trust", "verify"]
+    while len(ids) < len(PROMPTS) or sched.has_work():
+        for j, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
+            if j == step:  # one arrives per step
+                ids[sched.submit(prompt, limit, confidence=0.01 if modes[j] == "verify" else 0.3, mode=modes[j])] = j
+        for ev in sched.step():
+            out.setdefault(ids[ev.id], []).append(ev)
+        step += 1
+        assert step < 500
+    for j, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
+        events = out[j]
+        tokens = [t for e in events for t in e.tokens]
+        assert events[-1].finished and events[-1].finish_reason in ("stop", "length")
+        if modes[j] == "trust":
+            assert tokens == engine.generate([prompt], max_new_tokens=limit, confidence=0.3).tokens[0]
+        else:
+            assert tokens == expected[tuple(prompt)]
+            stats = events[-1].stats
+            assert stats.row_forwards == len(events)  # the prefill, then one pass per later event
+            assert stats.generated_tokens == len(tokens) and stats.kv_entries == len(prompt) + len(tokens)
+    verify_stats = [out[j][-1].stats for j in range(len(PROMPTS)) if modes[j] == "verify"]
+    assert max(len(e.tokens) for j in range(len(PROMPTS)) if modes[j] == "verify" for e in out[j]) >= 3
+    assert 0 < sum(s.micro_steps for s in verify_stats) < sum(s.drafted_tokens for s in verify_stats)
+    assert sched.running == 0 and sched.kv_entries() == 0
+
+
+def test_verify_requests_with_the_models_own_drafts_equal_the_base(arch):
+    model = hamburger(arch, k=4)
+    sched = Scheduler(model, max_batch_size=3, max_len=64)
+    jobs = [(j, p, n) for j, (p, n) in enumerate(zip(PROMPTS, LIMITS))]
+    out = run_staggered(sched, jobs, confidence=0.05, mode="verify")
+    for j, (_, prompt, limit) in enumerate(jobs):
+        assert [t for e in out[j] for t in e.tokens] == base_greedy(model, prompt, limit)
+    assert sum(out[j][-1].stats.drafted_tokens for j in out) > 0
+
+
+def test_verify_in_the_scheduler_is_greedy_only():
+    sched = Scheduler(hamburger("llama", k=4), max_batch_size=2, max_len=64)
+    with pytest.raises(HamburgerError, match="greedy only"):
+        sched.submit([5, 6], 4, sampling=SamplingParams(temperature=0.7), mode="verify")
+    with pytest.raises(HamburgerError, match="mode must be one of"):
+        sched.submit([5, 6], 4, mode="compress")

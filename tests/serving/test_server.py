@@ -96,11 +96,11 @@ def messages(i: int) -> list[dict]:
     return [{"role": "user", "content": " ".join(f"w{rnd.randrange(90)}" for _ in range(rnd.randrange(1, 8)))}]
 
 
-def alone(model, engine: Engine, msgs: list[dict], max_tokens: int) -> tuple[str, int]:
+def alone(model, engine: Engine, msgs: list[dict], max_tokens: int, confidence: float = CONFIDENCE) -> tuple[str, int]:
     """The reply to one request served alone by the fast engine: (text, tokens)."""
     from hamburger.model.base import encode_chat
 
-    out = engine.generate([encode_chat(model.tokenizer, msgs)], max_new_tokens=max_tokens, confidence=CONFIDENCE)
+    out = engine.generate([encode_chat(model.tokenizer, msgs)], max_new_tokens=max_tokens, confidence=confidence)
     return model.tokenizer.decode(out.tokens[0], skip_special_tokens=True), len(out.tokens[0])
 
 
@@ -118,6 +118,22 @@ def test_openai_client_plain_and_streaming(server, model):
     assert len([c for c in chunks if c.choices]) == chunks[-1].usage.model_extra["macro_steps"]  # a chunk per step
     text = client.completions.create(model="tiny", prompt="w3 w4 w5", max_tokens=5, extra_body={"confidence": 1.0})
     assert text.usage.completion_tokens <= 5 and text.usage.model_extra["tokens_per_step"] == 1.0
+
+
+def test_verify_mode_answers_with_the_base_output(server, model):
+    """mode=verify (a HAMburger field, through the OpenAI client's extra_body): the base's greedy reply, token for
+    token, beside trust-mode requests; its usage counts the forwards it took."""
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    engine = Engine(model)
+    for i in (1, 2, 3):
+        base_text, n = alone(model, engine, messages(i), 16, confidence=1.0)
+        reply = client.chat.completions.create(model="tiny", messages=messages(i), max_tokens=16,
+                                               extra_body={"mode": "verify"})
+        assert reply.choices[0].message.content == base_text and reply.usage.completion_tokens == n
+    stream = client.chat.completions.create(model="tiny", messages=messages(4), max_tokens=16, stream=True,
+                                            extra_body={"mode": "verify", "confidence": 0.05})
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == alone(
+        model, engine, messages(4), 16, confidence=1.0)[0]
 
 
 def test_stop_strings_end_the_reply(server, model):
@@ -200,6 +216,11 @@ BAD = [  # (description, body or raw bytes, status, param)
      "messages.1.content"),
     ("image content part", {"model": "tiny", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages.0.content"),
+    ("mode compress", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "mode": "compress"}, 400,
+     "mode"),
+    ("unknown mode", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "mode": "fast"}, 400, "mode"),
+    ("verify sampled", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "mode": "verify",
+                        "temperature": 0.7}, 400, "temperature"),
     ("tool calls in a message", {"model": "tiny", "messages": [
         {"role": "assistant", "content": "w1", "tool_calls": [{"id": "c", "type": "function",
                                                                "function": {"name": "f", "arguments": "{}"}}]},
@@ -227,7 +248,7 @@ UNSUPPORTED = [  # (endpoint, field, a value that asks for something this server
     ("chat", "top_k", 5), ("chat", "repetition_penalty", 1.3), ("chat", "modalities", ["text", "audio"]),
     ("completions", "logprobs", 0), ("completions", "logprobs", 3), ("completions", "logprobs", True),
     ("completions", "echo", True), ("completions", "best_of", 2), ("completions", "suffix", "w9"),
-    ("completions", "presence_penalty", 1), ("chat", "mode", "verify"), ("completions", "mode", "verify"),
+    ("completions", "presence_penalty", 1),
 ]
 
 

@@ -1,4 +1,5 @@
-"""The cost model of a macro-step: wall time of one base step and of one micro-step, the speed-up they allow at t tokens per step, and a profile of where a macro-step's time goes."""
+"""The cost model of a macro-step: wall time of one base step and of one micro-step, the speed-up they allow at t
+tokens per step, and a profile of where a macro-step's time goes."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""What `hamburger bench` runs: its prompt sets, the systems it compares (each a function of prompts that returns tokens and `GenerationStats`), and how one call is measured (peak memory, time to first token)."""
+"""What `hamburger bench` runs: its prompt sets, the systems it compares (each a function of prompts that returns
+tokens and `GenerationStats`), and how one call is measured (peak memory, time to first token)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The evaluation tasks: HumanEval, GSM and chat items, and how a reply is scored (the code run against the tests, the number parsed), plus the fidelity measures to the base (base NLL, token agreement)."""
+"""The evaluation tasks: HumanEval, GSM and chat items, and how a reply is scored (the code run against the tests, the
+number parsed), plus the fidelity measures to the base (base NLL, token agreement)."""
 
 from __future__ import annotations
 

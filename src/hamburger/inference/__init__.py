@@ -1,1 +1,2 @@
-"""Decoding: the one macro-step core, the fast engine, continuous batching, verify and compress modes, the transformers reference path, sampling, quantization, llama.cpp."""
+"""Decoding: the one macro-step core, the fast engine, continuous batching, verify and compress modes, the
+transformers reference path, sampling, quantization, llama.cpp."""

@@ -30,18 +30,18 @@ import torch.nn.functional as F
 from hamburger.errors import HamburgerError
 from hamburger.inference.core import Limits, macro_step
 from hamburger.inference.engine import Engine
-from hamburger.inference.kv import CacheView, KVCache, SlotWrites
+from hamburger.inference.kv import CacheView, KVCache, RowSlots, SlotWrites
 from hamburger.inference.reference import eos_ids
 from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
+from hamburger.inference.verify import accept_greedy
 from hamburger.model.config import check_confidence
 from hamburger.model.hamburger_model import HamburgerModel
 
 # Padded prompt tokens per prefill pass. Measured on 2 CPU cores, 32 chat prompts at once
 # (benchmarks/scheduler_prefill.py): 256-1024 -> 1.5x faster than one by one; 4096 pads 62 % and is slower.
 PREFILL_TOKENS = 512
-
-
+MODES = ("trust", "verify")  # compress mode runs in generate, eval and bench, not in the scheduler
 
 @dataclass
 class RequestEvent:
@@ -62,6 +62,7 @@ class Request:
     confidence: float
     sampling: SamplingParams
     eos: set[int]
+    mode: str = "trust"
     row: int = -1
     tokens: list[int] = field(default_factory=list)
     steps: list[int] = field(default_factory=list)
@@ -90,7 +91,8 @@ class Scheduler:
             raise HamburgerError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.prefill_tokens = prefill_tokens
         rows, dev, dtype = max_batch_size, engine.device, engine.dtype
-        self.cache = KVCache.for_layers(engine.base.layers, cfg, rows, self.max_len, dtype, dev)
+        # k spare slots: a verify pass writes a row's drafts past its entries in use, up to K-1 of them
+        self.cache = KVCache.for_layers(engine.base.layers, cfg, rows, self.max_len + self.k, dtype, dev)
         self.micro_cache = (KVCache.for_layers(model.micro.layers, cfg, rows, model.micro.num_features + self.k,
                                                dtype, dev) if self.k > 1 else None)
         n_states = 1 + (model.micro.num_features if self.k > 1 else 0)
@@ -98,7 +100,10 @@ class Scheduler:
         zeros = lambda dt=torch.long: torch.zeros(rows, dtype=dt, device=dev)  # noqa: E731
         self.cache_len, self.gen_len, self.prompt_len, self.max_new = zeros(), zeros(), zeros(), zeros()
         self.confidence = zeros(torch.float32)
-        self.live = zeros(torch.bool)
+        self.live, self.verify = zeros(torch.bool), zeros(torch.bool)
+        self.n_drafts = zeros()  # verify rows: drafts step_tok[1 : 1 + n] wait for the next base pass to check them
+        self.pending: list[list[int]] = [[] for _ in range(rows)]  # drafts a verify pass kept, reported this step
+        self.ended_early = [False] * rows  # a kept draft ended the request (EOS) before this step's macro-step
         self.step_tok = torch.zeros(rows, self.k, dtype=torch.long, device=dev)
         self.step_len = zeros()
         self.eos = torch.full((rows, 1), -1, dtype=torch.long, device=dev)
@@ -112,8 +117,12 @@ class Scheduler:
     # --- the thread-safe side ----------------------------------------------------------------------------
 
     def submit(self, prompt_ids: list[int], max_new_tokens: int, confidence: float | None = None,
-               sampling: SamplingParams | None = None, eos_token_ids: set[int] | None = None) -> int:
-        """Queue a request; returns its id. Raises HamburgerError when it cannot fit in a row."""
+               sampling: SamplingParams | None = None, eos_token_ids: set[int] | None = None,
+               mode: str = "trust") -> int:
+        """Queue a request; returns its id. Raises HamburgerError when it cannot fit in a row.
+
+        `mode` "verify": the micro-step decoder's tokens are drafts that the next base pass checks; only those
+        the base would choose itself are kept, so the output is exactly the base's (greedy only here)."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise HamburgerError("the prompt must have at least one token")
@@ -122,9 +131,17 @@ class Scheduler:
         if len(prompt) + max_new_tokens > self.max_len:
             raise HamburgerError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
                                  f"context of {self.max_len} tokens")
-        conf = check_confidence(self.model.config.default_confidence if confidence is None else confidence)
+        if mode not in MODES:
+            raise HamburgerError(f"mode must be one of {', '.join(MODES)} in the server, got {mode!r}")
+        sampling = sampling or SamplingParams()
+        if mode == "verify" and not sampling.greedy:
+            raise HamburgerError("verify mode in the server is greedy only (temperature 0): speculative-sampling "
+                                 "acceptance runs in `hamburger generate --mode verify`, not in the scheduler yet")
+        cfg = self.model.config
+        default = cfg.default_confidence if mode == "trust" else cfg.verify_confidence
+        conf = check_confidence(default if confidence is None else confidence)
         eos = self.default_eos if eos_token_ids is None else set(eos_token_ids)
-        req = Request(next(self._ids), prompt, int(max_new_tokens), conf, sampling or SamplingParams(), eos)
+        req = Request(next(self._ids), prompt, int(max_new_tokens), conf, sampling, eos, mode)
         with self._lock:
             self._waiting.append(req)
         return req.id
@@ -191,7 +208,7 @@ class Scheduler:
             for cache in (self.cache.k, self.cache.v):
                 cache[:, free, :, :used] = cache[:, src, :, :used]
             for tensor in (self.states, self.step_tok, self.step_len, self.cache_len, self.gen_len, self.prompt_len,
-                           self.max_new, self.confidence, self.live, self.eos):
+                           self.max_new, self.confidence, self.live, self.verify, self.n_drafts, self.eos):
                 tensor[free] = tensor[src]
             self.rows[free], self.rows[src], req.row = req, None, free
             self.live[src] = False
@@ -201,23 +218,68 @@ class Scheduler:
         return max((i + 1 for i, r in enumerate(self.rows) if r is not None), default=0)
 
     def _feed_steps(self) -> None:
-        """One base slot per running row for the tokens of its last step (free rows write a dummy at slot 0)."""
+        """The base pass over the running rows' last steps: one smashed slot per trust row; a verify row's
+        token 0 and its drafts as separate positions, of which the base keeps the ones it agrees with."""
         n = self._span()
         if n == 0:
             return
-        live = self.live[:n]
-        step_len = self.step_len[:n].clamp(min=1)
-        embeds = self.model.smash(self.step_tok[:n], step_len)[:, None]
-        positions = (self.prompt_len[:n] + self.gen_len[:n] - 1).clamp(min=0)[:, None]
-        slots = torch.where(live, self.cache_len[:n], 0)
-        mask = (torch.arange(int(slots.max()) + 1, device=slots.device)[None] <= slots[:, None])[:, None, None]
-        states = self.engine._base(embeds, positions, SlotWrites(self.cache, slots), 0, mask, (step_len > 1)[:, None])
-        self.states[:n] = torch.stack(states, 1)
-        self.cache_len[:n] += live.long()
+        if any(r is not None and r.mode == "verify" for r in self.rows[:n]):
+            self._feed_verify(n)
+        else:
+            live = self.live[:n]
+            step_len = self.step_len[:n].clamp(min=1)
+            embeds = self.model.smash(self.step_tok[:n], step_len)[:, None]
+            positions = (self.prompt_len[:n] + self.gen_len[:n] - 1).clamp(min=0)[:, None]
+            slots = torch.where(live, self.cache_len[:n], 0)
+            mask = (torch.arange(int(slots.max()) + 1, device=slots.device)[None] <= slots[:, None])[:, None, None]
+            states = self.engine._base(embeds, positions, SlotWrites(self.cache, slots), 0, mask,
+                                       (step_len > 1)[:, None])
+            self.states[:n] = torch.stack(states, 1)
+            self.cache_len[:n] += live.long()
         for req in self.rows[:n]:
             if req is not None:
                 req.stats.base_forwards += 1
                 req.stats.row_forwards += 1
+
+    def _feed_verify(self, n: int) -> None:
+        """A pass of 1 + most drafts positions per row, each row at its own slots (`RowSlots`). Trust rows use
+        position 0 (their smashed step); a verify row feeds [t0, d1..dn] and keeps the longest prefix of drafts
+        that the base's argmax agrees with (`accept_greedy`): those are reported with this step, the next
+        token is the base's own (this step's macro-step picks it greedily from the state after them), and the
+        entries of rejected drafts lie past the row's cache length, where the next pass overwrites them."""
+        dev, live, verify = self.states.device, self.live[:n], self.verify[:n] & self.live[:n]
+        width = 1 + int(self.n_drafts[:n].max())
+        offsets = torch.arange(width, device=dev)
+        step_len = self.step_len[:n]
+        embeds = self.model.embed(self.step_tok[:n, :width])
+        smashed = self.model.smash(self.step_tok[:n], step_len.clamp(min=1))
+        embeds[:, 0] = torch.where(verify[:, None], embeds[:, 0], smashed)
+        positions = (self.prompt_len[:n] + self.gen_len[:n] - 1).clamp(min=0)[:, None] + offsets
+        slots = torch.where(live, self.cache_len[:n], 0)[:, None] + offsets
+        end = int(slots.max()) + 1
+        mask = (torch.arange(end, device=dev)[None, None] <= slots[:, :, None])[:, None]  # (n, 1, width, end)
+        merged = torch.zeros(n, width, dtype=torch.bool, device=dev)
+        merged[:, 0] = ~verify & (step_len > 1)
+        states = self.engine._base(embeds, positions, CacheView(self.cache, slice(0, n)), RowSlots(slots, end), mask,
+                                   merged, last=False)
+        at = torch.zeros(n, dtype=torch.long, device=dev)
+        rows = verify.nonzero().squeeze(1)
+        logits = self.model.lm_head(states[0][rows])  # (rows, width, V): the base's choice after t0, d1, ..
+        at[rows] = accept_greedy(self.step_tok[rows, 1:width], self.n_drafts[rows], logits)[0]
+        self.states[:n] = torch.stack([s[torch.arange(n, device=dev), at] for s in states], 1)
+        self.cache_len[:n] += live.long() * (1 + at)
+        kept, tokens, rows_l = at.tolist(), self.step_tok[:n].tolist(), rows.tolist()
+        added = [0] * n
+        for i in rows_l:
+            req = self.rows[i]
+            new = tokens[i][1 : 1 + kept[i]]
+            new = new[: next((j + 1 for j, t in enumerate(new) if t in req.eos), len(new))]  # cut after EOS
+            self.pending[i], added[i] = new, len(new)
+            if new and new[-1] in req.eos:
+                self.ended_early[i] = True
+        self.gen_len[:n] += torch.tensor(added, device=dev)
+        self.live[:n] &= ~torch.tensor(self.ended_early[:n], device=dev)
+        self.n_drafts[:n] = 0
 
     def _admit(self) -> None:
         """Fill the free rows from the queue (FIFO). The admitted prompts are prefilled shortest first in groups
@@ -259,10 +321,11 @@ class Scheduler:
             self.rows[row] = req
             for tensor, value in ((self.cache_len, p), (self.prompt_len, p), (self.gen_len, 0),
                                   (self.max_new, req.max_new_tokens), (self.confidence, req.confidence),
-                                  (self.live, True)):
+                                  (self.live, True), (self.verify, req.mode == "verify"), (self.n_drafts, 0)):
                 tensor[row] = value
             self._set_eos(row, req.eos)
-            req.stats = GenerationStats(sequences=1, prompt_tokens=p, base_forwards=1, row_forwards=1)
+            req.stats = GenerationStats(sequences=1, prompt_tokens=p, base_forwards=1, row_forwards=1,
+                                        unmerged=req.mode == "verify")
             req.rng, req.warpers = req.sampling.generator(dev), req.sampling.warpers()
 
     def _set_eos(self, row: int, ids: set[int]) -> None:
@@ -289,32 +352,47 @@ class Scheduler:
         return self.engine.vocab[tok] if shortlist else tok
 
     def _macro_step(self) -> list[RequestEvent]:
-        """`core.macro_step` over the running rows, each with its own limits and sampler."""
+        """`core.macro_step` over the running rows, each with its own limits and sampler. A verify row emits
+        token 0 now; its micro tokens are drafts for the next pass (room is left for the base's token after
+        them), so they do not count as generated and do not end the request."""
         n = self._span()
-        limits = Limits(self.eos[:n], self.max_new[:n], self.confidence[:n])
+        live, verify = self.live[:n].clone(), self.verify[:n]
+        limits = Limits(self.eos[:n], self.max_new[:n] - verify.long(), self.confidence[:n])
         micro_cache = CacheView(self.micro_cache, slice(0, n)) if self.k > 1 else None
-        step_tok, step_len, ended = macro_step(self.engine, list(self.states[:n].unbind(1)), self.live[:n],
+        step_tok, step_len, ended = macro_step(self.engine, list(self.states[:n].unbind(1)), live,
                                                self.gen_len[:n], limits, self._pick, micro_cache)
+        drafts = torch.zeros_like(step_len)
+        if any(r is not None and r.mode == "verify" for r in self.rows[:n]):
+            v = verify & live
+            drafts = torch.where(v, step_len - 1, 0)
+            self.gen_len[:n] -= drafts
+            t0_ends = (step_tok[:, :1] == self.eos[:n]).any(-1) | (self.gen_len[:n] >= self.max_new[:n])
+            ended = torch.where(v, t0_ends, ended)
+            step_len = torch.where(v, 1, step_len)
+            self.n_drafts[:n] = drafts
         self.step_tok[:n], self.step_len[:n] = step_tok, step_len
-        return self._report(step_tok.tolist(), step_len.tolist(), ended.tolist())  # the one transfer per step
+        return self._report(step_tok.tolist(), step_len.tolist(), ended.tolist(), drafts.tolist())  # one transfer
 
-    def _report(self, rows: list[list[int]], lens: list[int], ended: list[bool]) -> list[RequestEvent]:
+    def _report(self, rows: list[list[int]], lens: list[int], ended: list[bool], drafts: list[int]) -> list[RequestEvent]:
         now, events = time.perf_counter(), []
         for i, req in enumerate(self.rows[: len(rows)]):
             if req is None:
                 continue
-            new = rows[i][: lens[i]]
+            new = self.pending[i] + rows[i][: lens[i]]  # a verify row: the drafts its pass kept, then token 0
+            done = ended[i] or self.ended_early[i]
+            self.pending[i], self.ended_early[i] = [], False
             req.tokens += new
             req.steps.append(len(new))
             s = req.stats
             s.generated_tokens, s.macro_steps = len(req.tokens), len(req.steps)
             s.micro_steps = s.generated_tokens - s.macro_steps
+            s.drafted_tokens += drafts[i]
             if s.macro_steps == 1:
                 s.prefill_s = now - req.started
             s.decode_s = now - req.started - s.prefill_s
             reason = None
-            if ended[i]:
+            if done:
                 reason = "stop" if new[-1] in req.eos else "length"
                 self._free(req)
-            events.append(RequestEvent(req.id, new, ended[i], reason, s))
+            events.append(RequestEvent(req.id, new, done, reason, s))
         return events

@@ -1,4 +1,6 @@
-"""What the training forward returns (`HamburgerOutput`) and the one definition of the held-out metrics: token accuracy at each in-step index, stop accuracy and calibration (ECE), the dense losses; summed over batches, then divided once (`metrics_from_counts`)."""
+"""What the training forward returns (`HamburgerOutput`) and the one definition of the held-out metrics: token
+accuracy at each in-step index, stop accuracy and calibration (ECE), the dense losses; summed over batches, then
+divided once (`metrics_from_counts`)."""
 
 from __future__ import annotations
 

@@ -40,8 +40,6 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "response_format": (None, {"type": "text"}), "tools": (None, []), "functions": (None, []),
     "tool_choice": (None, "none", "auto"), "function_call": (None, "none", "auto"), "tool_calls": (None, []),
     "audio": (None,), "modalities": (None, ["text"]), "web_search_options": (None,),
-    # Verify and compress modes run in `generate`, `demo`, `eval` and `bench`; the scheduler decodes in trust mode.
-    "mode": (None, "trust"),
 }
 
 
@@ -75,6 +73,9 @@ class _Sampling(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     confidence: float | None = None  # HAMburger's extra: P(continue) a step needs to take another token
+    # HAMburger's extra: "trust" (steps smashed, drafts kept) or "verify" (drafts checked: the base's exact greedy
+    # output); compress mode is refused with a 400 (it runs in `hamburger generate`, not in the server)
+    mode: Literal["trust", "verify", "compress"] | None = None
 
     def check(self) -> None:
         """Nothing asked for that would be silently ignored (the schema cannot say it)."""

@@ -1,4 +1,5 @@
-"""The model side of the server: `Service` owns the model thread that steps the scheduler, and hands each request's events to its asyncio consumer through a `Handle` (cancel on disconnect included)."""
+"""The model side of the server: `Service` owns the model thread that steps the scheduler, and hands each request's
+events to its asyncio consumer through a `Handle` (cancel on disconnect included)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,7 @@ class Service:
         self.max_queue, self.api_key = max_queue, api_key
         self.default_confidence = check_confidence(
             model.config.default_confidence if default_confidence is None else default_confidence)
+        self.verify_confidence = model.config.verify_confidence  # drafts in verify mode
         self.queues: dict[int, asyncio.Queue] = {}
         self.wake, self._stop = threading.Event(), threading.Event()
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -131,8 +133,16 @@ class Service:
         if body.model not in self.names:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server has {self.names}", "model",
                            "model_not_found")
+        mode = body.mode or "trust"
+        if mode == "compress":
+            raise ApiError(400, "mode=compress is not served: the server decodes in trust or verify mode "
+                           "(compress runs in `hamburger generate --mode compress`)", "mode")
+        if mode == "verify" and body.temperature:
+            raise ApiError(400, "mode=verify is greedy only in the server: send temperature 0 (or leave it out)",
+                           "temperature")
+        default = self.default_confidence if mode == "trust" else self.verify_confidence
         try:
-            confidence = check_confidence(self.default_confidence if body.confidence is None else body.confidence)
+            confidence = check_confidence(default if body.confidence is None else body.confidence)
         except HamburgerError as exc:
             raise ApiError(400, str(exc), "confidence") from None
         limit = check_limits(len(prompt), body.limit(), self.scheduler.max_len, param)
@@ -141,7 +151,7 @@ class Service:
                            kind="rate_limit_error", code="queue_full")
         sampling = SamplingParams(body.temperature or 0.0, 1.0 if body.top_p is None else body.top_p, 0, body.seed)
         arrival = time.perf_counter()
-        rid = self.scheduler.submit(prompt, limit, confidence, sampling)
+        rid = self.scheduler.submit(prompt, limit, confidence, sampling, mode=mode)
         self.queues[rid] = queue = asyncio.Queue()
         self.wake.set()
         return Handle(self, rid, queue, arrival)

@@ -1,1 +1,2 @@
-"""Data and training: prompt sources, distillation, entropy segmentation, the teacher cache, training loops and export."""
+"""Data and training: prompt sources, distillation, entropy segmentation, the teacher cache, training loops and
+export."""

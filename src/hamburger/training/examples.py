@@ -1,4 +1,5 @@
-"""Segmented training data as the trainers read it: examples from JSONL (with the teacher cache when present), the held-out split, length-bucketed epoch batches, and set-wide held-out metrics."""
+"""Segmented training data as the trainers read it: examples from JSONL (with the teacher cache when present), the
+held-out split, length-bucketed epoch batches, and set-wide held-out metrics."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`hamburger export`: a trained run's new modules (and the micro-step shortlist) as a checkpoint that loads the base from its reference."""
+"""`hamburger export`: a trained run's new modules (and the micro-step shortlist) as a checkpoint that loads the base
+from its reference."""
 
 from __future__ import annotations
 
