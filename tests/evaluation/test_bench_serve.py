@@ -30,3 +30,15 @@ def test_bench_serve_base_and_hamburger(checkpoint, tiny_model_dir, tmp_path, ca
 def test_bench_serve_bad_arguments(capsys):
     assert main(["bench-serve", "--concurrency", "1,x"]) == 2
     assert "--concurrency" in capsys.readouterr().err
+
+
+def test_bench_serve_both_modes(checkpoint, tmp_path, capsys):
+    out = tmp_path / "serve.json"
+    code = main(["bench-serve", "--models", str(checkpoint), "--modes", "trust,verify", "--requests", "3",
+                 "--concurrency", "2", "--max-tokens", "4", "--max-len", "256", "--sets", "chat", "--json", str(out)])
+    assert code == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["mode"], r["model"].endswith(f"[{r['mode']}]")) for r in rows] == [("trust", True), ("verify", True)]
+    assert all(r["completion_tokens"] >= 3 for r in rows)
+    assert main(["bench-serve", "--modes", "compress"]) == 2
+    assert "--modes" in capsys.readouterr().err

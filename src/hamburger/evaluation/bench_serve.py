@@ -84,22 +84,27 @@ async def _run(url: str, bodies: list[dict], concurrency: int, api_key: str | No
     return row
 
 
-def _bodies(args: argparse.Namespace, model_name: str) -> list[dict]:
+def _bodies(args: argparse.Namespace, model_name: str, mode: str) -> list[dict]:
     from hamburger.evaluation.bench_systems import bench_messages
 
     pool = [m for name in args.sets.split(",") for m in bench_messages(name.strip(), args.requests)]
     if not pool:
         raise HamburgerError("no prompts: check --sets")
     extra = {"confidence": args.confidence} if args.confidence is not None else {}
+    if mode != "trust":
+        extra["mode"] = mode
     return [{"model": model_name, "messages": pool[i % len(pool)], "max_tokens": args.max_tokens, "stream": True,
              "stream_options": {"include_usage": True}, "temperature": 0, **extra} for i in range(args.requests)]
 
 
 def _bench_model(args: argparse.Namespace, name: str, levels: list[int]) -> list[dict]:
-    bodies = _bodies(args, "default" if args.url is None else name)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    label = lambda mode: name if modes == ["trust"] else f"{name} [{mode}]"  # noqa: E731
+    bodies = {m: _bodies(args, "default" if args.url is None else name, m) for m in modes}
     log = lambda s: print(f"bench-serve: {s}", file=sys.stderr, flush=True)  # noqa: E731
     if args.url is not None:
-        return [dict(model=name, **asyncio.run(_run(args.url, bodies, c, args.api_key))) for c in levels]
+        return [dict(model=label(m), mode=m, **asyncio.run(_run(args.url, bodies[m], c, args.api_key)))
+                for m in modes for c in levels]
     from hamburger.cli import load_from_args
     from hamburger.serving.server import BackgroundServer, Service
 
@@ -108,9 +113,11 @@ def _bench_model(args: argparse.Namespace, name: str, levels: list[int]) -> list
     rows = []
     with BackgroundServer(service) as server:
         log(f"{name} ({'HAMburger' if trained else 'base, one token per step'}) on {server.url}")
-        for c in levels:
-            rows.append(dict(model=name, hamburger=trained, **asyncio.run(_run(server.url, bodies, c, None))))
-            log(f"{name} at concurrency {c}: {rows[-1]['requests_per_s']:.2f} req/s")
+        for m in modes:
+            for c in levels:
+                rows.append(dict(model=label(m), mode=m, hamburger=trained,
+                                 **asyncio.run(_run(server.url, bodies[m], c, None))))
+                log(f"{label(m)} at concurrency {c}: {rows[-1]['requests_per_s']:.2f} req/s")
     del service, model
     gc.collect()
     return rows
@@ -142,10 +149,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if not levels or levels[0] < 1 or args.requests < 1 or args.max_tokens < 1:
         raise HamburgerError("--concurrency levels, --requests and --max-tokens must be >= 1")
     names = [m.strip() for m in (args.models or args.model).split(",") if m.strip()]
+    bad = [m for m in args.modes.split(",") if m.strip() not in ("trust", "verify")]
+    if bad or not args.modes.strip():
+        raise HamburgerError(f"--modes is a comma list of trust and verify (the server's modes), got {args.modes!r}")
     rows = [row for name in names for row in _bench_model(args, name, levels)]
     print_table(rows)
     if args.json:
-        meta = {k: getattr(args, k) for k in ("requests", "max_tokens", "sets", "dtype", "device", "confidence", "url")}
+        meta = {k: getattr(args, k) for k in ("requests", "max_tokens", "sets", "dtype", "device", "confidence", "modes", "url")}
         Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     return 0
 
@@ -162,6 +172,7 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-len", type=int, default=1024, help="KV entries per batch row of the in-process server")
     p.add_argument("--confidence", type=float, default=None, help="sent with each request (default: the server's)")
+    p.add_argument("--modes", default="trust", help="comma list of trust,verify: each model served in each mode")
     p.add_argument("--sets", default="chat,code,math", help="built-in prompt sets (hamburger.evaluation.bench)")
     p.add_argument("--json", default=None, help="write the rows here")
     p.set_defaults(func=cmd_bench_serve)
