@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
-from conftest import base_greedy, hamburger
+from conftest import PAD, base_greedy, exact_marginals, hamburger, tv
 from hamburger import HamburgerError, HamburgerModel, SamplingParams
 from hamburger.inference.engine import Engine
 from hamburger.inference.scheduler import Scheduler
@@ -220,9 +222,59 @@ def test_verify_requests_with_the_models_own_drafts_equal_the_base(arch):
     assert sum(out[j][-1].stats.drafted_tokens for j in out) > 0
 
 
-def test_verify_in_the_scheduler_is_greedy_only():
+def test_compress_is_not_a_scheduler_mode():
     sched = Scheduler(hamburger("llama", k=4), max_batch_size=2, max_len=64)
-    with pytest.raises(HamburgerError, match="greedy only"):
-        sched.submit([5, 6], 4, sampling=SamplingParams(temperature=0.7), mode="verify")
     with pytest.raises(HamburgerError, match="mode must be one of"):
         sched.submit([5, 6], 4, mode="compress")
+
+
+def test_sampled_verify_requests_follow_the_base_distribution():
+    """Seeded, each request its own seed: sampled verify requests in the scheduler have the base's exact marginals
+    for tokens 1..3 (within sampling noise), with drafts accepted; trust requests with the same model do not."""
+    model = hamburger("llama", k=4)
+    prompt, n = PROMPTS[2], 1500
+    exact = exact_marginals(model, prompt, 1.0)
+
+    def marginals(mode):
+        sched = Scheduler(model, max_batch_size=256, max_len=16)
+        ids, out = {}, {}
+        for j in range(n):
+            ids[sched.submit(prompt, 3, confidence=0.05, sampling=SamplingParams(temperature=1.0, seed=j),
+                             mode=mode)] = j
+        while sched.has_work():
+            for ev in sched.step():
+                out.setdefault(ids[ev.id], []).extend(ev.tokens)
+                if ev.finished:
+                    kept.append(ev.stats.micro_steps)
+        toks = torch.tensor([out[j] + [PAD] * (3 - len(out[j])) for j in range(n)])
+        return [torch.bincount(toks[:, i], minlength=exact[0].numel()).float() for i in range(3)]
+
+    kept: list[int] = []
+    got = marginals("verify")
+    assert sum(kept) > 0.1 * n  # drafts were accepted: the acceptance rule is exercised
+    trusted = marginals("trust")
+    for i, p in enumerate(exact):
+        noise = 0.5 * sum(math.sqrt(2 * x * (1 - x) / (math.pi * n)) for x in p.tolist())  # E[TV] of N samples
+        assert tv(got[i], p) < 2.0 * noise + 0.01, (i, tv(got[i], p), noise)
+        if i > 0:
+            assert tv(trusted[i], p) > 2.0 * noise + 0.01  # the test tells a wrong sampler apart
+
+
+def test_sampled_verify_takes_token_0_from_the_acceptance(monkeypatch):
+    """After a pass, a sampled verify row's next token is the one speculative-sampling acceptance drew (from the
+    residual where a draft was rejected), not a fresh draw from the base at that position."""
+    from hamburger.inference import scheduler as scheduler_mod
+
+    calls = []
+
+    def reject_all(drafts, n_drafts, q, p, generator):
+        calls.append(int(n_drafts[0]))
+        return torch.zeros(1, dtype=torch.long), torch.tensor([77])
+
+    monkeypatch.setattr(scheduler_mod, "accept_sampled", reject_all)
+    sched = Scheduler(hamburger("llama", k=4), max_batch_size=2, max_len=64)
+    sched.submit(PROMPTS[0], 6, confidence=0.01, sampling=SamplingParams(temperature=1.0, seed=0), mode="verify")
+    tokens = []
+    while sched.has_work():
+        tokens += [t for ev in sched.step() for t in ev.tokens]
+    assert len(tokens) == 6 and tokens[1:] == [77] * 5 and max(calls) > 0

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import PAD, base_greedy, hamburger
+from conftest import PAD, base_greedy, exact_marginals, hamburger, tv
 from hamburger import HamburgerError, SamplingParams
 from hamburger.inference import verify as verify_mod
 from hamburger.inference.engine import Engine, make_engine
@@ -155,24 +155,6 @@ def test_verify_errors_are_clear():
         make_engine(model, "reference").stream(PROMPTS, mode="verify")
 
 
-def exact_marginals(model, prompt, temperature):
-    """The base's exact distributions of generated tokens 1, 2 and 3 (marginals), by enumeration."""
-    v = model.base.config.vocab_size
-    with torch.no_grad():
-        def dist(seqs):
-            logits = model.base(torch.tensor(seqs)).logits[:, -1].float() / temperature
-            return torch.softmax(logits, -1)
-        p1 = dist([prompt])[0]
-        p2_given = dist([prompt + [a] for a in range(v)])  # (v, v)
-        p2 = p1 @ p2_given
-        seqs = [prompt + [a, b] for a in range(v) for b in range(v)]
-        p3_given = torch.cat([dist(seqs[i: i + 2048]) for i in range(0, len(seqs), 2048)]).view(v, v, v)
-        p3 = torch.einsum("a,ab,abc->c", p1, p2_given, p3_given)
-    return p1, p2, p3
-
-
-def tv(counts: torch.Tensor, p: torch.Tensor) -> float:
-    return 0.5 * (counts / counts.sum() - p).abs().sum().item()
 
 
 def test_verify_sampling_follows_the_base_distribution():

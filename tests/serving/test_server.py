@@ -219,8 +219,6 @@ BAD = [  # (description, body or raw bytes, status, param)
     ("mode compress", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "mode": "compress"}, 400,
      "mode"),
     ("unknown mode", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "mode": "fast"}, 400, "mode"),
-    ("verify sampled", {"model": "tiny", "messages": [{"role": "user", "content": "w1"}], "mode": "verify",
-                        "temperature": 0.7}, 400, "temperature"),
     ("tool calls in a message", {"model": "tiny", "messages": [
         {"role": "assistant", "content": "w1", "tool_calls": [{"id": "c", "type": "function",
                                                                "function": {"name": "f", "arguments": "{}"}}]},

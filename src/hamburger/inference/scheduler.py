@@ -34,7 +34,7 @@ from hamburger.inference.kv import CacheView, KVCache, RowSlots, SlotWrites
 from hamburger.inference.reference import eos_ids
 from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
-from hamburger.inference.verify import accept_greedy
+from hamburger.inference.verify import accept_greedy, accept_sampled
 from hamburger.model.config import check_confidence
 from hamburger.model.hamburger_model import HamburgerModel
 
@@ -104,6 +104,9 @@ class Scheduler:
         self.n_drafts = zeros()  # verify rows: drafts step_tok[1 : 1 + n] wait for the next base pass to check them
         self.pending: list[list[int]] = [[] for _ in range(rows)]  # drafts a verify pass kept, reported this step
         self.ended_early = [False] * rows  # a kept draft ended the request (EOS) before this step's macro-step
+        self.next_t0 = torch.full((rows,), -1, dtype=torch.long, device=dev)  # sampled verify: the accepted token 0
+        self.q: torch.Tensor | None = None  # sampled verify: (rows, K-1, V) the distributions drafts were drawn from
+        self._depth = 0  # micro-steps into the current macro-step (which draft a pick makes)
         self.step_tok = torch.zeros(rows, self.k, dtype=torch.long, device=dev)
         self.step_len = zeros()
         self.eos = torch.full((rows, 1), -1, dtype=torch.long, device=dev)
@@ -121,8 +124,9 @@ class Scheduler:
                mode: str = "trust") -> int:
         """Queue a request; returns its id. Raises HamburgerError when it cannot fit in a row.
 
-        `mode` "verify": the micro-step decoder's tokens are drafts that the next base pass checks; only those
-        the base would choose itself are kept, so the output is exactly the base's (greedy only here)."""
+        `mode` "verify": the micro-step decoder's tokens are drafts that the next base pass checks: greedy, only
+        those the base would choose itself are kept; sampled, speculative-sampling acceptance. Either way the
+        output follows the base's own (warped) distribution exactly."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise HamburgerError("the prompt must have at least one token")
@@ -134,9 +138,6 @@ class Scheduler:
         if mode not in MODES:
             raise HamburgerError(f"mode must be one of {', '.join(MODES)} in the server, got {mode!r}")
         sampling = sampling or SamplingParams()
-        if mode == "verify" and not sampling.greedy:
-            raise HamburgerError("verify mode in the server is greedy only (temperature 0): speculative-sampling "
-                                 "acceptance runs in `hamburger generate --mode verify`, not in the scheduler yet")
         cfg = self.model.config
         default = cfg.default_confidence if mode == "trust" else cfg.verify_confidence
         conf = check_confidence(default if confidence is None else confidence)
@@ -208,7 +209,8 @@ class Scheduler:
             for cache in (self.cache.k, self.cache.v):
                 cache[:, free, :, :used] = cache[:, src, :, :used]
             for tensor in (self.states, self.step_tok, self.step_len, self.cache_len, self.gen_len, self.prompt_len,
-                           self.max_new, self.confidence, self.live, self.verify, self.n_drafts, self.eos):
+                           self.max_new, self.confidence, self.live, self.verify, self.n_drafts, self.next_t0,
+                           self.eos, *([self.q] if self.q is not None else [])):
                 tensor[free] = tensor[src]
             self.rows[free], self.rows[src], req.row = req, None, free
             self.live[src] = False
@@ -266,6 +268,15 @@ class Scheduler:
         rows = verify.nonzero().squeeze(1)
         logits = self.model.lm_head(states[0][rows])  # (rows, width, V): the base's choice after t0, d1, ..
         at[rows] = accept_greedy(self.step_tok[rows, 1:width], self.n_drafts[rows], logits)[0]
+        for j, i in enumerate(rows.tolist()):  # sampled rows: speculative-sampling acceptance, each its own draws
+            req = self.rows[i]
+            if req.sampling.greedy:
+                continue
+            nd = self.n_drafts[i : i + 1]
+            probs = torch.softmax(req.warpers(None, logits[j].float()), -1)[None]  # (1, width, V)
+            q = self.q[i : i + 1, : width - 1] if self.q is not None else probs.new_zeros(1, width - 1, probs.shape[-1])
+            kept_i, t0 = accept_sampled(self.step_tok[i : i + 1, 1:width], nd, q, probs, req.rng)
+            at[i], self.next_t0[i] = kept_i[0], t0[0]
         self.states[:n] = torch.stack([s[torch.arange(n, device=dev), at] for s in states], 1)
         self.cache_len[:n] += live.long() * (1 + at)
         kept, tokens, rows_l = at.tolist(), self.step_tok[:n].tolist(), rows.tolist()
@@ -321,7 +332,8 @@ class Scheduler:
             self.rows[row] = req
             for tensor, value in ((self.cache_len, p), (self.prompt_len, p), (self.gen_len, 0),
                                   (self.max_new, req.max_new_tokens), (self.confidence, req.confidence),
-                                  (self.live, True), (self.verify, req.mode == "verify"), (self.n_drafts, 0)):
+                                  (self.live, True), (self.verify, req.mode == "verify"), (self.n_drafts, 0),
+                                  (self.next_t0, -1)):
                 tensor[row] = value
             self._set_eos(row, req.eos)
             req.stats = GenerationStats(sequences=1, prompt_tokens=p, base_forwards=1, row_forwards=1,
@@ -339,17 +351,35 @@ class Scheduler:
 
     def _pick(self, h: torch.Tensor, active: torch.Tensor, micro: bool) -> torch.Tensor:
         """Greedy rows by one argmax; sampled rows one by one with their own generator (only when active,
-        so a request draws the same random numbers as when it runs alone)."""
+        so a request draws the same random numbers as when it runs alone). Sampled verify rows: token 0 is the
+        one the last pass's acceptance drew, and each draft's distribution is kept for the next acceptance."""
+        self._depth = self._depth + 1 if micro else 0
         shortlist = micro and self.engine.vocab is not None
         logits = F.linear(h, self.engine.short_head) if shortlist else self.model.lm_head(h)
         tok = logits.argmax(-1)
         sampled = [(i, r) for i, r in enumerate(self.rows[: len(h)]) if r is not None and not r.sampling.greedy]
         if sampled:
-            on = active.tolist()
+            on, given = active.tolist(), self.next_t0[: len(h)].tolist()
             for i, req in sampled:
-                if on[i]:
+                if not on[i]:
+                    continue
+                if req.mode == "verify" and not micro and given[i] >= 0:
+                    tok[i] = given[i]
+                elif req.mode == "verify" and micro:
+                    probs = torch.softmax(req.warpers(None, logits[i : i + 1].float()), -1)
+                    tok[i] = torch.multinomial(probs, 1, generator=req.rng)[0, 0]
+                    self._keep_draft_distribution(i, probs[0])
+                else:
                     tok[i] = sample(logits[i : i + 1], req.sampling, req.rng, req.warpers)[0]
         return self.engine.vocab[tok] if shortlist else tok
+
+    def _keep_draft_distribution(self, row: int, probs: torch.Tensor) -> None:
+        if self.q is None:
+            vocab = self.model.base.config.vocab_size
+            self.q = torch.zeros(len(self.rows), max(self.k - 1, 1), vocab, device=probs.device)
+        full = probs if self.engine.vocab is None else torch.zeros_like(self.q[row, 0]).index_copy_(
+            0, self.engine.vocab, probs)
+        self.q[row, self._depth - 1] = full
 
     def _macro_step(self) -> list[RequestEvent]:
         """`core.macro_step` over the running rows, each with its own limits and sampler. A verify row emits

@@ -137,9 +137,6 @@ class Service:
         if mode == "compress":
             raise ApiError(400, "mode=compress is not served: the server decodes in trust or verify mode "
                            "(compress runs in `hamburger generate --mode compress`)", "mode")
-        if mode == "verify" and body.temperature:
-            raise ApiError(400, "mode=verify is greedy only in the server: send temperature 0 (or leave it out)",
-                           "temperature")
         default = self.default_confidence if mode == "trust" else self.verify_confidence
         try:
             confidence = check_confidence(default if body.confidence is None else body.confidence)
