@@ -54,18 +54,23 @@ def test_hamburger_multi_token_steps_equal_alone(arch, rows):
     assert max(max(s) for s in out.steps) > 1  # the comparison covered multi-token steps
 
 
+@pytest.mark.parametrize("interleave", [True, False])
 @pytest.mark.parametrize("prefill_tokens", [4096, 12, 1])
-def test_requests_prefilled_together_equal_alone(arch, prefill_tokens):
-    # Six prompts of 1..7 tokens arrive at once: prefilled right-padded, shortest first, in one pass (4096), in
-    # groups of at most 12 padded tokens (1+2+4 | 5+6 | 7), or one by one (1: each alone).
+def test_requests_prefilled_together_equal_alone(arch, prefill_tokens, interleave):
+    # Six prompts of 7, 2, 5, 1, 4, 6 tokens arrive at once: prefilled right-padded in one pass (4096), in
+    # passes of at most 12 padded tokens, or one by one (1: each alone). Interleaved: one pass per step, oldest
+    # first (7 | 2+5 | 1+4 | 6); otherwise all in the first step, shortest first (1+2+4 | 5+6 | 7).
     model = hamburger(arch, k=4)
     torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
-    engine, sched = Engine(model), Scheduler(model, max_batch_size=6, max_len=64, prefill_tokens=prefill_tokens)
+    engine = Engine(model)
+    sched = Scheduler(model, max_batch_size=6, max_len=64, prefill_tokens=prefill_tokens, interleave_prefill=interleave)
     calls = []
     prefill = sched._prefill
     sched._prefill = lambda reqs, rows: (calls.append(len(reqs)), prefill(reqs, rows))
     out = run_staggered(sched, [(0, p, n) for p, n in zip(PROMPTS, LIMITS)], confidence=0.3)
-    assert sum(calls) == 6 and len(calls) == {4096: 1, 12: 3, 1: 6}[prefill_tokens]
+    assert sum(calls) == 6 and len(calls) == {4096: 1, 12: 4 if interleave else 3, 1: 6}[prefill_tokens]
+    if interleave and prefill_tokens == 12:
+        assert calls == [1, 2, 2, 1]
     for j, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
         alone = engine.generate([prompt], max_new_tokens=limit, confidence=0.3)
         assert [t for e in out[j] for t in e.tokens] == alone.tokens[0]

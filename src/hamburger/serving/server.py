@@ -245,7 +245,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         check_confidence(args.default_confidence)
     model, trained = load_from_args(args)
     service = Service(model, args.model, args.max_batch_size, args.max_queue, args.max_len or DEFAULT_MAX_LEN,
-                      args.default_confidence, args.api_key, args.prefill_tokens)
+                      args.default_confidence, args.api_key, args.prefill_tokens, args.interleave_prefill)
     config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     # uvicorn re-raises the SIGTERM it handled after its graceful shutdown; a no-op handler makes that a clean exit 0.
@@ -269,6 +269,9 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
                    help="newly admitted prompts are prefilled together, shortest first, in passes of at most this many "
                         "padded tokens (1: each alone)")
+    p.add_argument("--interleave-prefill", action="store_true",
+                   help="prefill one pass of waiting prompts per step (oldest first) between macro-steps, so running "
+                        "requests never wait for a whole burst's prefill")
     p.add_argument("--default-confidence", type=float, default=None,
                    help="confidence for requests that do not send one (default: the checkpoint's)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
