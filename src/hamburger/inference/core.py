@@ -1,8 +1,8 @@
 """The macro-step: the one definition of how a HAMburger step is decoded on the fast path.
 
 `Engine` (batch generation, bench, eval, demo) and `Scheduler` (the server's continuous batching) both decode
-trust mode by `macro_step`; verify and compress modes draft with the same `MicroRun`. What differs between
-them is only where the rows' states, lengths and limits live (`Limits`) and how a token is chosen (`pick`).
+trust mode by `macro_step`, and verify and compress modes draft by it (token 0 given, the micro tokens read as
+drafts), in the engine (`verify.draft`) and in the scheduler. What differs between them is only where the rows' states, lengths and limits live (`Limits`) and how a token is chosen (`pick`).
 
 One macro-step over n rows: token 0 from the base's LM head at the state the base pass left, then the
 micro-step decoder, one token per micro-step, while any row's step goes on. A row's step ends at EOS, at its

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from hamburger.inference.core import MicroRun
+from hamburger.inference.core import Limits, macro_step
 from hamburger.inference.kv import KVCache, RowSlots
 from hamburger.inference.reference import StepEvent
-from hamburger.inference.sampling import SamplingParams, continues
+from hamburger.inference.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from hamburger.inference.engine import Engine, EngineGeneration
@@ -67,31 +67,30 @@ def accept_sampled(drafts: torch.Tensor, n_drafts: torch.Tensor, q: torch.Tensor
 
 def draft(engine: Engine, states: list[torch.Tensor], t0: torch.Tensor, limit: torch.Tensor, confidence: float,
           sampling: SamplingParams, rng, warpers, cache: KVCache):
-    """Up to min(K-1, limit) drafts per row from the micro-step decoder.
+    """Up to min(K-1, limit) drafts per row from the micro-step decoder: `core.macro_step` with token 0 given
+    (the base's own) and the micro tokens read as drafts (no EOS ends a draft; the base decides).
 
     Returns drafts (B, D), their number (B,) and, when sampling, the distributions they were drawn from
     (B, D, V) (None when greedy). D is the most any row drafted (0 when none did).
     """
-    model, k = engine.model, engine.k
-    bsz = t0.shape[0]
-    h0, feats = states[0], states[1:]
-    go_on = (limit > 0) & continues(model.stop_head(h0), confidence)
-    toks, qs = [], []
-    n = torch.zeros(bsz, dtype=torch.long, device=t0.device)
-    tok, run = t0, MicroRun(engine, feats, cache)
-    for _ in range(1, k):
-        if not bool(go_on.any()):  # the one host sync per micro-step
-            break
-        h = run(tok)
+    qs = []
+
+    def pick(h: torch.Tensor, active: torch.Tensor, micro: bool) -> torch.Tensor:
+        if not micro:
+            return t0
         tok, q = draw(engine, h, sampling, rng, warpers)
-        toks.append(tok)
         if q is not None:
             qs.append(q)
-        n += go_on.long()
-        go_on = go_on & (n < limit) & continues(model.stop_head(h), confidence)
-    if not toks:
-        return torch.zeros(bsz, 0, dtype=torch.long, device=t0.device), n, None
-    return torch.stack(toks, 1), n, torch.stack(qs, 1) if qs else None
+        return tok
+
+    bsz = t0.shape[0]
+    live = torch.ones(bsz, dtype=torch.bool, device=t0.device)
+    gen_len = torch.zeros(bsz, dtype=torch.long, device=t0.device)
+    limits = Limits(torch.full((1, 1), -1, device=t0.device), limit + 1, confidence)  # t0 + at most `limit` drafts
+    step_tok, step_len, _ = macro_step(engine, states, live, gen_len, limits, pick, cache)
+    n = step_len - 1
+    d = int(n.max()) if bsz else 0
+    return step_tok[:, 1 : 1 + d], n, torch.stack(qs, 1)[:, :d] if qs else None
 
 
 def draw(engine: Engine, h: torch.Tensor, sampling: SamplingParams, rng, warpers):
