@@ -25,7 +25,7 @@ same system in float (`same_as_float`: share of replies token for token equal; `
 tokens before the first difference).
 
 Every system is timed the same way: time to first token (prefill and the first token), then decode
-tokens/s = (generated tokens - 1 per sequence) / time after the first token (`metrics.GenerationStats`).
+tokens/s = (generated tokens - 1 per sequence) / time after the first token (`stats.GenerationStats`).
 Each figure is the median over `--runs` runs after one short warm-up per system.
 """
 

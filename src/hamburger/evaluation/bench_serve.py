@@ -6,7 +6,7 @@ streaming chat requests on the built-in held-out prompts go out at each concurre
 Per request, measured by the client: TTFT = arrival of the first streamed chunk (the first macro-step's
 tokens) since sending; TPOT = (last chunk - first chunk) / (completion tokens - 1). Per run: requests/s and
 output tokens/s over the wall time of the run, and tokens per step = completion tokens / macro-steps
-(both from the server's `usage`, `metrics.GenerationStats`).
+(both from the server's `usage`, `stats.GenerationStats`).
 """
 
 from __future__ import annotations

@@ -68,7 +68,7 @@ class Lane:
 
     @property
     def stats(self) -> GenerationStats:
-        """The figures so far, measured as everywhere else (`metrics.GenerationStats`)."""
+        """The figures so far, measured as everywhere else (`stats.GenerationStats`)."""
         first = self.first or 0.0
         return GenerationStats(sequences=1, prompt_tokens=self.prompt_tokens, generated_tokens=len(self.tokens),
                                macro_steps=self.steps, base_forwards=self.steps, row_forwards=self.steps,

@@ -66,7 +66,7 @@ def check_supported(model: HamburgerModel) -> None:
 
 @dataclass
 class EngineGeneration:
-    """An iterator over macro-steps (`StepEvent`s), then `output()`: the same contract as `generate.Generation`."""
+    """An iterator over macro-steps (`StepEvent`s), then `output()`: the same contract as `reference.Generation`."""
 
     engine: Engine
     prompts: list[list[int]]
@@ -279,7 +279,7 @@ class Engine:
 
 
 class ReferenceEngine:
-    """The transformers reference path (`generate.stream`) behind the engine's interface: any architecture."""
+    """The transformers reference path (`reference.stream`) behind the engine's interface: any architecture."""
 
     compiled = False
 

@@ -8,11 +8,11 @@ rows are at different lengths). `CacheView` takes the first rows of a cache as a
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from hamburger.model.layers import attend, project
 
 
 @dataclass
@@ -75,20 +75,6 @@ class SlotWrites(CacheView):
 def layer_forward(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, index: int,
                   start: int | RowSlots, mask: torch.Tensor) -> torch.Tensor:
     """One decoder layer of the base's own type over (B, T, d) at cache slots start..start+T-1."""
-    attn = layer.self_attn
-    b, t, _ = x.shape
-    hd = attn.head_dim
-    h = layer.input_layernorm(x)
-    q = attn.q_proj(h).view(b, t, -1, hd)
-    k = attn.k_proj(h).view(b, t, -1, hd)
-    v = attn.v_proj(h).view(b, t, -1, hd).transpose(1, 2)
-    if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's queries and keys
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-    q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *rope)
+    q, k, v = project(layer, x, rope)
     keys, values = cache.update(index, start, k, v)
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
-                                       enable_gqa=keys.shape[1] != q.shape[1])
-    x = x + attn.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
-
+    return attend(layer, x, q, keys, values, mask)

@@ -17,17 +17,16 @@ KL(unmerged base || merged base) on every response position, the base frozen.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from hamburger.errors import HamburgerError
+from hamburger.model.layers import attend, project
 
 WEIGHTS = "merger.safetensors"
 
@@ -115,33 +114,6 @@ class KVMerger(nn.Module):
             merger.load_state_dict(state)
         merger.meta = meta
         return merger
-
-
-# --- the base's own layer math ----------------------------------------------------------------------------
-
-def project(layer, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Queries, rotated keys and values of (B, T, d) by the layer's own modules: each (B, heads, T, hd)."""
-    attn = layer.self_attn
-    b, t, _ = x.shape
-    hd = attn.head_dim
-    h = layer.input_layernorm(x)
-    q = attn.q_proj(h).view(b, t, -1, hd)
-    k = attn.k_proj(h).view(b, t, -1, hd)
-    v = attn.v_proj(h).view(b, t, -1, hd).transpose(1, 2)
-    if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's queries and keys
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-    q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *rope)
-    return q, k, v
-
-
-def attend(layer, x: torch.Tensor, q, keys, values, mask: torch.Tensor) -> torch.Tensor:
-    """The rest of the layer: attention under a float mask, output projection, MLP (both residual)."""
-    attn = layer.self_attn
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
-                                       enable_gqa=keys.shape[1] != q.shape[1])
-    x = x + attn.o_proj(o.transpose(1, 2).reshape(*x.shape[:2], -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 # --- the parallel (training) form -------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The server's `/metrics` in the Prometheus text format: counters, gauges read at scrape time, histograms.
 
 Written by hand (a few lines) rather than adding prometheus_client as a dependency. Per-request figures
-come from `metrics.GenerationStats`, the one definition of tokens per step.
+come from `stats.GenerationStats`, the one definition of tokens per step.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Segmented training examples and their batching into base slots and micro-step targets.
 
-The position rule lives here for training and in `generate.py` for inference, and a test pins them
+The position rule lives here for training and in `inference/reference.py` and `inference/engine.py` for inference, and a test pins them
 together: a merged slot for step j gets the position id of the last token of step j in the full sequence.
 """
 

@@ -1,0 +1,35 @@
+"""The base's own decoder-layer math, split where a KV cache comes in: `project` (norm, q/k/v projections,
+Qwen3's head norms, rotary embedding of the base's transformers module) and `attend` (attention under a
+mask, output projection, MLP). The engine's cached layer and the KV merger's forward both run on these."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+
+def project(layer, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, rotated keys and values of (B, T, d) by the layer's own modules: each (B, heads, T, hd)."""
+    attn = layer.self_attn
+    b, t, _ = x.shape
+    hd = attn.head_dim
+    h = layer.input_layernorm(x)
+    q = attn.q_proj(h).view(b, t, -1, hd)
+    k = attn.k_proj(h).view(b, t, -1, hd)
+    v = attn.v_proj(h).view(b, t, -1, hd).transpose(1, 2)
+    if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's queries and keys
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+    q, k = apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *rope)
+    return q, k, v
+
+
+def attend(layer, x: torch.Tensor, q, keys, values, mask: torch.Tensor) -> torch.Tensor:
+    """The rest of the layer: attention under a float mask, output projection, MLP (both residual)."""
+    attn = layer.self_attn
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
+                                       enable_gqa=keys.shape[1] != q.shape[1])
+    x = x + attn.o_proj(o.transpose(1, 2).reshape(*x.shape[:2], -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
