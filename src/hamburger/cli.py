@@ -48,8 +48,9 @@ def add_quantize_args(parser: argparse.ArgumentParser, many: bool = False) -> No
         else "{" + ",".join(SCHEMES) + "}"
     parser.add_argument("--quantize", default="none", metavar="SCHEME" + ("S" if many else ""),
                         help=f"{what}; weight-only quantization of the linear layers of the base, the micro-step "
-                        "decoder and the LM head (int8: per output channel; int4: groups of --group-size), applied "
-                        "after loading; the embedder, stop head and slot adapters stay float")
+                        "decoder and the LM head (fp16: float16 weights packed for FBGEMM, x86 CPUs, the fastest on a CPU; "
+                        "int8: per output channel; int4: groups of --group-size), applied after loading; the "
+                        "embedder, stop head and slot adapters stay float")
     parser.add_argument("--group-size", type=int, default=32, metavar="N",
                         help=f"int4: input weights per scale and zero, one of {', '.join(map(str, GROUP_SIZES))} "
                         "(32 = GGUF Q4_1's blocks)")
@@ -81,6 +82,14 @@ def check_quantize(scheme: str, group_size: int, device, dtype) -> None:
                              f"not {device.type}")
     import torch
 
+    if scheme == "fp16":
+        from hamburger.inference.qlinear import fp16_available
+
+        if device.type != "cpu":
+            raise HamburgerError("--quantize fp16 packs float16 weights for x86 CPUs (FBGEMM); on CUDA use "
+                                 "--dtype float16 or --dtype bfloat16 instead")
+        if (why := fp16_available()) is not None:
+            raise HamburgerError(f"--quantize fp16: {why}; use --quantize none")
     if scheme == "int4" and device.type == "cuda" and dtype != torch.bfloat16:
         raise HamburgerError(f"--quantize int4 on CUDA runs in bfloat16 only (the kernel's one dtype), not "
                              f"{str(dtype).removeprefix('torch.')}: add --dtype bfloat16, or use --quantize int8")

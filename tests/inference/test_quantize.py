@@ -16,7 +16,7 @@ from hamburger import HamburgerModel, generate
 from hamburger.inference import qlinear
 from hamburger.inference import quantize as qz
 from hamburger.inference.engine import Engine
-from hamburger.inference.qlinear import Int4Linear, Int8Linear, QuantizedLinear
+from hamburger.inference.qlinear import Fp16Linear, Int4Linear, Int8Linear, QuantizedLinear, fp16_available
 from hamburger.inference.quantize import quantize_cached, quantize_model
 
 
@@ -108,6 +108,88 @@ def test_int8_per_channel():
     x = torch.randn(3, 72)
     assert torch.allclose(layer(x), F.linear(x, layer.weight, lin.bias), atol=1e-4)
     assert torch.allclose(layer(x), lin(x), rtol=0, atol=0.02 * lin(x).abs().max().item())
+
+
+needs_fbgemm = pytest.mark.skipif(fp16_available() is not None, reason=str(fp16_available()))
+
+
+def rounded_to_fp16(model: nn.Module) -> nn.Module:
+    """A copy whose linear weights are rounded to float16 (and computed in float32): what fp16 multiplies with."""
+    model = copy.deepcopy(model)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.copy_(m.weight.half().float())
+    return model
+
+
+@needs_fbgemm
+def test_fp16_linear_rounds_weights_and_rows_are_independent():
+    torch.manual_seed(0)
+    lin = linear_from(torch.randn(96, 80) * 0.05, bias=True)
+    layer = Fp16Linear.from_linear(lin)
+    assert torch.equal(layer.dequantize(), lin.weight.half().float())  # the weights, rounded once
+    assert layer.packed_nbytes == 96 * 80 * 2 and torch.equal(layer.weight, layer.dequantize())
+    x = torch.randn(2, 7, 80)
+    ref = F.linear(x, lin.weight.half().float(), lin.bias)
+    out = layer(x)
+    assert out.shape == (2, 7, 96) and (out - ref).abs().max() < 1e-5 * ref.abs().max()
+    # Each row's output does not depend on how many rows go through (batched decoding equals unbatched).
+    rows = torch.cat([layer(x.reshape(14, 80)[i : i + 1]) for i in range(14)])
+    assert torch.equal(rows, out.reshape(14, 96))
+    # A mutation that forgets the bias fails the comparison above.
+    assert (F.linear(x, lin.weight.half().float()) - ref).abs().max() > 1e-3
+
+
+@needs_fbgemm
+def test_fp16_model_equals_its_rounded_float_copy():
+    """Whole models: fp16-packed logits equal those of the float model with float16-rounded weights up to float32
+    summation order, and the bytes of the packed layers are half of float32's (the packs are not buffers)."""
+    base = tiny_llama(hidden=128)
+    rounded = rounded_to_fp16(base)
+    summary = quantize_model(base, "fp16")
+    assert summary["quantized"] == 2 * 7 + 1 and isinstance(base.lm_head, Fp16Linear)
+    assert summary["linear_bytes_after"] * 2 == summary["linear_bytes_before"]
+    ids = torch.randint(2, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    ref, out = logits(rounded, ids), logits(base, ids)
+    assert (out - ref).abs().max() < 1e-4 * ref.abs().max()
+    assert torch.equal(out.argmax(-1), ref.argmax(-1))
+
+
+@needs_fbgemm
+def test_fp16_engine_greedy_and_shortlist():
+    """The engine on fp16 layers: greedy equals the rounded float model's, batched equals one row at a time, and
+    the micro-step shortlist head is packed too (its logits are those of the rounded head's rows)."""
+    def build() -> HamburgerModel:  # built twice: a deep copy would share the slot adapters' hooks
+        model = hamburger("llama", k=4, slot_adapter_rank=4)
+        torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2, generator=torch.Generator().manual_seed(1))
+        model.micro_vocab = torch.arange(2, 50)
+        return model
+
+    model, rounded = build(), build()
+    with torch.no_grad():
+        for name, m in rounded.named_modules():
+            if isinstance(m, nn.Linear) and not name.startswith(qz.DEFAULT_SKIP):  # what fp16 swaps
+                m.weight.copy_(m.weight.half().float())
+    quantize_model(model, "fp16")
+    engine = Engine(model)
+    assert isinstance(engine._short, Fp16Linear)
+    h = torch.randn(3, model.base.config.hidden_size)
+    assert torch.allclose(engine.short_logits(h), F.linear(h, rounded.base.lm_head.weight[2:50]), atol=1e-5)
+    prompts = [[5, 17, 33, 8, 60, 12, 9], [40, 41]]
+    for confidence in (0.3, 1.0):
+        both = engine.generate(prompts, max_new_tokens=16, confidence=confidence)
+        ref = Engine(rounded).generate(prompts, max_new_tokens=16, confidence=confidence)
+        assert both.tokens == ref.tokens and both.steps == ref.steps
+        assert (max(max(s) for s in both.steps) > 1) == (confidence < 1)  # merged steps (slot adapters) ran
+        alone = [engine.generate([p], max_new_tokens=16, confidence=confidence).tokens[0] for p in prompts]
+        assert both.tokens == alone
+
+
+def test_fp16_refused_off_cpu():
+    assert qz._why_not(nn.Linear(8, 8, device="meta"), "fp16", 32) == "no packed kernel on meta"
+    with pytest.raises(ValueError, match="x86 CPUs only"):
+        Fp16Linear(torch.zeros(8, 8, device="meta"))
 
 
 def test_int4_zero_and_constant_groups():
@@ -273,7 +355,7 @@ def test_plain_engine_greedy_int8_equals_float():
 # --- disk cache ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", pytest.param("fp16", marks=needs_fbgemm)])
 def test_disk_cache_second_start_reads_it(tmp_path, monkeypatch, scheme):
     ids = torch.tensor([[3, 4, 5, 6, 7, 8]])
     first = tiny_llama()
@@ -287,6 +369,7 @@ def test_disk_cache_second_start_reads_it(tmp_path, monkeypatch, scheme):
 
     monkeypatch.setattr(qlinear, "int8_weights", no_quantizing)
     monkeypatch.setattr(qlinear, "int4_weights", no_quantizing)
+    monkeypatch.setattr(qlinear.Fp16Linear, "from_linear", no_quantizing)
     second = tiny_llama()
     s2 = quantize_cached(second, scheme, root=tmp_path)
     assert s2["cache"] == "hit" and s2["cache_path"] == s1["cache_path"] and s2["quantized"] == 15

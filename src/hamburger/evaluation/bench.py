@@ -102,6 +102,8 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
         weights = {"hamburger": model_bytes(model), "base": model_bytes(model.base)}
         suffix = "" if scheme == "none" else f"+{scheme}"
         for name in systems:
+            if name == "llama_cpp" and scheme != "none":
+                continue  # it decodes its own GGUF: one row, whatever our scheme
             for conf in (confidences if name in HAMBURGER else [None]):
                 record: dict = {}
                 try:

@@ -60,7 +60,7 @@ def step_costs(model, context: int = 256, repeats: int = 20) -> dict:
             def run() -> None:
                 h = engine._micro(x1, micro_cache, m + 1)
                 if shortlist:
-                    torch.nn.functional.linear(h, engine.short_head).argmax(-1)
+                    engine.short_logits(h).argmax(-1)
                 else:
                     model.lm_head(h).argmax(-1)
                 model.stop_head(h)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from hamburger.errors import HamburgerError
 from hamburger.inference.core import Limits, macro_step
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
+from hamburger.inference.qlinear import Fp16Linear
 from hamburger.inference.reference import (
     Generation,
     GenerationOutput,
@@ -108,7 +109,10 @@ class Engine:
         self.vocab = model.micro_vocab if shortlist else None
         if self.vocab is not None:
             self.vocab = self.vocab.to(next(model.parameters()).device)
-            self.short_head = model.base.get_output_embeddings().weight[self.vocab].contiguous()
+            head = model.base.get_output_embeddings()
+            self.short_head = head.weight[self.vocab].contiguous()
+            # packed like the LM head when that is fp16 (the int8/int4 kernels are slower than float here)
+            self._short = Fp16Linear(self.short_head) if isinstance(head, Fp16Linear) else None
         self.base = model.base.base_model
         self.k = model.config.max_step_tokens
         p = next(model.parameters())
@@ -140,6 +144,10 @@ class Engine:
             return fn(*args)
 
         return run
+
+    def short_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of (..., d) states over the micro-step shortlist (requires one)."""
+        return self._short(h) if self._short is not None else F.linear(h, self.short_head)
 
     # --- the two networks ------------------------------------------------------------------------------
 
@@ -220,7 +228,7 @@ class Engine:
 
         def pick(h: torch.Tensor, active: torch.Tensor, micro: bool) -> torch.Tensor:
             if micro and self.vocab is not None:  # the micro-step shortlist head
-                return self.vocab[sample(F.linear(h, self.short_head), gen.sampling, rng, warpers)]
+                return self.vocab[sample(self.short_logits(h), gen.sampling, rng, warpers)]
             return sample(model.lm_head(h), gen.sampling, rng, warpers)
 
         gen_len = torch.zeros(bsz, dtype=torch.long, device=dev)

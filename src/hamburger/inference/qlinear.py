@@ -1,5 +1,6 @@
-"""Weight-only quantized linear layers on PyTorch's packed kernels: int8 per output channel and int4 in groups
-(GGUF Q4_1's layout), with the arithmetic that makes their codes. `quantize.py` plans which layers to swap.
+"""Weight-only quantized linear layers on PyTorch's packed kernels: float16 weights for FBGEMM's GEMM (CPU),
+int8 per output channel and int4 in groups (GGUF Q4_1's layout), with the arithmetic that makes their codes.
+`quantize.py` plans which layers to swap.
 """
 
 from __future__ import annotations
@@ -51,6 +52,13 @@ def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
 
 
 # --- the modules ---------------------------------------------------------------------------------------------
+
+
+def fp16_available() -> str | None:
+    """Why FBGEMM's packed float16 GEMM cannot run in this PyTorch build (None if it can)."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return "this PyTorch build has no FBGEMM (x86 CPUs only)"
+    return None
 
 
 def _check_device(device: torch.device) -> None:
@@ -111,7 +119,7 @@ class Int8Linear(QuantizedLinear):
         self.register_buffer("scales", scales.contiguous())
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear) -> Int8Linear:
+    def from_linear(cls, linear: nn.Linear, group_size: int = 0) -> Int8Linear:
         w = linear.weight
         _check_device(w.device)
         q, scales = int8_weights(w, w.dtype)
@@ -226,4 +234,49 @@ class Int4Linear(QuantizedLinear):
         return module
 
 
-MODULES = {"int8": Int8Linear, "int4": Int4Linear}
+class Fp16Linear(QuantizedLinear):
+    """Weights rounded to float16 and packed once for FBGEMM's float16 GEMM (`quantized::linear_dynamic_fp16`,
+    x86 CPUs): float32 activations, accumulation and output; half the bytes of float32 weights to read per
+    step. Each row's output is independent of how many rows go through (a test)."""
+
+    scheme = "fp16"
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__(weight.shape[1], weight.shape[0], bias)
+        if weight.device.type != "cpu" or (why := fp16_available()) is not None:
+            raise ValueError("float16 packed weights run on x86 CPUs only (FBGEMM)"
+                             + ("" if weight.device.type != "cpu" else f": {why}")
+                             + "; on CUDA load the model with --dtype float16 or bfloat16 instead")
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), None)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, group_size: int = 0) -> Fp16Linear:
+        return cls(linear.weight, linear.bias)
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.ops.quantized.linear_unpack_fp16(self.packed)[0]
+
+    @property
+    def packed_nbytes(self) -> int:
+        """Bytes of the packed weights (an opaque object, not a buffer)."""
+        return self.in_features * self.out_features * 2
+
+    def portable(self) -> dict[str, torch.Tensor]:
+        out = {"w16": self.dequantize().half()}
+        if self.bias is not None:
+            out["bias"] = self.bias.detach().cpu()
+        return out
+
+    @classmethod
+    def from_portable(cls, t: dict[str, torch.Tensor], device: torch.device, group_size: int = 0) -> Fp16Linear:
+        return cls(t["w16"].to(device).float(), t["bias"].to(device) if "bias" in t else None)
+
+
+MODULES = {"fp16": Fp16Linear, "int8": Int8Linear, "int4": Int4Linear}

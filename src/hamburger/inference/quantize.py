@@ -1,8 +1,12 @@
-"""Weight-only int8 / int4 quantization of a model's linear layers, in the style of gpt-fast's quantize.py.
+"""Weight-only fp16 / int8 / int4 quantization of a model's linear layers, in the style of gpt-fast's quantize.py.
 
 Every `nn.Linear` the plan takes (the base's projections and MLPs, the micro-step decoder's, and the LM
 head) is swapped for a module with the same forward signature that multiplies with PyTorch's packed kernels:
 
+* ``fp16``: weights rounded to float16 and packed once for FBGEMM's float16 GEMM
+  (`quantized::linear_prepack_fp16` + `quantized::linear_dynamic_fp16`, x86 CPUs), float32 activations. At
+  batch 1 a decode step reads every weight once, so halving their bytes with a kernel that streams them
+  well is the CPU's largest lever (docs/quantize.md has the figures).
 * ``int8``: per-output-channel symmetric int8, `aten._weight_int8pack_mm` (CPU and CUDA).
 * ``int4``: asymmetric group-wise 4-bit (groups of `group_size` input weights sharing a scale and a
   minimum), `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu` on CPU, and
@@ -38,9 +42,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from hamburger.inference.qlinear import MODULES, Int4Linear, Int8Linear, QuantizedLinear
+from hamburger.inference.qlinear import MODULES, QuantizedLinear, fp16_available
 
-SCHEMES = ("none", "int8", "int4")
+SCHEMES = ("none", "fp16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
 # Parts of a HamburgerModel left in float by default: small, and the stop head's decisions are thresholded.
 DEFAULT_SKIP = ("embedder", "stop_head", "slot_adapters")
@@ -79,6 +83,10 @@ def _why_not(linear: nn.Linear, scheme: str, group_size: int) -> str | None:
     device = linear.weight.device
     if device.type not in ("cpu", "cuda"):
         return f"no packed kernel on {device.type}"
+    if scheme == "fp16":
+        if device.type != "cpu":
+            return "float16 packed weights run on x86 CPUs only (on CUDA: --dtype float16 or bfloat16)"
+        return fp16_available()
     if scheme == "int4":
         if k % group_size:
             return f"in_features {k} is not a multiple of the group size {group_size}"
@@ -125,15 +133,20 @@ def _plan(model: nn.Module, scheme: str, group_size: int, head: str | None, skip
     return {"todo": todo, "skipped": skipped, "excluded": excluded, "already": already}
 
 
+def _packed_bytes(model: nn.Module) -> int:
+    """Bytes of packed weights held as opaque objects (fp16), which are neither parameters nor buffers."""
+    return sum(getattr(m, "packed_nbytes", 0) for m in model.modules())
+
+
 def model_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers, each storage counted once (tied weights once)."""
+    """Bytes of the model's parameters, buffers and packed weights, each storage counted once (tied weights once)."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         key = (t.device, t.untyped_storage().data_ptr())
         if key not in seen:
             seen.add(key)
             total += t.untyped_storage().nbytes()
-    return total
+    return total + _packed_bytes(model)
 
 
 def _linear_bytes(model: nn.Module, names) -> int:
@@ -141,6 +154,7 @@ def _linear_bytes(model: nn.Module, names) -> int:
     for name in names:
         m = model.get_submodule(name)
         total += sum(t.numel() * t.element_size() for t in list(m.parameters()) + list(m.buffers()))
+        total += _packed_bytes(m)
     return total
 
 
@@ -176,7 +190,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
                    skip: tuple[str, ...] = DEFAULT_SKIP) -> dict:
     """Swap the model's nn.Linear layers for weight-only quantized ones, in place.
 
-    scheme: "none" (nothing changes), "int8" or "int4"; group_size: int4 group (32, 64, 128 or 256; checked
+    scheme: "none" (nothing changes), "fp16", "int8" or "int4"; group_size: int4 group (32, 64, 128 or 256; checked
     for every scheme). head: the LM head's scheme if it should differ (e.g. "int8" for a head that came
     from Q8_0), None for the same. skip: module-name prefixes left in float (default: the HAMburger
     embedder, stop head and slot adapters). Layers the kernels cannot take (in_features not a multiple of
@@ -192,8 +206,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
     linear_before = _linear_bytes(model, plan["todo"])
     for name, want in plan["todo"].items():
         linear = model.get_submodule(name)
-        new = Int8Linear.from_linear(linear) if want == "int8" else Int4Linear.from_linear(linear, group_size)
-        _swap(model, name, new)
+        _swap(model, name, MODULES[want].from_linear(linear, group_size))
     return _summary(scheme, group_size, head, plan, before, model_bytes(model), linear_before,
                     _linear_bytes(model, plan["todo"]))
 
@@ -249,8 +262,10 @@ def load_quantized(model: nn.Module, path: str | Path, scheme: str, group_size: 
     for name, (want, group) in layers.items():
         linear = model.get_submodule(name)
         t = by_layer[name]
-        shape = tuple(t["q"].shape) if want == "int8" else (t["q4"].shape[0], t["q4"].shape[1] * 2)
-        dtype = (t["scales"] if want == "int8" else t["scales_and_zeros"]).dtype
+        shape = {"fp16": lambda: tuple(t["w16"].shape), "int8": lambda: tuple(t["q"].shape),
+                 "int4": lambda: (t["q4"].shape[0], t["q4"].shape[1] * 2)}[want]()
+        # fp16 stores its float16 weights for a model of any dtype; int8/int4 keep scales in the model's
+        dtype = linear.weight.dtype if want == "fp16" else (t["scales"] if want == "int8" else t["scales_and_zeros"]).dtype
         if shape != (linear.out_features, linear.in_features) or dtype != linear.weight.dtype:
             raise ValueError(f"{path}: layer {name} is stored as {shape} {dtype}, the model has "
                              f"({linear.out_features}, {linear.in_features}) {linear.weight.dtype}")

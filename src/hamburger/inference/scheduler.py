@@ -27,7 +27,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from hamburger.errors import HamburgerError
 from hamburger.inference.core import Limits, macro_step
@@ -372,7 +371,7 @@ class Scheduler:
         one the last pass's acceptance drew, and each draft's distribution is kept for the next acceptance."""
         self._depth = self._depth + 1 if micro else 0
         shortlist = micro and self.engine.vocab is not None
-        logits = F.linear(h, self.engine.short_head) if shortlist else self.model.lm_head(h)
+        logits = self.engine.short_logits(h) if shortlist else self.model.lm_head(h)
         tok = logits.argmax(-1)
         sampled = [(i, r) for i, r in enumerate(self.rows[: len(h)]) if r is not None and not r.sampling.greedy]
         if sampled:

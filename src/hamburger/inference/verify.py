@@ -21,7 +21,6 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 
 from hamburger.inference.core import Limits, macro_step
 from hamburger.inference.kv import KVCache, RowSlots
@@ -96,7 +95,7 @@ def draft(engine: Engine, states: list[torch.Tensor], t0: torch.Tensor, limit: t
 def draw(engine: Engine, h: torch.Tensor, sampling: SamplingParams, rng, warpers):
     """One draft token per row, and (sampling only) the full-vocabulary distribution it was drawn from."""
     vocab = engine.vocab
-    logits = F.linear(h, engine.short_head) if vocab is not None else engine.model.lm_head(h)
+    logits = engine.short_logits(h) if vocab is not None else engine.model.lm_head(h)
     if sampling.greedy:
         tok = logits.argmax(-1)
         return (vocab[tok] if vocab is not None else tok), None
