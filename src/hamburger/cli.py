@@ -13,7 +13,7 @@ from hamburger.model.base import DEFAULT_MODEL, encode_chat
 
 DTYPES = ("float32", "bfloat16", "float16")
 # Commands that decode with the loaded model take --quantize (bench its own comma list); training commands do not.
-QUANTIZE_COMMANDS = ("generate", "info", "demo", "serve", "eval")
+QUANTIZE_COMMANDS = ("generate", "info", "demo", "serve", "eval", "bench-serve")
 COMMAND_MODULES: tuple[str, ...] = ("hamburger.training.distill", "hamburger.training.segment", "hamburger.training.train", "hamburger.training.drafter",
                                     "hamburger.evaluation.evaluate",
                                     "hamburger.training.train_merger",

@@ -30,6 +30,19 @@ def test_bench_serve_base_and_hamburger(checkpoint, tiny_model_dir, tmp_path, ca
 def test_bench_serve_bad_arguments(capsys):
     assert main(["bench-serve", "--concurrency", "1,x"]) == 2
     assert "--concurrency" in capsys.readouterr().err
+    assert main(["bench-serve", "--url", "http://127.0.0.1:9", "--quantize", "fp16"]) == 2  # not silently ignored
+    assert "--quantize applies to the in-process server" in capsys.readouterr().err
+    assert main(["bench-serve", "--quantize", "int3"]) == 2
+    assert "--quantize must be one of" in capsys.readouterr().err
+
+
+def test_bench_serve_quantized(checkpoint, tmp_path):
+    out = tmp_path / "serve.json"
+    code = main(["bench-serve", "--models", str(checkpoint), "--quantize", "int8", "--requests", "2", "--concurrency",
+                 "1", "--max-tokens", "4", "--max-len", "256", "--sets", "chat", "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["quantize"] == "int8" and data["rows"][0]["completion_tokens"] >= 2
 
 
 def test_bench_serve_both_modes(checkpoint, tmp_path, capsys):

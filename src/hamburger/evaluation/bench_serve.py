@@ -148,6 +148,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise HamburgerError(f"--concurrency must be a comma list of integers, got {args.concurrency!r}") from None
     if not levels or levels[0] < 1 or args.requests < 1 or args.max_tokens < 1:
         raise HamburgerError("--concurrency levels, --requests and --max-tokens must be >= 1")
+    if args.url is not None and args.quantize != "none":
+        raise HamburgerError("--quantize applies to the in-process server; a server at --url was started with its own "
+                             "(hamburger serve --quantize ...)")
     names = [m.strip() for m in (args.models or args.model).split(",") if m.strip()]
     bad = [m for m in args.modes.split(",") if m.strip() not in ("trust", "verify")]
     if bad or not args.modes.strip():
@@ -155,7 +158,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     rows = [row for name in names for row in _bench_model(args, name, levels)]
     print_table(rows)
     if args.json:
-        meta = {k: getattr(args, k) for k in ("requests", "max_tokens", "sets", "dtype", "device", "confidence", "modes", "url")}
+        meta = {k: getattr(args, k) for k in ("requests", "max_tokens", "sets", "dtype", "device", "confidence", "modes", "url",
+                                      "quantize")}
         Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     return 0
 
