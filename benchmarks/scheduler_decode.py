@@ -5,7 +5,7 @@ interleaved: the engine, the scheduler with 1 request in a batch of `--rows` row
 them), and the scheduler with a single row. Time per token counts the tokens after the first (the first comes
 with the prefill), median over prompts and repeats. No HTTP: this is the scheduler's own cost.
 
-    python benchmarks/scheduler_decode.py --model default --rows 32 --max-new-tokens 64 --repeats 2
+    python benchmarks/scheduler_decode.py --model default --rows 32 --max-new-tokens 64 --repeats 2 [--quantize fp16]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from hamburger.cli import quantize_loaded
 from hamburger.evaluation.bench_systems import bench_messages
 from hamburger.inference.engine import Engine
 from hamburger.inference.scheduler import Scheduler
@@ -40,10 +41,12 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=32)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--quantize", default="none", help="none, fp16, int8 or int4 (as the CLI's --quantize)")
     args = p.parse_args()
     if min(args.prompts, args.rows, args.repeats) < 1 or args.max_new_tokens < 2:
         raise SystemExit("error: --prompts, --rows and --repeats must be >= 1, --max-new-tokens >= 2")
     model, _ = load_model(args.model)
+    quantize_loaded(model, args.quantize)
     prompts = [encode_chat(model.tokenizer, m) for m in bench_messages("chat", args.prompts)]
     engine = Engine(model)
     names = ("engine, batch 1", f"scheduler, 1 request in {args.rows} rows", "scheduler, 1 row")
@@ -55,7 +58,7 @@ def main() -> None:
             times[names[1]].append(scheduler_time_per_token(model, prompt, args.rows, args.max_new_tokens))
             times[names[2]].append(scheduler_time_per_token(model, prompt, 1, args.max_new_tokens))
     print(f"{len(prompts)} prompts x {args.repeats} repeats, {args.max_new_tokens} new tokens, "
-          f"{torch.get_num_threads()} threads, model {args.model}")
+          f"{torch.get_num_threads()} threads, model {args.model}, weights {args.quantize}")
     print("| system | ms per token (median) | vs engine |")
     print("| --- | --- | --- |")
     ref = statistics.median(times[names[0]])

@@ -79,6 +79,34 @@ def test_requests_prefilled_together_equal_alone(arch, prefill_tokens, interleav
         Scheduler(model, prefill_tokens=0)
 
 
+def test_decode_threads_switch_for_decode_passes_only(monkeypatch):
+    """decode_threads: prefill passes run on the threads torch had, decode passes on fewer; outputs unchanged."""
+    model = hamburger("llama", k=4)
+    torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
+    before = torch.get_num_threads()
+    seen: dict[str, set] = {"admit": set(), "macro": set()}
+    try:
+        sched = Scheduler(model, max_batch_size=2, max_len=64, decode_threads=1)
+        for name, key in (("_admit", "admit"), ("_macro_step", "macro")):
+            inner = getattr(sched, name)
+
+            def spy(inner=inner, key=key):
+                seen[key].add(torch.get_num_threads())
+                return inner()
+            monkeypatch.setattr(sched, name, spy)
+        jobs = [(j, p, n) for j, (p, n) in enumerate(zip(PROMPTS[:3], LIMITS[:3]))]
+        out = run_staggered(sched, jobs, confidence=0.3)
+    finally:
+        torch.set_num_threads(before)
+    assert seen == {"admit": {before}, "macro": {1}}
+    engine = Engine(model)
+    for j, (_, prompt, limit) in enumerate(jobs):
+        assert [t for e in out[j] for t in e.tokens] == engine.generate([prompt], max_new_tokens=limit,
+                                                                        confidence=0.3).tokens[0]
+    with pytest.raises(HamburgerError, match="decode_threads must be >= 1"):
+        Scheduler(model, max_batch_size=2, max_len=64, decode_threads=0)
+
+
 def test_plain_base_equals_alone(arch):
     check_equals_alone(HamburgerModel.plain(hamburger(arch).base, None), 1.0, 3)
 

@@ -18,8 +18,10 @@ import httpx
 import openai
 import psutil
 import pytest
+import torch
 
 from conftest import hamburger
+from hamburger import HamburgerError
 from hamburger.inference.engine import Engine
 from hamburger.serving.server import BackgroundServer, Service
 
@@ -434,3 +436,14 @@ def test_serve_refuses_sizes_below_one_before_loading(flag, capsys):
 
     assert main(["serve", "--model", "no/such/model", flag, "0"]) == 2
     assert f"{flag} must be positive, got 0" in capsys.readouterr().err
+
+
+def test_decode_threads_default_leaves_the_http_side_a_core():
+    from hamburger.serving.service import decode_threads
+
+    n = torch.get_num_threads()
+    assert decode_threads(None, "cpu") == max(1, n - 1)
+    assert decode_threads(0, "cpu") is None and decode_threads(3, "cpu") == 3  # 0: all threads, no switching
+    assert decode_threads(None, "cuda") is None and decode_threads(None, "meta") is None
+    with pytest.raises(HamburgerError, match="--decode-threads must be >= 0"):
+        decode_threads(-1, "cpu")

@@ -106,10 +106,12 @@ def _bench_model(args: argparse.Namespace, name: str, levels: list[int]) -> list
         return [dict(model=label(m), mode=m, **asyncio.run(_run(args.url, bodies[m], c, args.api_key)))
                 for m in modes for c in levels]
     from hamburger.cli import load_from_args
-    from hamburger.serving.server import BackgroundServer, Service
+    from hamburger.serving.server import BackgroundServer, Service, decode_threads
 
+    threads = decode_threads(args.decode_threads, args.device)
     model, trained = load_from_args(argparse.Namespace(**{**vars(args), "model": name}))
-    service = Service(model, name, max_batch_size=max(levels), max_queue=args.requests + 1, max_len=args.max_len)
+    service = Service(model, name, max_batch_size=max(levels), max_queue=args.requests + 1, max_len=args.max_len,
+                      decode_threads=threads)
     rows = []
     with BackgroundServer(service) as server:
         log(f"{name} ({'HAMburger' if trained else 'base, one token per step'}) on {server.url}")
@@ -148,9 +150,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise HamburgerError(f"--concurrency must be a comma list of integers, got {args.concurrency!r}") from None
     if not levels or levels[0] < 1 or args.requests < 1 or args.max_tokens < 1:
         raise HamburgerError("--concurrency levels, --requests and --max-tokens must be >= 1")
-    if args.url is not None and args.quantize != "none":
-        raise HamburgerError("--quantize applies to the in-process server; a server at --url was started with its own "
-                             "(hamburger serve --quantize ...)")
+    if args.url is not None and (args.quantize != "none" or args.decode_threads is not None):
+        raise HamburgerError("--quantize and --decode-threads apply to the in-process server; a server at --url was "
+                             "started with its own (hamburger serve --quantize ... --decode-threads ...)")
     names = [m.strip() for m in (args.models or args.model).split(",") if m.strip()]
     bad = [m for m in args.modes.split(",") if m.strip() not in ("trust", "verify")]
     if bad or not args.modes.strip():
@@ -159,7 +161,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     print_table(rows)
     if args.json:
         meta = {k: getattr(args, k) for k in ("requests", "max_tokens", "sets", "dtype", "device", "confidence", "modes", "url",
-                                      "quantize")}
+                                      "quantize", "decode_threads")}
         Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     return 0
 
@@ -167,6 +169,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 def register(sub, add_model_args) -> None:
     p = sub.add_parser("bench-serve", help="load benchmark of the server: req/s, tokens/s, TTFT and TPOT percentiles")
     add_model_args(p)
+    from hamburger.serving.server import add_decode_threads_arg
+
+    add_decode_threads_arg(p)  # the in-process server's
     p.add_argument("--models", default=None,
                    help="comma list of models served in turn, e.g. default,SmolLM2-135M-Instruct (default: --model)")
     p.add_argument("--url", default=None, help="benchmark a server already running there instead of starting one")

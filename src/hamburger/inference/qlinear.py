@@ -247,7 +247,8 @@ class Fp16Linear(QuantizedLinear):
             raise ValueError("float16 packed weights run on x86 CPUs only (FBGEMM)"
                              + ("" if weight.device.type != "cpu" else f": {why}")
                              + "; on CUDA load the model with --dtype float16 or bfloat16 instead")
-        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), None)
+        b = None if bias is None else bias.detach().float().contiguous()  # added inside the kernel: exact
+        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), b)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 0) -> Fp16Linear:
@@ -259,6 +260,11 @@ class Fp16Linear(QuantizedLinear):
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # any leading dims, the bias inside: no extra ops
+        if x.dtype == torch.float32:
+            return self._mm(x.contiguous())
+        return self._mm(x.float().contiguous()).to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
         return torch.ops.quantized.linear_unpack_fp16(self.packed)[0]

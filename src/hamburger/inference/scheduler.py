@@ -80,8 +80,13 @@ class Scheduler:
     tokens (a longer prompt goes alone), which bounds the pass's memory and the running requests' wait."""
 
     def __init__(self, model: HamburgerModel, max_batch_size: int = 8, max_len: int | None = None,
-                 prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = False) -> None:
+                 prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = False,
+                 decode_threads: int | None = None) -> None:
         self.engine = engine = Engine(model)  # checks the architecture; owns the shortlist head
+        if decode_threads is not None and decode_threads < 1:
+            raise HamburgerError(f"decode_threads must be >= 1 (or None: torch's setting), got {decode_threads}")
+        # Decode passes with `decode_threads` torch threads, prefill passes with the threads torch had here.
+        self.decode_threads, self.prefill_threads = decode_threads, torch.get_num_threads()
         self.model, self.k = model, engine.k
         cfg = model.base.config
         context = getattr(cfg, "max_position_embeddings", None) or 2048
@@ -175,11 +180,19 @@ class Scheduler:
         with torch.inference_mode():
             events = self._apply_cancels()
             self._compact()
+            self._threads(self.decode_threads)
             self._feed_steps()
+            self._threads(self.prefill_threads)
             self._admit()
+            self._threads(self.decode_threads)
             if self.running:
                 events += self._macro_step()
         return events
+
+    def _threads(self, n: int | None) -> None:
+        """Run the next passes on n torch threads (a few microseconds to switch); None leaves them as they are."""
+        if self.decode_threads is not None and n is not None and torch.get_num_threads() != n:
+            torch.set_num_threads(n)
 
     def _apply_cancels(self) -> list[RequestEvent]:
         with self._lock:

@@ -45,7 +45,7 @@ from hamburger.serving.openai_api import (
     parse,
     usage,
 )
-from hamburger.serving.service import Handle, Service, T
+from hamburger.serving.service import Handle, Service, T, decode_threads
 
 DEFAULT_MAX_LEN = 2048  # per row: 8 rows of SmolLM2-135M then hold 0.7 GB of float32 keys and values
 CLIENT_CLOSED = 499  # nginx's "client closed request": the status of an answer nobody is left to read
@@ -243,18 +243,27 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise HamburgerError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.default_confidence is not None:
         check_confidence(args.default_confidence)
+    threads = decode_threads(args.decode_threads, args.device)
     model, trained = load_from_args(args)
     service = Service(model, args.model, args.max_batch_size, args.max_queue, args.max_len or DEFAULT_MAX_LEN,
-                      args.default_confidence, args.api_key, args.prefill_tokens, args.interleave_prefill)
+                      args.default_confidence, args.api_key, args.prefill_tokens, args.interleave_prefill, threads)
     config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     # uvicorn re-raises the SIGTERM it handled after its graceful shutdown; a no-op handler makes that a clean exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     kind = "HAMburger checkpoint" if trained else "base model, one token per step"
     print(f"hamburger: serving {args.model} ({kind}) on http://{args.host}:{args.port}/v1 "
-          f"({args.max_batch_size} rows x {service.scheduler.max_len} tokens)", file=sys.stderr, flush=True)
+          f"({args.max_batch_size} rows x {service.scheduler.max_len} tokens"
+          + (f"; decode on {threads} of {service.scheduler.prefill_threads} threads" if threads else "") + ")",
+          file=sys.stderr, flush=True)
     uvicorn.Server(config).run()
     return 0
+
+
+def add_decode_threads_arg(p) -> None:
+    p.add_argument("--decode-threads", type=int, default=None, metavar="N",
+                   help="torch threads for decode passes (prefill passes use all); default on a CPU: one fewer than "
+                        "torch's, so the HTTP side keeps a core; 0: all")
 
 
 def register(sub, add_model_args) -> None:
@@ -272,6 +281,7 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--interleave-prefill", action="store_true",
                    help="prefill one pass of waiting prompts per step (oldest first) between macro-steps, so running "
                         "requests never wait for a whole burst's prefill")
+    add_decode_threads_arg(p)
     p.add_argument("--default-confidence", type=float, default=None,
                    help="confidence for requests that do not send one (default: the checkpoint's)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")

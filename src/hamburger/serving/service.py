@@ -11,6 +11,7 @@ import time
 import traceback
 from typing import TypeVar
 
+import torch
 from fastapi import Request
 
 from hamburger.errors import HamburgerError
@@ -59,15 +60,30 @@ class Handle:
         self.service.metrics.finished(outcome or "cancelled", self.stats, self.first, self.last)
 
 
+def decode_threads(requested: int | None, device) -> int | None:
+    """torch threads for the server's decode passes: `requested` if given (0: all of torch's, no switching);
+    by default, on a CPU, one fewer than torch's (at least 1), so the HTTP side keeps a core. Measured on 2 cores
+    (docs/server.md): one request's time per token 48 -> 29 ms, the decode being bound by reading the weights,
+    not by threads. Prefill passes keep all threads. None on other devices."""
+    if requested is not None:
+        if requested < 0:
+            raise HamburgerError(f"--decode-threads must be >= 0, got {requested}")
+        return requested or None
+    if torch.device(device).type != "cpu":
+        return None
+    return max(1, torch.get_num_threads() - 1)
+
+
 class Service:
     """The model, its scheduler and decode thread, and what the HTTP layer needs to know about them."""
 
     def __init__(self, model: HamburgerModel, name: str, max_batch_size: int = 8, max_queue: int = 64,
                  max_len: int | None = None, default_confidence: float | None = None, api_key: str | None = None,
-                 prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = False) -> None:
+                 prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = False,
+                 decode_threads: int | None = None) -> None:
         self.model, self.tokenizer = model, model.tokenizer
         self.names = list(dict.fromkeys([name, "default"]))
-        self.scheduler = Scheduler(model, max_batch_size, max_len, prefill_tokens, interleave_prefill)
+        self.scheduler = Scheduler(model, max_batch_size, max_len, prefill_tokens, interleave_prefill, decode_threads)
         self.max_queue, self.api_key = max_queue, api_key
         self.default_confidence = check_confidence(
             model.config.default_confidence if default_confidence is None else default_confidence)
