@@ -10,6 +10,7 @@ import torch
 from conftest import PAD, base_greedy, exact_marginals, hamburger, tv
 from hamburger import HamburgerError, HamburgerModel, SamplingParams
 from hamburger.inference.engine import Engine
+from hamburger.inference import scheduler as scheduler_module
 from hamburger.inference.scheduler import Scheduler
 
 PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51], [11], [64, 3, 70, 22], [30, 31, 32, 33, 34, 35]]
@@ -105,6 +106,22 @@ def test_decode_threads_switch_for_decode_passes_only(monkeypatch):
                                                                         confidence=0.3).tokens[0]
     with pytest.raises(HamburgerError, match="decode_threads must be >= 1"):
         Scheduler(model, max_batch_size=2, max_len=64, decode_threads=0)
+    # Larger decode passes run on all threads: with the bound at 1 row, steps of 2 running rows use them.
+    monkeypatch.setattr(scheduler_module, "DECODE_THREADS_ROWS", 1)
+    seen_rows: set = set()
+    try:
+        sched = Scheduler(model, max_batch_size=2, max_len=64, decode_threads=1)
+        inner = sched._macro_step
+
+        def spy_rows():
+            seen_rows.add((sched.running, torch.get_num_threads()))
+            return inner()
+        monkeypatch.setattr(sched, "_macro_step", spy_rows)
+        run_staggered(sched, [(0, PROMPTS[0], 6), (0, PROMPTS[1], 3)], confidence=0.3)
+    finally:
+        torch.set_num_threads(before)
+    assert {threads for rows, threads in seen_rows if rows == 2} == {before}
+    assert {threads for rows, threads in seen_rows if rows == 1} == {1}
 
 
 def test_plain_base_equals_alone(arch):

@@ -73,6 +73,9 @@ class Request:
     warpers: object = None
 
 
+DECODE_THREADS_ROWS = 16  # decode passes of at most this many rows run on `decode_threads`
+
+
 class Scheduler:
     """`max_batch_size` rows of `max_len` KV entries each; requests wait in FIFO order for a free row.
 
@@ -85,7 +88,8 @@ class Scheduler:
         self.engine = engine = Engine(model)  # checks the architecture; owns the shortlist head
         if decode_threads is not None and decode_threads < 1:
             raise HamburgerError(f"decode_threads must be >= 1 (or None: torch's setting), got {decode_threads}")
-        # Decode passes with `decode_threads` torch threads, prefill passes with the threads torch had here.
+        # Small decode passes with `decode_threads` torch threads; prefill and large decode passes with the threads
+        # torch had here.
         self.decode_threads, self.prefill_threads = decode_threads, torch.get_num_threads()
         self.model, self.k = model, engine.k
         cfg = model.base.config
@@ -180,14 +184,19 @@ class Scheduler:
         with torch.inference_mode():
             events = self._apply_cancels()
             self._compact()
-            self._threads(self.decode_threads)
+            self._threads(self._decode_threads())
             self._feed_steps()
             self._threads(self.prefill_threads)
             self._admit()
-            self._threads(self.decode_threads)
+            self._threads(self._decode_threads())
             if self.running:
                 events += self._macro_step()
         return events
+
+    def _decode_threads(self) -> int | None:
+        """Small decode passes (at most DECODE_THREADS_ROWS rows) read the weights more than they compute: they
+        run on `decode_threads`; larger ones on all threads (measured on 2 cores: docs/server.md)."""
+        return self.decode_threads if self.running <= DECODE_THREADS_ROWS else self.prefill_threads
 
     def _threads(self, n: int | None) -> None:
         """Run the next passes on n torch threads (a few microseconds to switch); None leaves them as they are."""

@@ -61,10 +61,11 @@ class Handle:
 
 
 def decode_threads(requested: int | None, device) -> int | None:
-    """torch threads for the server's decode passes: `requested` if given (0: all of torch's, no switching);
-    by default, on a CPU, one fewer than torch's (at least 1), so the HTTP side keeps a core. Measured on 2 cores
-    (docs/server.md): one request's time per token 48 -> 29 ms, the decode being bound by reading the weights,
-    not by threads. Prefill passes keep all threads. None on other devices."""
+    """torch threads for the server's small decode passes (`Scheduler.decode_threads`): `requested` if given (0:
+    all of torch's, no switching); by default, on a CPU, one fewer than torch's (at least 1), so the HTTP side
+    keeps a core. Measured on 2 cores with fp16 weights (docs/server.md): one request's time per token 48 -> 29 ms,
+    such passes being bound by reading the weights, not by threads. Prefill and large decode passes keep all
+    threads. None on other devices."""
     if requested is not None:
         if requested < 0:
             raise HamburgerError(f"--decode-threads must be >= 0, got {requested}")
