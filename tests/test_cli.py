@@ -195,7 +195,7 @@ def test_info_quantized(capsys, checkpoint):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--quantize", "int3"], "--quantize must be one of none, int8, int4, got 'int3'"),
+    (["--quantize", "int3"], "--quantize must be one of none, fp16, int8, int4, got 'int3'"),
     (["--quantize", "int8,int4"], "--quantize must be one of"),  # a comma list is bench's
     (["--quantize", "int4", "--group-size", "48"], "group_size must be one of (32, 64, 128, 256)"),
     (["--group-size", "0"], "group_size must be one of"),

@@ -17,7 +17,7 @@ Systems (`--systems`):
 - `hamburger_compress`: compress mode (needs a KV merger in the checkpoint): verify's drafting, checked by a
   base that keeps each decided step as one merged KV entry (same confidence as `hamburger_verify`).
 
-With `--quantize none,int8,int4` every system runs under each weight-only quantization scheme in the same run
+With `--quantize none,fp16,int8,int4` every system runs under each weight-only quantization scheme in the same run
 (`hamburger.inference.quantize`: the base, micro-step decoder and LM head; rows `engine_base+int8`, ...), each scheme on
 a freshly loaded copy of the model, on the same prompts and settings. The "× base engine" ratio stays
 against the float `engine_base`; quantized rows also give the weights' MB and their greedy agreement with the
