@@ -107,6 +107,7 @@ class Engine:
         # Micro-steps choose among the checkpoint's shortlist (if it has one): a head of |shortlist| rows
         # instead of the whole vocabulary. Token 0 of every step always uses the full head.
         self.vocab = model.micro_vocab if shortlist else None
+        self._short: Fp16Linear | None = None
         if self.vocab is not None:
             self.vocab = self.vocab.to(next(model.parameters()).device)
             head = model.base.get_output_embeddings()
