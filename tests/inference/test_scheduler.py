@@ -9,8 +9,8 @@ import torch
 
 from conftest import PAD, base_greedy, exact_marginals, hamburger, tv
 from hamburger import HamburgerError, HamburgerModel, SamplingParams
-from hamburger.inference.engine import Engine
 from hamburger.inference import scheduler as scheduler_module
+from hamburger.inference.engine import Engine
 from hamburger.inference.scheduler import Scheduler
 
 PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51], [11], [64, 3, 70, 22], [30, 31, 32, 33, 34, 35]]

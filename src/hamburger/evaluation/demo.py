@@ -154,6 +154,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             side_by_side(console, prompt, [{"role": "user", "content": prompt}], engines, confidence,
                          args.max_new_tokens, mode)
             console.print()
+        if getattr(args, "quantize", "none") == "none" and next(model.parameters()).device.type == "cpu":
+            console.print("[dim]On a CPU, --quantize fp16 decodes both lanes about 2.3x faster (float16 weights, "
+                          "float32 compute; see the README).[/dim]")
         return 0
     console.print("[bold]Chat with both models (an empty line or Ctrl-D ends).[/bold]")
     while True:
