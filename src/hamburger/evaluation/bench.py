@@ -95,6 +95,7 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
     main_conf = default_conf if default_conf in confidences else confidences[0]
     entry_bytes = kv_bytes_per_entry(hamburger_model)
     rows, outputs = [], {}  # outputs: (scheme, system, confidence, batch) -> {prompt: generated tokens}
+    costs: dict[str, dict] = {}  # the cost model under each scheme (HAMburger systems only)
     skipped: dict[str, str] = {}  # systems that cannot run here, and why
     for scheme in schemes:
         model = hamburger_model if scheme == "none" else load_quantized(scheme)
@@ -138,10 +139,12 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
                         row.update(agreement(outputs["none", name, conf, batch], record))
                     rows.append(row)
                 del system
+        if any(n in TRAINED_ONLY for n in systems):
+            costs[scheme] = step_costs(model)
         del model, plain
     summary = summarize(rows, main_conf)
-    costs = step_costs(hamburger_model) if any(n in TRAINED_ONLY for n in systems) else {}
-    return {"rows": rows, "summary": summary, "skipped": skipped, "step_costs": costs, "confidence": main_conf, "kv_curve": kv_curve(hamburger_model, prompts,
+    return {"rows": rows, "summary": summary, "skipped": skipped, "step_costs": costs.get(schemes[0], {}),
+            "step_costs_by_scheme": costs, "confidence": main_conf, "kv_curve": kv_curve(hamburger_model, prompts,
             max_new, main_conf), "device": describe_device(device), "kv_bytes_per_entry": entry_bytes}
 
 

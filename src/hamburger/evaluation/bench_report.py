@@ -53,8 +53,11 @@ def print_table(result: dict) -> None:
     console = Console(width=200)
     console.print(t)
     console.print("summary: " + json.dumps({k: round(v, 3) for k, v in result["summary"].items()}))
-    if costs := result.get("step_costs"):
-        line = (f"cost model (batch 1, {costs['context']} cached slots): base step {costs['base_step_s'] * 1e3:.1f} ms, "
+    by_scheme = result.get("step_costs_by_scheme") or ({"none": result["step_costs"]} if result.get("step_costs") else {})
+    for scheme, costs in by_scheme.items():
+        weights = "" if scheme == "none" else f", weights {scheme}"
+        line = (f"cost model (batch 1, {costs['context']} cached slots{weights}): base step "
+                f"{costs['base_step_s'] * 1e3:.1f} ms, "
                 f"micro-step {costs['micro_step_s'] * 1e3:.1f} ms = {costs['micro_over_base']:.2f} of a base step")
         if "micro_shortlist_over_base" in costs:
             line += (f"; with the {costs['shortlist']}-token shortlist {costs['micro_step_shortlist_s'] * 1e3:.1f} ms = "
