@@ -4,7 +4,9 @@
 A step is what `hamburger bench` repeats at batch 1: the base pass over one new slot after `--cached` cached
 ones, plus the full LM head. For each setting: milliseconds per step (median of `--repeats` timings of `--steps`
 steps, after a warm-up), and for compiled settings the first call's wall time (the compilation). Every setting
-loads the model afresh; one setting at a time, so run it on an otherwise idle machine.
+loads the model afresh; one setting at a time, so run it on an otherwise idle machine. Unlike `bench`'s cost
+model (`bench_costs.step_costs`, which times one step at a fixed cache length), the cache grows by one slot per
+step, as in decoding: that is what makes a compiled step recompile.
 
     python benchmarks/decode_step.py --settings float32,bfloat16,fp16 --compile     # about 8 min on 2 cores
 """

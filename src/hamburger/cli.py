@@ -83,13 +83,10 @@ def check_quantize(scheme: str, group_size: int, device, dtype) -> None:
     import torch
 
     if scheme == "fp16":
-        from hamburger.inference.qlinear import fp16_available
+        from hamburger.inference.qlinear import fp16_unavailable
 
-        if device.type != "cpu":
-            raise HamburgerError("--quantize fp16 packs float16 weights for x86 CPUs (FBGEMM); on CUDA use "
-                                 "--dtype float16 or --dtype bfloat16 instead")
-        if (why := fp16_available()) is not None:
-            raise HamburgerError(f"--quantize fp16: {why}; use --quantize none")
+        if (why := fp16_unavailable(device)) is not None:
+            raise HamburgerError(f"--quantize fp16: {why}")
     if scheme == "int4" and device.type == "cuda" and dtype != torch.bfloat16:
         raise HamburgerError(f"--quantize int4 on CUDA runs in bfloat16 only (the kernel's one dtype), not "
                              f"{str(dtype).removeprefix('torch.')}: add --dtype bfloat16, or use --quantize int8")

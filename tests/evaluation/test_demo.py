@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 
 from hamburger.cli import main
-from hamburger.inference.qlinear import fp16_available
+from hamburger.inference.qlinear import fp16_unavailable
 
 
 def test_demo_runs_built_in_prompts(checkpoint, capsys):
@@ -14,7 +14,7 @@ def test_demo_runs_built_in_prompts(checkpoint, capsys):
     assert out.count("the base's decode tokens/s") == 3  # one line per built-in prompt
     assert "KV entries" in out and "forwards" in out
     assert "--quantize fp16 decodes both lanes" in out  # the CPU's speed tip, only when not quantized
-    if fp16_available() is None:  # FBGEMM (x86)
+    if fp16_unavailable("cpu") is None:  # FBGEMM (x86)
         assert main(["demo", "--model", str(checkpoint), "--max-new-tokens", "2", "--quantize", "fp16"]) == 0
         assert "--quantize fp16 decodes" not in capsys.readouterr().out
 

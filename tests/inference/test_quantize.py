@@ -16,7 +16,7 @@ from hamburger import HamburgerModel, generate
 from hamburger.inference import qlinear
 from hamburger.inference import quantize as qz
 from hamburger.inference.engine import Engine
-from hamburger.inference.qlinear import Fp16Linear, Int4Linear, Int8Linear, QuantizedLinear, fp16_available
+from hamburger.inference.qlinear import Fp16Linear, Int4Linear, Int8Linear, QuantizedLinear, fp16_unavailable
 from hamburger.inference.quantize import quantize_cached, quantize_model
 
 
@@ -110,7 +110,7 @@ def test_int8_per_channel():
     assert torch.allclose(layer(x), lin(x), rtol=0, atol=0.02 * lin(x).abs().max().item())
 
 
-needs_fbgemm = pytest.mark.skipif(fp16_available() is not None, reason=str(fp16_available()))
+needs_fbgemm = pytest.mark.skipif(fp16_unavailable("cpu") is not None, reason=str(fp16_unavailable("cpu")))
 
 
 def rounded_to_fp16(model: nn.Module) -> nn.Module:
@@ -188,6 +188,7 @@ def test_fp16_engine_greedy_and_shortlist():
 
 def test_fp16_refused_off_cpu():
     assert qz._why_not(nn.Linear(8, 8, device="meta"), "fp16", 32) == "no packed kernel on meta"
+    assert "x86 CPUs only" in fp16_unavailable("cuda") and "--dtype float16" in fp16_unavailable("cuda")
     with pytest.raises(ValueError, match="x86 CPUs only"):
         Fp16Linear(torch.zeros(8, 8, device="meta"))
 

@@ -112,8 +112,8 @@ class Engine:
             self.vocab = self.vocab.to(next(model.parameters()).device)
             head = model.base.get_output_embeddings()
             self.short_head = head.weight[self.vocab].contiguous()
-            # packed like the LM head when that is fp16 (the int8/int4 kernels are slower than float here)
-            self._short = Fp16Linear(self.short_head) if isinstance(head, Fp16Linear) else None
+            if isinstance(head, Fp16Linear):  # packed like the LM head (the int8/int4 kernels: slower than float)
+                self._short, self.short_head = Fp16Linear(self.short_head), None
         self.base = model.base.base_model
         self.k = model.config.max_step_tokens
         p = next(model.parameters())

@@ -54,8 +54,11 @@ def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
 # --- the modules ---------------------------------------------------------------------------------------------
 
 
-def fp16_available() -> str | None:
-    """Why FBGEMM's packed float16 GEMM cannot run in this PyTorch build (None if it can)."""
+def fp16_unavailable(device: torch.device | str) -> str | None:
+    """Why FBGEMM's packed float16 GEMM cannot run on `device` (None if it can): the one rule for `fp16`."""
+    if torch.device(device).type != "cpu":
+        return ("float16 packed weights run on x86 CPUs only (FBGEMM); on CUDA load the model with --dtype float16 "
+                "or bfloat16 instead")
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         return "this PyTorch build has no FBGEMM (x86 CPUs only)"
     return None
@@ -243,10 +246,8 @@ class Fp16Linear(QuantizedLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight.shape[1], weight.shape[0], bias)
-        if weight.device.type != "cpu" or (why := fp16_available()) is not None:
-            raise ValueError("float16 packed weights run on x86 CPUs only (FBGEMM)"
-                             + ("" if weight.device.type != "cpu" else f": {why}")
-                             + "; on CUDA load the model with --dtype float16 or bfloat16 instead")
+        if (why := fp16_unavailable(weight.device)) is not None:
+            raise ValueError(why)
         b = None if bias is None else bias.detach().float().contiguous()  # added inside the kernel: exact
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), b)
 

@@ -42,7 +42,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from hamburger.inference.qlinear import MODULES, QuantizedLinear, fp16_available
+from hamburger.inference.qlinear import MODULES, QuantizedLinear, fp16_unavailable
 
 SCHEMES = ("none", "fp16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
@@ -84,9 +84,7 @@ def _why_not(linear: nn.Linear, scheme: str, group_size: int) -> str | None:
     if device.type not in ("cpu", "cuda"):
         return f"no packed kernel on {device.type}"
     if scheme == "fp16":
-        if device.type != "cpu":
-            return "float16 packed weights run on x86 CPUs only (on CUDA: --dtype float16 or bfloat16)"
-        return fp16_available()
+        return fp16_unavailable(device)
     if scheme == "int4":
         if k % group_size:
             return f"in_features {k} is not a multiple of the group size {group_size}"
