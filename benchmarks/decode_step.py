@@ -1,14 +1,17 @@
-"""One base decode step of the fast engine, side by side: weights float32 / bfloat16 / fp16-packed, eager or
-`torch.compile`d (the engine's `--compile`: the base pass compiled with dynamic shapes).
+"""One base decode step of the fast engine, side by side: weights float32 / bfloat16 / fp16-packed (with q/k/v and
+gate/up fused, or not), eager or `torch.compile`d (the engine's `--compile`: the base pass compiled with dynamic
+shapes).
 
 A step is what `hamburger bench` repeats at batch 1: the base pass over one new slot after `--cached` cached
-ones, plus the full LM head. For each setting: milliseconds per step (median of `--repeats` timings of `--steps`
-steps, after a warm-up), and for compiled settings the first call's wall time (the compilation). Every setting
-loads the model afresh; one setting at a time, so run it on an otherwise idle machine. Unlike `bench`'s cost
-model (`bench_costs.step_costs`, which times one step at a fixed cache length), the cache grows by one slot per
-step, as in decoding: that is what makes a compiled step recompile.
+ones, plus the full LM head. Every setting is loaded first (each its own model and cache), then they take turns:
+round after round, each setting runs `--steps` steps, so a slow spell of a shared machine falls on all of them
+alike. Reported per setting: milliseconds per step (median over the rounds), the ratio to the first setting
+(median of the per-round ratios), and for compiled settings the first call's wall time (the compilation).
+Unlike `bench`'s cost model (`bench_costs.step_costs`, which times one step at a fixed cache length), the cache
+grows by one slot per step, as in decoding: that is what makes a compiled step recompile.
 
     python benchmarks/decode_step.py --settings float32,bfloat16,fp16 --compile     # about 8 min on 2 cores
+    python benchmarks/decode_step.py --settings fp16-unfused,fp16 --rounds 60      # what fusing gives
 """
 
 from __future__ import annotations
@@ -24,43 +27,45 @@ from hamburger.inference.kv import KVCache
 from hamburger.inference.quantize import DEFAULT_SKIP, quantize_model
 from hamburger.model.hamburger_model import load_model
 
-SETTINGS = {"float32": (torch.float32, "none"), "bfloat16": (torch.bfloat16, "none"), "fp16": (torch.float32, "fp16")}
+SETTINGS = {"float32": (torch.float32, "none"), "bfloat16": (torch.bfloat16, "none"), "fp16": (torch.float32, "fp16"),
+            "fp16-unfused": (torch.float32, "fp16")}  # fp16 with q/k/v and gate/up as separate GEMMs
 
 
-def measure(model_ref: str, setting: str, compile: bool, cached: int, steps: int, repeats: int) -> dict:
-    dtype, scheme = SETTINGS[setting]
-    model, _ = load_model(model_ref, dtype=dtype)
-    model.eval()
-    if scheme != "none":
-        quantize_model(model, scheme, skip=DEFAULT_SKIP)
-    engine = Engine(model, compile=compile)
-    cfg = model.base.config
-    cache = KVCache.for_layers(engine.base.layers, cfg, 1, cached + steps * (repeats + 2) + 8, dtype, "cpu")
-    x = model.embed(torch.tensor([[1]])).to(dtype)
-    head = model.base.get_output_embeddings()
-    slot = cached
+class Setting:
+    """One setting's model, engine and growing cache, ready to run steps."""
 
-    def step() -> None:
-        nonlocal slot
-        mask = torch.ones(1, 1, 1, slot + 1, dtype=torch.bool)
+    def __init__(self, model_ref: str, setting: str, compile: bool, cached: int, total_steps: int) -> None:
+        dtype, scheme = SETTINGS[setting]
+        model, _ = load_model(model_ref, dtype=dtype)
+        model.eval()
+        if scheme != "none":
+            quantize_model(model, scheme, skip=DEFAULT_SKIP, fuse=not setting.endswith("-unfused"))
+        self.name, self.compile = setting, compile
+        self.engine = Engine(model, compile=compile)
+        self.cache = KVCache.for_layers(self.engine.base.layers, model.base.config, 1, cached + total_steps + 8,
+                                        dtype, "cpu")
+        self.x = model.embed(torch.tensor([[1]])).to(dtype)
+        self.head = model.base.get_output_embeddings()
+        self.slot = cached
+        start = time.perf_counter()
+        self.step()
+        self.first_call_s = time.perf_counter() - start
+        for _ in range(3):
+            self.step()
+        self.times: list[float] = []
+
+    def step(self) -> None:
+        mask = torch.ones(1, 1, 1, self.slot + 1, dtype=torch.bool)
         with torch.inference_mode():
-            states = engine.step_fn(x, torch.tensor([[slot]]), cache, slot, mask)
-            head(states[0])
-        slot += 1
+            states = self.engine.step_fn(self.x, torch.tensor([[self.slot]]), self.cache, self.slot, mask)
+            self.head(states[0])
+        self.slot += 1
 
-    start = time.perf_counter()
-    step()
-    first = time.perf_counter() - start
-    for _ in range(3):
-        step()
-    times = []
-    for _ in range(repeats):
+    def run(self, steps: int) -> None:
         start = time.perf_counter()
         for _ in range(steps):
-            step()
-        times.append((time.perf_counter() - start) / steps * 1e3)
-    return {"setting": setting, "compile": compile, "compiled": compile and engine.compiled, "first_call_s": first,
-            "step_ms": statistics.median(times), "all_ms": times}
+            self.step()
+        self.times.append((time.perf_counter() - start) / steps * 1e3)
 
 
 def main() -> None:
@@ -69,24 +74,33 @@ def main() -> None:
     p.add_argument("--settings", default="float32,bfloat16,fp16", help=f"comma list from {','.join(SETTINGS)}")
     p.add_argument("--compile", action="store_true", help="also each setting compiled")
     p.add_argument("--cached", type=int, default=300, help="cached slots before the first timed step")
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5, help="steps per setting per round")
+    p.add_argument("--rounds", type=int, default=20)
     args = p.parse_args()
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
-    if not settings or any(s not in SETTINGS for s in settings):
-        p.error(f"--settings is a comma list from {','.join(SETTINGS)}, got {args.settings!r}")
-    rows = []
-    for setting in settings:
-        for compile in ([False, True] if args.compile else [False]):
-            rows.append(measure(args.model, setting, compile, args.cached, args.steps, args.repeats))
-            print(f"  {setting} {'compiled' if compile else 'eager'}: {rows[-1]['step_ms']:.1f} ms", flush=True)
-    ref = rows[0]["step_ms"]
-    print(f"\none base decode step at batch 1 ({args.cached} cached slots), {torch.get_num_threads()} threads, "
-          f"median of {args.repeats} x {args.steps} steps")
-    print(f"{'setting':<10} {'mode':<9} {'first call s':>12} {'ms / step':>10} {'x ' + rows[0]['setting']:>10}")
-    for r in rows:
-        mode = "compiled" if r["compiled"] else ("eager" if not r["compile"] else "fell back")
-        print(f"{r['setting']:<10} {mode:<9} {r['first_call_s']:>12.2f} {r['step_ms']:>10.1f} {ref / r['step_ms']:>9.2f}x")
+    if not settings or any(s not in SETTINGS for s in settings) or len(set(settings)) != len(settings):
+        p.error(f"--settings is a comma list without repeats from {','.join(SETTINGS)}, got {args.settings!r}")
+    if args.steps < 1 or args.rounds < 1:
+        p.error("--steps and --rounds must be >= 1")
+    total = args.steps * args.rounds + 8
+    rows = [Setting(args.model, s, c, args.cached, total) for s in settings
+            for c in ([False, True] if args.compile else [False])]
+    print(f"loaded {len(rows)} settings; {args.rounds} rounds of {args.steps} steps each", flush=True)
+    for r in range(args.rounds):
+        for row in rows:
+            row.run(args.steps)
+        if (r + 1) % max(1, args.rounds // 5) == 0:
+            print(f"  round {r + 1}/{args.rounds}: " + ", ".join(f"{row.name}{' compiled' if row.compile else ''} "
+                  f"{row.times[-1]:.1f} ms" for row in rows), flush=True)
+    ref = rows[0]
+    print(f"\none base decode step at batch 1 ({args.cached} cached slots, growing), {torch.get_num_threads()} threads, "
+          f"{args.rounds} rounds of {args.steps} steps, settings taking turns")
+    print(f"{'setting':<13} {'mode':<9} {'first call s':>12} {'ms / step':>10} {'x ' + ref.name:>14}")
+    for row in rows:
+        mode = "compiled" if row.engine.compiled else ("eager" if not row.compile else "fell back")
+        ratio = statistics.median(a / b for a, b in zip(ref.times, row.times))
+        print(f"{row.name:<13} {mode:<9} {row.first_call_s:>12.2f} {statistics.median(row.times):>10.1f} "
+              f"{ratio:>13.2f}x")
 
 
 if __name__ == "__main__":

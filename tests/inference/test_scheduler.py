@@ -7,11 +7,12 @@ import math
 import pytest
 import torch
 
-from conftest import PAD, base_greedy, exact_marginals, hamburger, tv
+from conftest import PAD, base_greedy, exact_marginals, hamburger, random_merger, tv
 from hamburger import HamburgerError, HamburgerModel, SamplingParams
 from hamburger.inference import scheduler as scheduler_module
 from hamburger.inference.engine import Engine
 from hamburger.inference.scheduler import Scheduler
+from hamburger.model.merger import stepwise_forward
 
 PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51], [11], [64, 3, 70, 22], [30, 31, 32, 33, 34, 35]]
 LIMITS = [20, 7, 16, 12, 3, 18]
@@ -272,10 +273,95 @@ def test_verify_requests_with_the_models_own_drafts_equal_the_base(arch):
     assert sum(out[j][-1].stats.drafted_tokens for j in out) > 0
 
 
-def test_compress_is_not_a_scheduler_mode():
+@pytest.mark.parametrize("rows", [2, 4])
+def test_compress_requests_equal_compress_mode_alone(arch, rows):
+    """Compress requests (drafts checked by a base that reads each decided step as one merged entry), staggered
+    and beside trust and verify requests, each get exactly what `Engine.generate(mode="compress")` gives them
+    alone: the same tokens, the same steps, one KV entry per step. Trust and verify requests are unchanged."""
+    model = hamburger(arch, k=4)
+    model.attach_merger(random_merger(model.base, channels=arch == "qwen2"))
+    engine, sched = Engine(model), Scheduler(model, max_batch_size=rows, max_len=64)
+    modes = ["compress", "trust", "compress", "verify", "compress", "trust"]
+    conf = {"compress": 0.05, "verify": 0.05, "trust": 0.3}
+    ids, out, step = {}, {}, 0
+    while len(ids) < len(PROMPTS) or sched.has_work():
+        for j, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
+            if (2 * j if j % 2 else j) == step:
+                ids[sched.submit(prompt, limit, confidence=conf[modes[j]], mode=modes[j])] = j
+        for ev in sched.step():
+            out.setdefault(ids[ev.id], []).append(ev)
+        step += 1
+    for j, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
+        alone = engine.generate([prompt], max_new_tokens=limit, confidence=conf[modes[j]], mode=modes[j])
+        assert [t for e in out[j] for t in e.tokens] == alone.tokens[0], modes[j]
+        assert [len(e.tokens) for e in out[j]] == alone.steps[0], modes[j]
+    assert sum(out[j][-1].stats.drafted_tokens for j in range(len(PROMPTS)) if modes[j] == "compress") > 0
+    assert sched.running == 0 and sched.kv_entries() == 0
+
+
+class CompressOracle(Scheduler):
+    """Compress rows draft the merger's reference decoder's own next tokens (`stepwise_forward` over the steps
+    merged so far), a third spoiled: passes keep different numbers of drafts, so steps of several lengths merge."""
+
+    def __init__(self, model, **kw) -> None:
+        super().__init__(model, **kw)
+        self.noise, self.open = torch.Generator().manual_seed(0), {}
+
+    def _pick(self, h, active, micro):
+        tok = super()._pick(h, active, micro)
+        for i, req in enumerate(self.rows[: len(h)]):
+            if req is None or req.mode != "compress" or not bool(active[i]):
+                continue
+            if not micro:  # token 0: the base's own; this macro-step's open step starts with it
+                self.open[i] = [int(tok[i])]
+                continue
+            # merged so far: each pass merged [token 0, kept drafts], i.e. each reported step after the first,
+            # and the last pass's (its kept drafts are still pending)
+            closed = req.steps[1:] + ([len(self.pending[i]) + 1] if req.steps else [])
+            toks = req.tokens + self.pending[i] + self.open[i]
+            steps = closed + [len(toks) - sum(closed) + 1]
+            logits = stepwise_forward(self.model.base, self.model.merger, req.prompt + toks + [0], len(req.prompt),
+                                      steps)[0]
+            want = int(logits[-1].argmax())
+            tok[i] = (want + 1) % 96 if bool(torch.rand(1, generator=self.noise) < 0.3) else want
+            self.open[i].append(int(tok[i]))
+        return tok
+
+
+def test_compress_requests_follow_the_mergers_stepwise_reference():
+    """With drafts that the base keeps (steps of several lengths merged), every token a compress request emits is
+    the greedy choice of the merger's reference decoder over the steps it merged, beside a trust request."""
+    model = hamburger("llama", k=4)
+    model.attach_merger(random_merger(model.base))
+    sched = CompressOracle(model, max_batch_size=3, max_len=64)
+    jobs = [(0, PROMPTS[0], 16), (1, PROMPTS[1], 12), (2, PROMPTS[2], 14), (3, PROMPTS[5], 10)]
+    ids, out, step = {}, {}, 0
+    while len(ids) < len(jobs) or sched.has_work():
+        for j, (at, prompt, limit) in enumerate(jobs):
+            if at == step:
+                ids[sched.submit(prompt, limit, confidence=0.01, mode="trust" if j == 1 else "compress")] = j
+        for ev in sched.step():
+            out.setdefault(ids[ev.id], []).append(ev)
+        step += 1
+    lengths = []
+    for j, (_, prompt, limit) in enumerate(jobs):
+        if j == 1:
+            continue
+        tokens, steps = [t for e in out[j] for t in e.tokens], [len(e.tokens) for e in out[j]]
+        merged = steps[1:] + [1]  # pass j merged [token 0, kept drafts] = reported step j + 1; the last is open
+        logits = stepwise_forward(model.base, model.merger, prompt + tokens, len(prompt), merged)[0]
+        assert logits.argmax(-1).tolist() == tokens, steps
+        assert out[j][-1].stats.generated_tokens == len(tokens) and not out[j][-1].stats.unmerged
+        lengths += steps[1:]
+    assert len(set(lengths)) >= 3, lengths
+
+
+def test_compress_needs_a_merger():
     sched = Scheduler(hamburger("llama", k=4), max_batch_size=2, max_len=64)
-    with pytest.raises(HamburgerError, match="mode must be one of"):
+    with pytest.raises(HamburgerError, match="compress mode needs a KV merger"):
         sched.submit([5, 6], 4, mode="compress")
+    with pytest.raises(HamburgerError, match="mode must be one of trust, verify, compress"):
+        sched.submit([5, 6], 4, mode="fast")
 
 
 def test_sampled_verify_requests_follow_the_base_distribution():

@@ -20,9 +20,10 @@ import psutil
 import pytest
 import torch
 
-from conftest import hamburger
+from conftest import hamburger, random_merger
 from hamburger import HamburgerError
 from hamburger.inference.engine import Engine
+from hamburger.model.base import encode_chat
 from hamburger.serving.server import BackgroundServer, Service
 
 CONFIDENCE = 0.3  # low: multi-token steps
@@ -136,6 +137,28 @@ def test_verify_mode_answers_with_the_base_output(server, model):
                                             extra_body={"mode": "verify", "confidence": 0.05})
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == alone(
         model, engine, messages(4), 16, confidence=1.0)[0]
+
+
+def test_compress_mode_is_served_when_the_model_has_a_merger():
+    """mode=compress on a model with a KV merger: the reply is what `Engine.generate(mode="compress")` gives alone,
+    streamed or not; usage says the KV was merged. (Without a merger: a 400, in the bad-input table.)"""
+    merged = hamburger("llama", k=4)
+    merged.attach_merger(random_merger(merged.base))
+    service = Service(merged, "tiny", max_batch_size=4, max_len=64)
+    engine = Engine(merged)
+    with BackgroundServer(service) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        for i, stream in ((1, False), (2, True), (3, False)):
+            ids = encode_chat(merged.tokenizer, messages(i))
+            out = engine.generate([ids], max_new_tokens=12, confidence=0.05, mode="compress")
+            expected = merged.tokenizer.decode(out.tokens[0], skip_special_tokens=True)
+            reply = client.chat.completions.create(model="tiny", messages=messages(i), max_tokens=12, stream=stream,
+                                                   extra_body={"mode": "compress", "confidence": 0.05})
+            if stream:
+                assert "".join(c.choices[0].delta.content or "" for c in reply if c.choices) == expected
+            else:
+                assert reply.choices[0].message.content == expected
+                assert reply.usage.completion_tokens == len(out.tokens[0])
 
 
 def test_stop_strings_end_the_reply(server, model):

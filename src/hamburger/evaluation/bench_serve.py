@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 from hamburger.errors import HamburgerError
+from hamburger.model.config import MODES
 
 COLUMNS = ("model", "conc", "req/s", "out tok/s", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99", "tok/step")
 
@@ -154,9 +155,9 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise HamburgerError("--quantize and --decode-threads apply to the in-process server; a server at --url was "
                              "started with its own (hamburger serve --quantize ... --decode-threads ...)")
     names = [m.strip() for m in (args.models or args.model).split(",") if m.strip()]
-    bad = [m for m in args.modes.split(",") if m.strip() not in ("trust", "verify")]
+    bad = [m for m in args.modes.split(",") if m.strip() not in MODES]
     if bad or not args.modes.strip():
-        raise HamburgerError(f"--modes is a comma list of trust and verify (the server's modes), got {args.modes!r}")
+        raise HamburgerError(f"--modes is a comma list of {', '.join(MODES)} (the server's modes), got {args.modes!r}")
     rows = [row for name in names for row in _bench_model(args, name, levels)]
     print_table(rows)
     if args.json:
@@ -181,7 +182,7 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-len", type=int, default=1024, help="KV entries per batch row of the in-process server")
     p.add_argument("--confidence", type=float, default=None, help="sent with each request (default: the server's)")
-    p.add_argument("--modes", default="trust", help="comma list of trust,verify: each model served in each mode")
+    p.add_argument("--modes", default="trust", help="comma list of trust,verify,compress: each model served in each mode")
     p.add_argument("--sets", default="chat,code,math", help="built-in prompt sets (hamburger.evaluation.bench)")
     p.add_argument("--json", default=None, help="write the rows here")
     p.set_defaults(func=cmd_bench_serve)

@@ -286,4 +286,107 @@ class Fp16Linear(QuantizedLinear):
         return cls(t["w16"].to(device).float(), t["bias"].to(device) if "bias" in t else None)
 
 
+class Fp16Group:
+    """One packed float16 GEMM for sibling projections that read the same input: a decoder layer's q/k/v, or its
+    MLP's gate/up. Fewer, larger GEMMs: at batch 1 a CPU decode step is as much per-call overhead as weight
+    reading (docs/quantize.md). Each sibling becomes an `Fp16Part`, so the callers (the engine's
+    `layers.project`, transformers' own attention and MLP forwards, the slot adapters' hooks) stay unchanged.
+
+    The first part called with an input computes every part's output in one GEMM; its siblings called with the
+    same tensor object take their slices without a GEMM, each once. A part asked again, or asked with another
+    tensor, computes afresh: an input is never changed in place between its projections in these layers.
+    """
+
+    def __init__(self, parts: list[Fp16Linear]) -> None:
+        weight = torch.cat([p.dequantize() for p in parts])  # the float16 values: packing again rounds nothing
+        biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
+        bias = torch.cat([b.detach().float() for b in biases]) if any(p.bias is not None for p in parts) else None
+        self.linear = Fp16Linear(weight, bias)
+        ends = torch.tensor([p.out_features for p in parts]).cumsum(0).tolist()
+        self.bounds = list(zip([0, *ends[:-1]], ends))
+        self._x: torch.Tensor | None = None
+        self._out: torch.Tensor | None = None
+        self._left: set[int] = set()
+
+    def part(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        if x is not self._x or index not in self._left:
+            self._x, self._out, self._left = x, self.linear(x), set(range(len(self.bounds)))
+        self._left.discard(index)
+        start, end = self.bounds[index]
+        out = self._out[..., start:end]
+        if not self._left:  # every sibling served: hold no activations between passes
+            self._x = self._out = None
+        return out
+
+
+class Fp16Part(QuantizedLinear):
+    """One projection of an `Fp16Group`: the forward, weights, bias and cache tensors of the `Fp16Linear` it
+    replaces (so the disk cache and the byte counts see the same layers as before fusion)."""
+
+    scheme = "fp16"
+
+    def __init__(self, group: Fp16Group, index: int, bias: torch.Tensor | None) -> None:
+        start, end = group.bounds[index]
+        super().__init__(group.linear.in_features, end - start, bias)
+        self.__dict__["group"] = group  # shared by the siblings, not a submodule of each
+        self.index = index
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.part(x, self.index)
+
+    def dequantize(self) -> torch.Tensor:
+        start, end = self.group.bounds[self.index]
+        return self.group.linear.dequantize()[start:end]
+
+    @property
+    def packed_nbytes(self) -> int:
+        return self.in_features * self.out_features * 2
+
+    def portable(self) -> dict[str, torch.Tensor]:
+        out = {"w16": self.dequantize().half()}
+        if self.bias is not None:
+            out["bias"] = self.bias.detach().cpu()
+        return out
+
+
+def carry_hooks(old: nn.Module, new: nn.Module) -> nn.Module:
+    """`new`, given `old`'s forward hooks (e.g. the slot adapters') and training flag, to take its place.
+
+    The hook dicts are shared, not copied, so the handles that registered them still remove them.
+    """
+    for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
+        if hasattr(old, attr):
+            setattr(new, attr, getattr(old, attr))
+    new.train(old.training)
+    return new
+
+
+# Sibling projections that read one input in the decoder layers of transformers' Llama-style models.
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def fuse_fp16(model: nn.Module) -> int:
+    """Put an `Fp16Group` in place of each set of `FUSED_SIBLINGS` that are all `Fp16Linear`, in the modules of
+    transformers' own classes (the base's and the micro-step decoder's layers: they call the siblings on one
+    input). Outputs are unchanged: each output row is the same dot products. Returns the number of groups made."""
+    made = 0
+    for module in model.modules():
+        if not type(module).__module__.startswith("transformers."):
+            continue
+        for names in FUSED_SIBLINGS:
+            parts = [getattr(module, n, None) for n in names]
+            if not all(type(p) is Fp16Linear for p in parts) or len({p.in_features for p in parts}) != 1:
+                continue
+            group = Fp16Group(parts)
+            for i, (name, old) in enumerate(zip(names, parts)):
+                setattr(module, name, carry_hooks(old, Fp16Part(group, i, old.bias)))
+            made += 1
+    return made
+
+
 MODULES = {"fp16": Fp16Linear, "int8": Int8Linear, "int4": Int4Linear}

@@ -6,7 +6,8 @@ head) is swapped for a module with the same forward signature that multiplies wi
 * ``fp16``: weights rounded to float16 and packed once for FBGEMM's float16 GEMM
   (`quantized::linear_prepack_fp16` + `quantized::linear_dynamic_fp16`, x86 CPUs), float32 activations. At
   batch 1 a decode step reads every weight once, so halving their bytes with a kernel that streams them
-  well is the CPU's largest lever (docs/quantize.md has the figures).
+  well is the CPU's largest lever (docs/quantize.md has the figures). Then each decoder layer's q/k/v and
+  gate/up share one packed GEMM (`qlinear.fuse_fp16`): fewer calls, the same outputs.
 * ``int8``: per-output-channel symmetric int8, `aten._weight_int8pack_mm` (CPU and CUDA).
 * ``int4``: asymmetric group-wise 4-bit (groups of `group_size` input weights sharing a scale and a
   minimum), `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu` on CPU, and
@@ -42,7 +43,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from hamburger.inference.qlinear import MODULES, QuantizedLinear, fp16_unavailable
+from hamburger.inference.qlinear import MODULES, QuantizedLinear, carry_hooks, fp16_unavailable, fuse_fp16
 
 SCHEMES = ("none", "fp16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
@@ -157,18 +158,9 @@ def _linear_bytes(model: nn.Module, names) -> int:
 
 
 def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
-    """Put `new` in place of the module at `name`, carrying its hooks over (e.g. slot adapters' forward hooks).
-
-    The hook dicts are shared, not copied, so the handles that registered them still remove them.
-    """
-    old = model.get_submodule(name)
-    for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
-        if hasattr(old, attr):
-            setattr(new, attr, getattr(old, attr))
-    new.train(old.training)
+    """Put `new` in place of the module at `name`, carrying its hooks over (e.g. slot adapters' forward hooks)."""
     parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, new)
+    setattr(model.get_submodule(parent) if parent else model, child, carry_hooks(model.get_submodule(name), new))
 
 
 def _summary(scheme: str, group_size: int, head: str | None, plan: dict, before: int, after: int,
@@ -185,7 +177,7 @@ def _summary(scheme: str, group_size: int, head: str | None, plan: dict, before:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head: str | None = None,
-                   skip: tuple[str, ...] = DEFAULT_SKIP) -> dict:
+                   skip: tuple[str, ...] = DEFAULT_SKIP, fuse: bool = True) -> dict:
     """Swap the model's nn.Linear layers for weight-only quantized ones, in place.
 
     scheme: "none" (nothing changes), "fp16", "int8" or "int4"; group_size: int4 group (32, 64, 128 or 256; checked
@@ -193,7 +185,8 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
     from Q8_0), None for the same. skip: module-name prefixes left in float (default: the HAMburger
     embedder, stop head and slot adapters). Layers the kernels cannot take (in_features not a multiple of
     the group, out_features not a multiple of 16 for CPU int4) stay float and are counted as skipped.
-    Quantizing again with the same settings changes nothing; with other settings it raises ValueError.
+    fuse: fp16 layers that read one input (q/k/v, gate/up) share one GEMM (`qlinear.fuse_fp16`; False keeps
+    them apart, for measuring what fusing gives). Quantizing again with the same settings changes nothing; with other settings it raises ValueError.
 
     Returns a summary: layers quantized / already_quantized / skipped (with reasons) / excluded, and the
     bytes of the whole model and of the quantized layers before and after.
@@ -205,6 +198,8 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
     for name, want in plan["todo"].items():
         linear = model.get_submodule(name)
         _swap(model, name, MODULES[want].from_linear(linear, group_size))
+    if fuse:
+        fuse_fp16(model)
     return _summary(scheme, group_size, head, plan, before, model_bytes(model), linear_before,
                     _linear_bytes(model, plan["todo"]))
 
@@ -272,6 +267,7 @@ def load_quantized(model: nn.Module, path: str | Path, scheme: str, group_size: 
     linear_before = _linear_bytes(model, plan["todo"])
     for name, m in new.items():
         _swap(model, name, m)
+    fuse_fp16(model)
     return _summary(scheme, group_size, head, plan, before, model_bytes(model), linear_before,
                     _linear_bytes(model, plan["todo"]))
 

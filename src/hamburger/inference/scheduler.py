@@ -6,7 +6,8 @@ and sampling, so a request's greedy output does not depend on which others share
 row adds exactly one KV entry per macro-step. One `step()` call:
 
 1. feeds the previous macro-step's tokens of the rows still running to the base (one slot each, at the
-   RoPE position of the step's last token; a verify row's token 0 and drafts as positions of their own),
+   RoPE position of the step's last token; a verify or compress row's token 0 and drafts as positions of their
+   own, after which a compress row's decided step becomes one merged entry),
 2. prefills newly admitted requests into free rows (right-padded, prompt positions 0..P-1): all of them,
    shortest first, in passes of at most `prefill_tokens` padded tokens; or, with `interleave_prefill`, only
    the oldest that fit in one such pass (the rest wait for the next step), 3. runs one macro-step over
@@ -30,19 +31,20 @@ import torch
 
 from hamburger.errors import HamburgerError
 from hamburger.inference.core import Limits, macro_step
-from hamburger.inference.engine import Engine
+from hamburger.inference.engine import Engine, check_merger
 from hamburger.inference.kv import CacheView, KVCache, RowSlots, SlotWrites
 from hamburger.inference.reference import eos_ids
 from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
-from hamburger.inference.verify import accept_greedy, accept_sampled
+from hamburger.inference.verify import accept_greedy, accept_sampled, merge_step, merged_mask
 from hamburger.model.config import check_confidence
 from hamburger.model.hamburger_model import HamburgerModel
 
 # Padded prompt tokens per prefill pass. Measured on 2 CPU cores, 32 chat prompts at once
 # (benchmarks/scheduler_prefill.py): 256-1024 -> 1.5x faster than one by one; 4096 pads 62 % and is slower.
 PREFILL_TOKENS = 512
-MODES = ("trust", "verify")  # compress mode runs in generate, eval and bench, not in the scheduler
+MODES = ("trust", "verify", "compress")
+CHECKED = ("verify", "compress")  # modes whose micro tokens are drafts that the next base pass checks
 
 @dataclass
 class RequestEvent:
@@ -110,7 +112,9 @@ class Scheduler:
         zeros = lambda dt=torch.long: torch.zeros(rows, dtype=dt, device=dev)  # noqa: E731
         self.cache_len, self.gen_len, self.prompt_len, self.max_new = zeros(), zeros(), zeros(), zeros()
         self.confidence = zeros(torch.float32)
-        self.live, self.verify = zeros(torch.bool), zeros(torch.bool)
+        self.live, self.verify, self.compress = zeros(torch.bool), zeros(torch.bool), zeros(torch.bool)
+        # compress rows: tokens merged into each cache entry (0: an ordinary entry), for the merger's attention bias
+        self.merged_len = torch.zeros(rows, self.max_len + self.k, dtype=torch.long, device=dev)
         self.n_drafts = zeros()  # verify rows: drafts step_tok[1 : 1 + n] wait for the next base pass to check them
         self.pending: list[list[int]] = [[] for _ in range(rows)]  # drafts a verify pass kept, reported this step
         self.ended_early = [False] * rows  # a kept draft ended the request (EOS) before this step's macro-step
@@ -136,7 +140,9 @@ class Scheduler:
 
         `mode` "verify": the micro-step decoder's tokens are drafts that the next base pass checks: greedy, only
         those the base would choose itself are kept; sampled, speculative-sampling acceptance. Either way the
-        output follows the base's own (warped) distribution exactly."""
+        output follows the base's own (warped) distribution exactly. "compress": drafts checked the same way,
+        then each decided step's KV entries are merged into one by the model's KV merger (the base reads its
+        past compressed)."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise HamburgerError("the prompt must have at least one token")
@@ -146,7 +152,9 @@ class Scheduler:
             raise HamburgerError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
                                  f"context of {self.max_len} tokens")
         if mode not in MODES:
-            raise HamburgerError(f"mode must be one of {', '.join(MODES)} in the server, got {mode!r}")
+            raise HamburgerError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+        if mode == "compress":
+            check_merger(self.model)
         sampling = sampling or SamplingParams()
         cfg = self.model.config
         default = cfg.default_confidence if mode == "trust" else cfg.verify_confidence
@@ -232,8 +240,8 @@ class Scheduler:
             for cache in (self.cache.k, self.cache.v):
                 cache[:, free, :, :used] = cache[:, src, :, :used]
             for tensor in (self.states, self.step_tok, self.step_len, self.cache_len, self.gen_len, self.prompt_len,
-                           self.max_new, self.confidence, self.live, self.verify, self.n_drafts, self.next_t0,
-                           self.eos, *([self.q] if self.q is not None else [])):
+                           self.max_new, self.confidence, self.live, self.verify, self.compress, self.n_drafts,
+                           self.next_t0, self.eos, self.merged_len, *([self.q] if self.q is not None else [])):
                 tensor[free] = tensor[src]
             self.rows[free], self.rows[src], req.row = req, None, free
             self.live[src] = False
@@ -248,7 +256,7 @@ class Scheduler:
         n = self._span()
         if n == 0:
             return
-        if any(r is not None and r.mode == "verify" for r in self.rows[:n]):
+        if any(r is not None and r.mode in CHECKED for r in self.rows[:n]):
             self._feed_verify(n)
         else:
             live = self.live[:n]
@@ -271,7 +279,9 @@ class Scheduler:
         position 0 (their smashed step); a verify row feeds [t0, d1..dn] and keeps the longest prefix of drafts
         that the base's argmax agrees with (`accept_greedy`): those are reported with this step, the next
         token is the base's own (this step's macro-step picks it greedily from the state after them), and the
-        entries of rejected drafts lie past the row's cache length, where the next pass overwrites them."""
+        entries of rejected drafts lie past the row's cache length, where the next pass overwrites them. A
+        compress row is checked the same way, under the merger's bias on its merged entries; then its decided
+        step [t0, kept drafts] becomes one entry at the step's first slot (`verify.merge_step`)."""
         dev, live, verify = self.states.device, self.live[:n], self.verify[:n] & self.live[:n]
         width = 1 + int(self.n_drafts[:n].max())
         offsets = torch.arange(width, device=dev)
@@ -283,6 +293,9 @@ class Scheduler:
         slots = torch.where(live, self.cache_len[:n], 0)[:, None] + offsets
         end = int(slots.max()) + 1
         mask = (torch.arange(end, device=dev)[None, None] <= slots[:, :, None])[:, None]  # (n, 1, width, end)
+        compress = self.compress[:n] & live
+        if bool(compress.any()):  # per layer: -inf where hidden, the merger's bias on merged entries
+            mask = merged_mask(self.model.merger, mask, self.merged_len[:n, :end], self.engine.dtype)
         merged = torch.zeros(n, width, dtype=torch.bool, device=dev)
         merged[:, 0] = ~verify & (step_len > 1)
         states = self.engine._base(embeds, positions, CacheView(self.cache, slice(0, n)), RowSlots(slots, end), mask,
@@ -301,7 +314,10 @@ class Scheduler:
             kept_i, t0 = accept_sampled(self.step_tok[i : i + 1, 1:width], nd, q, probs, req.rng)
             at[i], self.next_t0[i] = kept_i[0], t0[0]
         self.states[:n] = torch.stack([s[torch.arange(n, device=dev), at] for s in states], 1)
-        self.cache_len[:n] += live.long() * (1 + at)
+        merge = compress.nonzero().squeeze(1)
+        if len(merge):
+            merge_step(self.model.merger, self.cache, self.cache_len[merge], 1 + at[merge], self.merged_len, merge)
+        self.cache_len[:n] += live.long() * torch.where(compress, 1, 1 + at)
         kept, tokens, rows_l = at.tolist(), self.step_tok[:n].tolist(), rows.tolist()
         added = [0] * n
         for i in rows_l:
@@ -370,9 +386,10 @@ class Scheduler:
             self.rows[row] = req
             for tensor, value in ((self.cache_len, p), (self.prompt_len, p), (self.gen_len, 0),
                                   (self.max_new, req.max_new_tokens), (self.confidence, req.confidence),
-                                  (self.live, True), (self.verify, req.mode == "verify"), (self.n_drafts, 0),
-                                  (self.next_t0, -1)):
+                                  (self.live, True), (self.verify, req.mode in CHECKED),
+                                  (self.compress, req.mode == "compress"), (self.n_drafts, 0), (self.next_t0, -1)):
                 tensor[row] = value
+            self.merged_len[row] = 0
             self._set_eos(row, req.eos)
             req.stats = GenerationStats(sequences=1, prompt_tokens=p, base_forwards=1, row_forwards=1,
                                         unmerged=req.mode == "verify")
@@ -401,9 +418,9 @@ class Scheduler:
             for i, req in sampled:
                 if not on[i]:
                     continue
-                if req.mode == "verify" and not micro and given[i] >= 0:
+                if req.mode in CHECKED and not micro and given[i] >= 0:
                     tok[i] = given[i]
-                elif req.mode == "verify" and micro:
+                elif req.mode in CHECKED and micro:
                     probs = torch.softmax(req.warpers(None, logits[i : i + 1].float()), -1)
                     tok[i] = torch.multinomial(probs, 1, generator=req.rng)[0, 0]
                     self._keep_draft_distribution(i, probs[0])
@@ -430,7 +447,7 @@ class Scheduler:
         step_tok, step_len, ended = macro_step(self.engine, list(self.states[:n].unbind(1)), live,
                                                self.gen_len[:n], limits, self._pick, micro_cache)
         drafts = torch.zeros_like(step_len)
-        if any(r is not None and r.mode == "verify" for r in self.rows[:n]):
+        if any(r is not None and r.mode in CHECKED for r in self.rows[:n]):
             v = verify & live
             drafts = torch.where(v, step_len - 1, 0)
             self.gen_len[:n] -= drafts

@@ -196,9 +196,10 @@ def merged_mask(merger: KVMerger, visible: torch.Tensor, merged_len: torch.Tenso
 
 
 def merge_step(merger: KVMerger, cache: KVCache, start: torch.Tensor, lengths: torch.Tensor,
-               merged_len: torch.Tensor) -> None:
-    """Replace each row's entries start..start+length-1 (every layer) by the merger's one entry at `start`."""
-    rows = torch.arange(start.shape[0], device=start.device)
+               merged_len: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """Replace each row's entries start..start+length-1 (every layer) by the merger's one entry at `start`; the
+    cache's rows 0..B-1, or the given `rows` (B,)."""
+    rows = torch.arange(start.shape[0], device=start.device) if rows is None else rows
     width = int(lengths.max())
     idx = start[:, None] + torch.minimum(torch.arange(width, device=start.device)[None], lengths[:, None] - 1)
     # cache (L, B, kvh, S, hd)[:, rows, :, idx] -> (B, width, L, kvh, hd) -> (L, B, kvh, width, hd)

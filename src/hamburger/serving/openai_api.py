@@ -73,8 +73,9 @@ class _Sampling(_Body):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     confidence: float | None = None  # HAMburger's extra: P(continue) a step needs to take another token
-    # HAMburger's extra: "trust" (steps smashed, drafts kept) or "verify" (drafts checked: the base's exact greedy
-    # output); compress mode is refused with a 400 (it runs in `hamburger generate`, not in the server)
+    # HAMburger's extra: "trust" (steps smashed, drafts kept), "verify" (drafts checked: the base's exact output) or
+    # "compress" (drafts checked by a base that reads each past step as one merged KV entry; a 400 when the model
+    # has no KV merger); None: the model's default mode
     mode: Literal["trust", "verify", "compress"] | None = None
 
     def check(self) -> None:

@@ -15,6 +15,7 @@ import torch
 from fastapi import Request
 
 from hamburger.errors import HamburgerError
+from hamburger.inference.engine import check_merger
 from hamburger.inference.sampling import SamplingParams
 from hamburger.inference.scheduler import PREFILL_TOKENS, RequestEvent, Scheduler
 from hamburger.model.base import encode_chat
@@ -150,10 +151,12 @@ class Service:
         if body.model not in self.names:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server has {self.names}", "model",
                            "model_not_found")
-        mode = body.mode or "trust"
+        mode = body.mode or self.model.config.default_mode
         if mode == "compress":
-            raise ApiError(400, "mode=compress is not served: the server decodes in trust or verify mode "
-                           "(compress runs in `hamburger generate --mode compress`)", "mode")
+            try:
+                check_merger(self.model)
+            except HamburgerError as exc:
+                raise ApiError(400, f"mode=compress: {exc}", "mode") from None
         default = self.default_confidence if mode == "trust" else self.verify_confidence
         try:
             confidence = check_confidence(default if body.confidence is None else body.confidence)
