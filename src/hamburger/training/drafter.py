@@ -33,6 +33,7 @@ from safetensors.torch import load_file, save_file
 from hamburger.errors import HamburgerError
 from hamburger.model.hamburger_model import HamburgerModel
 from hamburger.training.examples import read_examples, split_eval
+from hamburger.training.precision import bf16_autocast
 
 TRAINED = ("micro", "stop_head")  # the embedder and slot adapters are not touched by this objective
 
@@ -161,6 +162,8 @@ def evaluate_drafter(model: HamburgerModel, examples: list, max_len: int, bins: 
 class DrafterTrainer:
     def __init__(self, model: HamburgerModel, args: DrafterArgs) -> None:
         self.model, self.args, self.out = model, args, Path(args.out)
+        self.device_type = next(model.parameters()).device.type
+        self.bf16 = bf16_autocast(args.bf16, self.device_type)
         train, held = split_eval(read_examples(Path(args.data)), args.eval_fraction)
         self.train = [ex for _, ex in train]
         self.held = [ex for _, ex in held][: args.eval_examples]
@@ -219,9 +222,7 @@ class DrafterTrainer:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
 
     def autocast(self):
-        device = next(self.model.parameters()).device.type
-        usable = device == "cuda" or torch.backends.mkldnn.is_available()
-        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.args.bf16 and usable)
+        return torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16)
 
     def evaluate(self) -> dict[str, float]:
         self.model.eval()

@@ -48,6 +48,7 @@ from hamburger.training.examples import (
     split_eval,
 )
 from hamburger.training.export import cmd_export
+from hamburger.training.precision import bf16_autocast
 from hamburger.training.teacher import teacher_dir
 
 MODES = ("frozen", "lora", "full")
@@ -129,7 +130,7 @@ class Trainer:
         self.args, self.out = args, Path(args.out)
         rows = read_examples(Path(args.data))
         self.teacher_top_k = attach_teacher(rows, Path(args.data), model) if args.kd_weight and args.teacher_cache else 0
-        bf16 = args.bf16 and (torch.cuda.is_available() or torch.backends.mkldnn.is_available())
+        bf16 = bf16_autocast(args.bf16, "cuda" if torch.cuda.is_available() else "cpu")
         tracker = check_tracker(args.report_to)
         self.acc = Accelerator(gradient_accumulation_steps=args.grad_accum, mixed_precision="bf16" if bf16 else "no",
                                cpu=not torch.cuda.is_available(),  # cpu=True lets torchrun workers use gloo
