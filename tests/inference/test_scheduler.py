@@ -356,6 +356,33 @@ def test_compress_requests_follow_the_mergers_stepwise_reference():
     assert len(set(lengths)) >= 3, lengths
 
 
+@pytest.mark.parametrize("mode", ["verify", "compress"])
+def test_sampled_checked_request_does_not_depend_on_its_neighbours(mode):
+    """A seeded sampled verify or compress request (drafts drawn and accepted by speculative sampling) gets the
+    same tokens beside a greedy verify request (which drafts more or fewer tokens per pass) and a sampled trust
+    request as alone in the scheduler: it draws its random numbers for its own drafts only."""
+    model = hamburger("llama", k=4)
+    model.attach_merger(random_merger(model.base))
+    params = SamplingParams(temperature=1.0, seed=5)
+
+    def run(neighbours: bool) -> list[int]:
+        sched = Scheduler(model, max_batch_size=3, max_len=64)
+        rid = sched.submit(PROMPTS[2], 16, confidence=0.05, sampling=params, mode=mode)
+        if neighbours:
+            sched.submit(PROMPTS[0], 12, confidence=0.05, mode="verify")
+            sched.submit(PROMPTS[1], 9, confidence=0.3, sampling=SamplingParams(temperature=0.7, seed=1))
+        tokens, drafted = [], 0
+        while sched.has_work():
+            for e in sched.step():
+                if e.id == rid:
+                    tokens += e.tokens
+                    drafted = e.stats.drafted_tokens
+        assert drafted > 0
+        return tokens
+
+    assert run(True) == run(False)
+
+
 def test_compress_needs_a_merger():
     sched = Scheduler(hamburger("llama", k=4), max_batch_size=2, max_len=64)
     with pytest.raises(HamburgerError, match="compress mode needs a KV merger"):

@@ -308,10 +308,12 @@ class Scheduler:
             req = self.rows[i]
             if req.sampling.greedy:
                 continue
-            nd = self.n_drafts[i : i + 1]
-            probs = torch.softmax(req.warpers(None, logits[j].float()), -1)[None]  # (1, width, V)
-            q = self.q[i : i + 1, : width - 1] if self.q is not None else probs.new_zeros(1, width - 1, probs.shape[-1])
-            kept_i, t0 = accept_sampled(self.step_tok[i : i + 1, 1:width], nd, q, probs, req.rng)
+            # Only the row's own drafts: the random numbers it draws must not depend on its neighbours' drafts.
+            nd = int(self.n_drafts[i])
+            probs = torch.softmax(req.warpers(None, logits[j, : nd + 1].float()), -1)[None]  # (1, nd + 1, V)
+            q = self.q[i : i + 1, :nd] if self.q is not None else probs.new_zeros(1, nd, probs.shape[-1])
+            kept_i, t0 = accept_sampled(self.step_tok[i : i + 1, 1 : 1 + nd], self.n_drafts[i : i + 1], q, probs,
+                                        req.rng)
             at[i], self.next_t0[i] = kept_i[0], t0[0]
         self.states[:n] = torch.stack([s[torch.arange(n, device=dev), at] for s in states], 1)
         merge = compress.nonzero().squeeze(1)
