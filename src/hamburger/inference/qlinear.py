@@ -237,12 +237,32 @@ class Int4Linear(QuantizedLinear):
         return module
 
 
-class Fp16Linear(QuantizedLinear):
-    """Weights rounded to float16 and packed once for FBGEMM's float16 GEMM (`quantized::linear_dynamic_fp16`,
-    x86 CPUs): float32 activations, accumulation and output; half the bytes of float32 weights to read per
-    step. Each row's output is independent of how many rows go through (a test)."""
+class Fp16Weights(QuantizedLinear):
+    """What every fp16 layer shares: float32 compute, two bytes a weight, and the disk cache's float16 tensors."""
 
     scheme = "fp16"
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def packed_nbytes(self) -> int:
+        """Bytes of the packed weights (an opaque object, not a buffer)."""
+        return self.in_features * self.out_features * 2
+
+    def portable(self) -> dict[str, torch.Tensor]:
+        out = {"w16": self.dequantize().half()}
+        if self.bias is not None:
+            out["bias"] = self.bias.detach().cpu()
+        return out
+
+
+class Fp16Linear(Fp16Weights):
+    """Weights rounded to float16 and packed once for FBGEMM's float16 GEMM (`quantized::linear_dynamic_fp16`,
+    x86 CPUs): float32 activations, accumulation and output; half the bytes of float32 weights to read per
+    step. Each row's output is independent of how many rows go through: bit for bit with the AVX-512 kernels,
+    to the last bits with the AVX2 ones (a test)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight.shape[1], weight.shape[0], bias)
@@ -255,10 +275,6 @@ class Fp16Linear(QuantizedLinear):
     def from_linear(cls, linear: nn.Linear, group_size: int = 0) -> Fp16Linear:
         return cls(linear.weight, linear.bias)
 
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return torch.float32
-
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
 
@@ -269,17 +285,6 @@ class Fp16Linear(QuantizedLinear):
 
     def dequantize(self) -> torch.Tensor:
         return torch.ops.quantized.linear_unpack_fp16(self.packed)[0]
-
-    @property
-    def packed_nbytes(self) -> int:
-        """Bytes of the packed weights (an opaque object, not a buffer)."""
-        return self.in_features * self.out_features * 2
-
-    def portable(self) -> dict[str, torch.Tensor]:
-        out = {"w16": self.dequantize().half()}
-        if self.bias is not None:
-            out["bias"] = self.bias.detach().cpu()
-        return out
 
     @classmethod
     def from_portable(cls, t: dict[str, torch.Tensor], device: torch.device, group_size: int = 0) -> Fp16Linear:
@@ -319,11 +324,9 @@ class Fp16Group:
         return out
 
 
-class Fp16Part(QuantizedLinear):
+class Fp16Part(Fp16Weights):
     """One projection of an `Fp16Group`: the forward, weights, bias and cache tensors of the `Fp16Linear` it
     replaces (so the disk cache and the byte counts see the same layers as before fusion)."""
-
-    scheme = "fp16"
 
     def __init__(self, group: Fp16Group, index: int, bias: torch.Tensor | None) -> None:
         start, end = group.bounds[index]
@@ -331,26 +334,12 @@ class Fp16Part(QuantizedLinear):
         self.__dict__["group"] = group  # shared by the siblings, not a submodule of each
         self.index = index
 
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        return torch.float32
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.part(x, self.index)
 
     def dequantize(self) -> torch.Tensor:
         start, end = self.group.bounds[self.index]
         return self.group.linear.dequantize()[start:end]
-
-    @property
-    def packed_nbytes(self) -> int:
-        return self.in_features * self.out_features * 2
-
-    def portable(self) -> dict[str, torch.Tensor]:
-        out = {"w16": self.dequantize().half()}
-        if self.bias is not None:
-            out["bias"] = self.bias.detach().cpu()
-        return out
 
 
 def carry_hooks(old: nn.Module, new: nn.Module) -> nn.Module:
