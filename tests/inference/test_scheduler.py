@@ -244,6 +244,9 @@ def test_verify_requests_equal_the_base_beside_trust_requests(arch, rows):
                 ids[sched.submit(prompt, limit, confidence=0.01 if modes[j] == "verify" else 0.3, mode=modes[j])] = j
         for ev in sched.step():
             out.setdefault(ids[ev.id], []).append(ev)
+        held = [r for r in sched.rows if r is not None]  # verify rows hold an entry per token, trust rows per step
+        assert sched.kv_entries() == sum(len(r.prompt) + (len(r.tokens) if r.mode == "verify" else len(r.steps))
+                                         for r in held)
         step += 1
         assert step < 500
     for j, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
@@ -290,6 +293,10 @@ def test_compress_requests_equal_compress_mode_alone(arch, rows):
                 ids[sched.submit(prompt, limit, confidence=conf[modes[j]], mode=modes[j])] = j
         for ev in sched.step():
             out.setdefault(ids[ev.id], []).append(ev)
+        # entries held: the prompt's, then one per step (trust, compress) or one per token (verify)
+        held = [r for r in sched.rows if r is not None]
+        assert sched.kv_entries() == sum(len(r.prompt) + (len(r.tokens) if r.mode == "verify" else len(r.steps))
+                                         for r in held)
         step += 1
     for j, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
         alone = engine.generate([prompt], max_new_tokens=limit, confidence=conf[modes[j]], mode=modes[j])

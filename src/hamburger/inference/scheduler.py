@@ -182,8 +182,9 @@ class Scheduler:
         return bool(self._waiting or self._cancels or self.running)
 
     def kv_entries(self) -> int:
-        """KV entries per layer held by the running requests."""
-        return sum(len(r.prompt) + len(r.steps) for r in self.rows if r is not None)
+        """KV entries per layer held by the running requests (`GenerationStats.kv_entries`: one per step in trust
+        and compress mode, one per token in verify mode, plus the prompt's)."""
+        return sum(r.stats.kv_entries for r in self.rows if r is not None)
 
     # --- the model thread ----------------------------------------------------------------------------------
 
