@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from conftest import hamburger
+from conftest import hamburger, tiny_base
 from hamburger import HamburgerModel, generate
 from hamburger.inference import qlinear
 from hamburger.inference import quantize as qz
@@ -228,6 +228,26 @@ def test_fp16_fuses_sibling_projections_into_one_gemm(monkeypatch):
     quantize_model(model, "fp16", skip=())
     assert type(model.embedder.q_proj) is Fp16Linear and type(model.embedder.k_proj) is Fp16Linear
     assert isinstance(model.base.model.layers[0].self_attn.q_proj, qlinear.Fp16Part)
+
+
+@needs_fbgemm
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_fp16_fused_projections_keep_biases_and_outputs(arch):
+    """Qwen2's q/k/v carry biases: the fused GEMM adds each part's own (and none where a part has none)."""
+    ids = torch.randint(2, 90, (2, 10), generator=torch.Generator().manual_seed(0))
+    unfused, fused = tiny_base(arch).eval(), tiny_base(arch).eval()
+    with torch.no_grad():  # transformers initialises biases to zero: make them matter
+        for model in (unfused, fused):
+            gen = torch.Generator().manual_seed(1)
+            for m in model.modules():
+                if isinstance(m, nn.Linear) and m.bias is not None:
+                    m.bias.copy_(torch.randn(m.bias.shape, generator=gen))
+    quantize_model(unfused, "fp16", fuse=False)
+    quantize_model(fused, "fp16")
+    attn = fused.model.layers[0].self_attn
+    assert isinstance(attn.q_proj, qlinear.Fp16Part) and (attn.q_proj.bias is not None) == (arch == "qwen2")
+    ref = logits(unfused, ids)
+    assert (logits(fused, ids) - ref).abs().max() <= 4e-6 * ref.abs().max()
 
 
 def test_fp16_refused_off_cpu():

@@ -293,8 +293,8 @@ class Fp16Linear(Fp16Weights):
 
 class Fp16Group:
     """One packed float16 GEMM for sibling projections that read the same input: a decoder layer's q/k/v, or its
-    MLP's gate/up. Fewer, larger GEMMs: at batch 1 a CPU decode step is as much per-call overhead as weight
-    reading (docs/quantize.md). Each sibling becomes an `Fp16Part`, so the callers (the engine's
+    MLP's gate/up. Fewer, larger GEMMs: 90 fewer calls a base step of the default, 1.06x faster (docs/quantize.md).
+    Each sibling becomes an `Fp16Part`, so the callers (the engine's
     `layers.project`, transformers' own attention and MLP forwards, the slot adapters' hooks) stay unchanged.
 
     The first part called with an input computes every part's output in one GEMM; its siblings called with the
