@@ -273,3 +273,45 @@ def test_bad_inputs_are_one_line_errors(tmp_path, ckpt, tiny_model_dir, capsys):
     assert main(argv(ckpt, data, fresh, *run, "--resume")) == 0
     assert "resumed" not in capsys.readouterr().err
     assert [r["step"] for r in read_log(fresh)] == [0, 1]
+
+
+# --- the micro-step decoder with context (EAGLE-style: it also attends to the base's keys and values) ------------
+
+
+@pytest.mark.parametrize("window", [3, 100])
+def test_micro_context_rows_batched_as_one_sequence_equal_each_row_alone(arch, window):
+    model = hamburger(arch, k=K, micro_layers=2, micro_context=window)
+    micro = model.micro
+    assert micro.context_layers == [2, 3]  # the top layers of the 4-layer base, which it was copied from
+    ids, p = [7, 30, 51, 12, 9, 88, 40, 23, 64, 17, 5, 70, 33, 8], 3
+    b = draft_batch(model, ids, p, None)
+    m = micro.num_features
+    norms = torch.stack([norm(b.feats[:, j]) for j, norm in enumerate(micro.feature_norms)], 1)
+    x = torch.cat([norms, model.embed(b.inputs)], 1)
+    with torch.no_grad():
+        batched = drafter.micro_states(model, x, b, chunk=4)  # rows in chunks: the chunking is covered too
+        q = x.shape[1]
+        for n, s in enumerate(b.s.tolist()):
+            lo = max(0, s - window + 1)
+            keys = [k[:, :, lo : s + 1] for k in b.ctx_k]
+            values = [v[:, :, lo : s + 1] for v in b.ctx_v]
+            own = torch.ones(q, q).tril().bool()
+            mask = torch.cat([torch.ones(q, s + 1 - lo, dtype=torch.bool), own], 1)[None, None]
+            alone = micro.forward_context(x[n : n + 1], torch.arange(s + 1, s + 1 + q)[None], keys, values, mask)
+            torch.testing.assert_close(batched[n], alone[0], atol=1e-5, rtol=1e-5)
+        # The context is read: other keys of the base change the drafts (and without any, it is the plain decoder).
+        b.ctx_v = [v.flip(2) for v in b.ctx_v]
+        assert not torch.allclose(drafter.micro_states(model, x, b)[:, m:], batched[:, m:], atol=1e-3)
+        empty = [k[:, :, :0].expand(len(x), -1, -1, -1) for k in b.ctx_k]
+        plain = micro.forward_context(x, torch.arange(q)[None].expand(len(x), -1), empty, empty,
+                                      torch.ones(q, q).tril().bool()[None, None])
+        torch.testing.assert_close(plain, micro(x), atol=1e-5, rtol=1e-5)
+
+
+def test_micro_context_trains_and_is_saved(tmp_path, ckpt):
+    data = write_data(tmp_path / "data.jsonl")
+    out = tmp_path / "run"
+    quiet(main, argv(ckpt, data, out, "--max-steps", "4", "--micro-context", "8"))
+    cfg = json.loads((out / "hamburger" / "config.json").read_text())["hamburger"]
+    assert cfg["micro_context"] == 8
+    assert HamburgerModel.from_pretrained(out / "hamburger").micro.context == 8

@@ -29,6 +29,27 @@ if TYPE_CHECKING:
 Pick = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 
 
+@dataclass
+class MicroContext:
+    """What a micro-step decoder with context (`micro_context` > 0) reads of the base: the base's cache (its
+    rows those of the macro-step), the entries each row may see (n, end) and the position of the state the
+    features come from (n,); the micro inputs take the positions after it."""
+
+    cache: KVCache
+    visible: torch.Tensor
+    base_pos: torch.Tensor
+
+
+def micro_context(engine: Engine, cache: KVCache, in_use: torch.Tensor, base_pos: torch.Tensor) -> MicroContext | None:
+    """The context of a macro-step (None for a decoder without one): of each row's entries in use (n, end),
+    the latest `micro_context`, as in training (`train-drafter --micro-context`)."""
+    window = engine.model.micro.context
+    if not window or engine.k == 1:
+        return None
+    latest = in_use.long().flip(-1).cumsum(-1).flip(-1) <= window
+    return MicroContext(cache, in_use & latest, base_pos)
+
+
 class MicroRun:
     """The micro-step decoder over one macro-step of n rows.
 
@@ -36,8 +57,9 @@ class MicroRun:
     (t_0 first, then each micro token) and returns the normed state (n, d) that predicts the next one.
     """
 
-    def __init__(self, engine: Engine, feats: list[torch.Tensor], cache: KVCache) -> None:
-        self.engine, self.feats, self.cache, self.fed = engine, feats, cache, 0
+    def __init__(self, engine: Engine, feats: list[torch.Tensor], cache: KVCache,
+                 context: MicroContext | None = None) -> None:
+        self.engine, self.feats, self.cache, self.context, self.fed = engine, feats, cache, context, 0
 
     def __call__(self, tok: torch.Tensor) -> torch.Tensor:
         micro = self.engine.model.micro
@@ -48,7 +70,7 @@ class MicroRun:
         else:
             start = micro.num_features + self.fed
         self.fed += 1
-        return self.engine._micro(x, self.cache, start)
+        return self.engine._micro(x, self.cache, start, self.context)
 
 
 @dataclass
@@ -66,13 +88,15 @@ class Limits:
 
 
 def macro_step(engine: Engine, states: list[torch.Tensor], live: torch.Tensor, gen_len: torch.Tensor, limits: Limits,
-               pick: Pick, cache: KVCache | None, forced_len: torch.Tensor | None = None):
+               pick: Pick, cache: KVCache | None, forced_len: torch.Tensor | None = None,
+               context: MicroContext | None = None):
     """One macro-step over n rows: token 0 from the base's head, then micro-steps while any live row's step goes on.
 
     `states`: [final normed state, feature_1..feature_m] of the last base pass, each (n, d). `live` (n,): the
     rows that decode (the others are computed but emit nothing). `gen_len` (n,): tokens generated so far, updated
     in place. `cache`: the micro-step decoder's cache for the n rows. `forced_len` (n,): where > 0, the step
-    takes that many tokens whatever the stop head says (EOS and the budget still end it).
+    takes that many tokens whatever the stop head says (EOS and the budget still end it). `context`: what a
+    micro-step decoder with context reads of the base (`micro_context`).
 
     Returns the step's tokens (n, K), their number (n,) (0 on rows not live) and the rows that ended.
     The one host sync per micro-step is `go_on.any()`; nothing per token.
@@ -89,7 +113,7 @@ def macro_step(engine: Engine, states: list[torch.Tensor], live: torch.Tensor, g
     if k == 1:
         return step_tok, step_len, ended
     go_on &= _goes_on(model.stop_head(h0), step_len, forced_len, limits.confidence)
-    run = MicroRun(engine, feats, cache)
+    run = MicroRun(engine, feats, cache, context)
     for i in range(1, k):
         if not bool(go_on.any()):  # the one host sync per micro-step: does any step go on?
             break

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hamburger.errors import HamburgerError
-from hamburger.inference.core import Limits, macro_step
+from hamburger.inference.core import Limits, MicroContext, macro_step, micro_context
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
 from hamburger.inference.qlinear import Fp16Linear
 from hamburger.inference.reference import (
@@ -39,6 +39,7 @@ from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
 from hamburger.model.config import check_confidence, check_mode
 from hamburger.model.hamburger_model import HamburgerModel
+from hamburger.model.layers import attend, project
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 ENGINES = ("auto", "fast", "reference")
@@ -171,15 +172,30 @@ class Engine:
         final = base.norm(x[:, -1] if last else x)
         return [final] + [feats[i] if i < depth else final for i in wanted]
 
-    def _micro(self, x: torch.Tensor, cache: KVCache, start: int) -> torch.Tensor:
-        """Micro-step decoder over (B, T, d) new inputs following `start` cached ones -> normed (B, d) at the last."""
+    def _micro(self, x: torch.Tensor, cache: KVCache, start: int, context: MicroContext | None = None) -> torch.Tensor:
+        """Micro-step decoder over (B, T, d) new inputs following `start` cached ones -> normed (B, d) at the last.
+
+        With a `context`, each micro layer also attends to the base's entries of the layer it was copied from
+        (`MicroContext.visible` of them), and the inputs take the positions after the features' state."""
         micro = self.model.micro
         b, t, _ = x.shape
-        positions = torch.arange(start, start + t, device=x.device)[None].expand(b, -1)
-        rope = micro.rotary_emb(x, positions)
-        mask = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)[None, None]
+        offsets = torch.arange(start, start + t, device=x.device)[None]
+        own = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)[None, None]
+        if context is None:
+            rope = micro.rotary_emb(x, offsets.expand(b, -1))
+            for i, layer in enumerate(micro.layers):
+                x = layer_forward(layer, x, rope, cache, i, start, own)
+            return micro.norm(x[:, -1])
+        rope = micro.rotary_emb(x, context.base_pos[:, None] + 1 + offsets)
+        end = context.visible.shape[1]
+        mask = torch.cat([context.visible[:, None, None].expand(-1, 1, t, -1), own.expand(b, -1, -1, -1)], -1)
+        base_k, base_v = context.cache.k, context.cache.v
         for i, layer in enumerate(micro.layers):
-            x = layer_forward(layer, x, rope, cache, i, start, mask)
+            q, k, v = project(layer, x, rope)
+            k, v = cache.update(i, start, k, v)
+            src = micro.context_layers[i]
+            x = attend(layer, x, q, torch.cat([base_k[src, :, :, :end], k], 2),
+                       torch.cat([base_v[src, :, :, :end], v], 2), mask)
         return micro.norm(x[:, -1])
 
     # --- the loop ------------------------------------------------------------------------------------------
@@ -236,7 +252,10 @@ class Engine:
         done = torch.zeros(bsz, dtype=torch.bool, device=dev)
         for step in range(gen.max_new_tokens):
             forced_len = None if forced is None else forced[:, min(step, forced.shape[1] - 1)]
-            step_tok, step_len, ended = macro_step(self, states, ~done, gen_len, limits, pick, micro_cache, forced_len)
+            # The base's state that the step starts from: the last prompt token, then each step's last token.
+            ctx = micro_context(self, cache, valid[:, :slot], lengths + gen_len - 1) if model.micro.context else None
+            step_tok, step_len, ended = macro_step(self, states, ~done, gen_len, limits, pick, micro_cache, forced_len,
+                                                   ctx)
             if step == 0:
                 gen.stats.prefill_s = time.perf_counter() - start_t
             done |= ended

@@ -238,6 +238,9 @@ def stream(
     eos_token_ids: set[int] | None = None,
 ) -> Generation:
     """Validate inputs and return a `Generation` to iterate over, one `StepEvent` per macro-step."""
+    if model.micro.context:
+        raise HamburgerError("a micro-step decoder with context (micro_context) runs on the fast engine only "
+                             "(Llama, Mistral, Qwen2, Qwen3 bases), not on the reference path")
     prompts, forced_steps = check_request(prompts, max_new_tokens, forced_steps, model.config.max_step_tokens)
     confidence = check_confidence(model.config.default_confidence if confidence is None else confidence)
     return Generation(

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hamburger.inference.core import Limits, macro_step
+from hamburger.inference.core import Limits, MicroContext, macro_step, micro_context
 from hamburger.inference.kv import KVCache, RowSlots
 from hamburger.inference.reference import StepEvent
 from hamburger.inference.sampling import SamplingParams
@@ -65,7 +65,7 @@ def accept_sampled(drafts: torch.Tensor, n_drafts: torch.Tensor, q: torch.Tensor
 
 
 def draft(engine: Engine, states: list[torch.Tensor], t0: torch.Tensor, limit: torch.Tensor, confidence: float,
-          sampling: SamplingParams, rng, warpers, cache: KVCache):
+          sampling: SamplingParams, rng, warpers, cache: KVCache, context: MicroContext | None = None):
     """Up to min(K-1, limit) drafts per row from the micro-step decoder: `core.macro_step` with token 0 given
     (the base's own) and the micro tokens read as drafts (no EOS ends a draft; the base decides).
 
@@ -86,7 +86,7 @@ def draft(engine: Engine, states: list[torch.Tensor], t0: torch.Tensor, limit: t
     live = torch.ones(bsz, dtype=torch.bool, device=t0.device)
     gen_len = torch.zeros(bsz, dtype=torch.long, device=t0.device)
     limits = Limits(torch.full((1, 1), -1, device=t0.device), limit + 1, confidence)  # t0 + at most `limit` drafts
-    step_tok, step_len, _ = macro_step(engine, states, live, gen_len, limits, pick, cache)
+    step_tok, step_len, _ = macro_step(engine, states, live, gen_len, limits, pick, cache, context=context)
     n = step_len - 1
     d = int(n.max()) if bsz else 0
     return step_tok[:, 1 : 1 + d], n, torch.stack(qs, 1)[:, :d] if qs else None
@@ -143,8 +143,16 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
             return
         # Drafts may not run past the token budget: the pass adds the kept drafts and one token of the base's.
         left = torch.tensor([0 if d else gen.max_new_tokens - len(t) - 1 for d, t in zip(done, gen.tokens)], device=dev)
-        drafts, n_drafts, q = (draft(engine, states, t0, left, gen.confidence, gen.sampling, rng, warpers, micro_cache)
-                               if k > 1 else (torch.zeros(bsz, 0, dtype=torch.long, device=dev), left * 0, None))
+        if k > 1:
+            ctx = None
+            if model.micro.context:
+                used = torch.tensor(cache_len, device=dev)
+                in_use = valid[:, : max(cache_len)] & (torch.arange(max(cache_len), device=dev) < used[:, None])
+                ctx = micro_context(engine, cache, in_use, next_pos - 1)  # the state that produced t0
+            drafts, n_drafts, q = draft(engine, states, t0, left, gen.confidence, gen.sampling, rng, warpers,
+                                        micro_cache, ctx)
+        else:
+            drafts, n_drafts, q = torch.zeros(bsz, 0, dtype=torch.long, device=dev), left * 0, None
         gen.stats.drafted_tokens += int(n_drafts.sum())
         tokens = torch.cat([t0[:, None], drafts], 1)
         t = tokens.shape[1]

@@ -25,6 +25,9 @@ class HamburgerConfig:
     num_features: int = 4  # base layers whose hidden states condition the micro-step decoder
     feature_layers: list[int] = field(default_factory=list)
     init_micro_from_top: bool = True  # copy the base's top layers into the micro-step decoder
+    # > 0: each micro-step layer also attends to the base's keys and values of the layer it was copied from, over
+    # the latest `micro_context` positions (EAGLE-style context); 0: the paper's features-only decoder.
+    micro_context: int = 0
     position_dim: int = 64  # size of the learned relative-position vector the embedder concatenates
     stop_hidden: int = 0  # hidden width of the stop head MLP; 0 = half the model width
     default_confidence: float = 0.8
@@ -46,6 +49,8 @@ class HamburgerConfig:
             raise HamburgerError(f"max_step_tokens must be >= 1, got {self.max_step_tokens}")
         if self.micro_layers < 1 or self.num_features < 1:
             raise HamburgerError("micro_layers and num_features must be >= 1")
+        if self.micro_context < 0:
+            raise HamburgerError(f"micro_context must be >= 0, got {self.micro_context}")
         check_confidence(self.default_confidence)
         check_confidence(self.verify_confidence)
         check_mode(self.default_mode)

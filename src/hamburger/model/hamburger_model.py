@@ -47,7 +47,8 @@ class HamburgerModel(nn.Module):
         self.embedder = CompositionalEmbedder(
             bcfg.hidden_size, bcfg.num_attention_heads, cfg.max_step_tokens, cfg.position_dim
         )
-        self.micro = MicroStepDecoder(base, cfg.micro_layers, cfg.feature_layers, cfg.init_micro_from_top)
+        self.micro = MicroStepDecoder(base, cfg.micro_layers, cfg.feature_layers, cfg.init_micro_from_top,
+                                       cfg.micro_context)
         self.stop_head = StopHead(bcfg.hidden_size, cfg.stop_hidden)
         self.slot_adapters = SlotAdapters(base, cfg.slot_adapter_rank, cfg.slot_adapter_alpha, cfg.slot_adapter_targets)
         if cfg.lora_rank:
@@ -253,6 +254,9 @@ class HamburgerModel(nn.Module):
         over the layers, where h_base is the base's state at the step's last token (the slot's position).
         `dense_metrics` computes both (for held-out figures) whatever their weights.
         """
+        if self.micro.context:
+            raise HamburgerError("`hamburger train` trains the features-only micro-step decoder; one with context "
+                                 "(micro_context) trains with `hamburger train-drafter --micro-context`")
         from hamburger.inference.reference import eos_ids  # noqa: PLC0415 - generate imports this module
 
         k = self.config.max_step_tokens

@@ -8,6 +8,8 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from hamburger.model.layers import attend, project
+
 
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float = 1e-6) -> None:
@@ -36,9 +38,14 @@ class MicroStepDecoder(nn.Module):
 
     The output at the position of emb(t_i) predicts t_{i+1} through the base's LM head. Features taken
     before the final norm are raw residual streams of very different scales, so each gets an RMSNorm.
+
+    With `context` > 0, micro layer i also attends to the base's (rotated) keys and values of base layer
+    `context_layers[i]` (the top layer it was copied from) over the latest `context` positions, and its own
+    inputs take the absolute positions that follow them (`forward_context`).
     """
 
-    def __init__(self, base: PreTrainedModel, num_layers: int, feature_layers: list[int], init_from_top: bool) -> None:
+    def __init__(self, base: PreTrainedModel, num_layers: int, feature_layers: list[int], init_from_top: bool,
+                 context: int = 0) -> None:
         super().__init__()
         decoder = base.base_model
         base_layers = decoder.layers
@@ -49,6 +56,8 @@ class MicroStepDecoder(nn.Module):
             for layer, src in zip(self.layers, base_layers[len(base_layers) - num_layers :]):
                 layer.load_state_dict(src.state_dict())
         num_base_layers = len(base_layers)
+        self.context = context
+        self.context_layers = list(range(num_base_layers - num_layers, num_base_layers))
         self.feature_layers = list(feature_layers)
         # The final output (index L) is already normed by the base; the others are raw residual streams.
         self.feature_norms = nn.ModuleList(
@@ -83,6 +92,17 @@ class MicroStepDecoder(nn.Module):
                 position_embeddings=position_embeddings,
             )
             x = out[0] if isinstance(out, tuple) else out
+        return self.norm(x)
+
+    def forward_context(self, x: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
+                        values: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
+        """x (B, q, d) at absolute `positions` (B, q), after context keys/values (one (B, kv_heads, T, hd) per
+        micro layer, rotated at their own positions); `mask` (B or 1, 1, q, T + q) bool, True = attend.
+        Returns normed (B, q, d)."""
+        rope = self.rotary_emb(x, positions)
+        for layer, ck, cv in zip(self.layers, keys, values):
+            q, k, v = project(layer, x, rope)
+            x = attend(layer, x, q, torch.cat([ck, k], 2), torch.cat([cv, v], 2), mask)
         return self.norm(x)
 
 

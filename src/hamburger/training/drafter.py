@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
+from transformers import DynamicCache
 
 from hamburger.errors import HamburgerError
 from hamburger.model.hamburger_model import HamburgerModel
@@ -52,6 +53,7 @@ class DrafterArgs:
     eval_examples: int = 40
     eval_every: int = 250
     save_every: int = 100
+    micro_context: int = -1  # > 0: the micro-step decoder attends to that many latest base positions; -1: as the checkpoint
     bf16: bool = True  # autocast the training passes (not the evaluation) where the CPU or GPU has bf16
     seed: int = 0
 
@@ -63,6 +65,9 @@ class DraftBatch:
     teacher: torch.Tensor  # (N, K-1, V') base log-probs of tokens s+2 .. s+K over the drafter's vocabulary V'
     greedy: torch.Tensor  # (N, K-1) the base's greedy tokens s+2 .. s+K (ids in the full vocabulary)
     h0: torch.Tensor  # (N, d) the base's final normed state at s (it produced token 0 = s+1)
+    s: torch.Tensor | None = None  # (N,) the positions (with context)
+    ctx_k: list[torch.Tensor] | None = None  # the base's keys (1, kv_heads, T, hd) of each micro layer's source layer
+    ctx_v: list[torch.Tensor] | None = None
 
 
 @torch.no_grad()
@@ -83,8 +88,9 @@ def draft_batch(model: HamburgerModel, ids: list[int], prompt_len: int, position
         return None
     if positions and len(s) > positions:
         s = s[torch.randperm(len(s), generator=gen)[:positions].to(dev)].sort().values
+    cache = DynamicCache() if model.micro.context else None
     hidden = model.base_forward(model.embed(x[None]), torch.ones(1, t, dtype=torch.long, device=dev),
-                                torch.arange(t, device=dev)[None])
+                                torch.arange(t, device=dev)[None], cache=cache)
     at = (torch.zeros_like(s), s)
     offsets = torch.arange(k, device=dev)
     rows = s[:, None] + offsets[1:]  # the positions whose next token a micro-step predicts
@@ -95,7 +101,34 @@ def draft_batch(model: HamburgerModel, ids: list[int], prompt_len: int, position
     vocab = model.micro_vocab
     logp = F.log_softmax(logits if vocab is None else logits[:, vocab.to(dev)], -1)[inverse]
     feats = torch.stack([hidden[i][at] for i in model.micro.feature_layers], dim=-2)
-    return DraftBatch(feats, x[s[:, None] + 1 + offsets[:-1]], logp, greedy, hidden[-1][at])
+    batch = DraftBatch(feats, x[s[:, None] + 1 + offsets[:-1]], logp, greedy, hidden[-1][at])
+    if cache is not None:
+        layers = [cache.layers[i] for i in model.micro.context_layers]
+        batch.s, batch.ctx_k, batch.ctx_v = s, [c.keys for c in layers], [c.values for c in layers]
+    return batch
+
+
+def micro_states(model: HamburgerModel, x: torch.Tensor, b: DraftBatch, chunk: int = 128) -> torch.Tensor:
+    """The micro-step decoder over (N, q, d) inputs [features, tokens] -> normed (N, q, d).
+
+    With context, the N rows run as one sequence (up to `chunk` rows at a time) under a mask where row r's
+    inputs, at positions s_r+1.., see the base's entries (s_r - context, s_r] and their own earlier inputs.
+    """
+    micro = model.micro
+    if not micro.context:
+        return micro(x)
+    n, q, d = x.shape
+    out = []
+    for lo in range(0, n, chunk):
+        s, xs = b.s[lo: lo + chunk], x[lo: lo + chunk]
+        r = len(s)
+        key = torch.arange(b.ctx_k[0].shape[2], device=x.device)
+        seen = (key <= s[:, None]) & (key > s[:, None] - micro.context)  # (r, T)
+        own = torch.block_diag(*[torch.ones(q, q, device=x.device).tril()] * r).bool()
+        mask = torch.cat([seen.repeat_interleave(q, 0), own], 1)[None, None]
+        positions = (s[:, None] + 1 + torch.arange(q, device=x.device)).reshape(1, -1)
+        out.append(micro.forward_context(xs.reshape(1, r * q, d), positions, b.ctx_k, b.ctx_v, mask).view(r, q, d))
+    return torch.cat(out)
 
 
 def draft_forward(model: HamburgerModel, b: DraftBatch) -> tuple[torch.Tensor, torch.Tensor]:
@@ -105,7 +138,7 @@ def draft_forward(model: HamburgerModel, b: DraftBatch) -> tuple[torch.Tensor, t
     """
     m = model.micro.num_features
     feats = torch.stack([norm(b.feats[:, j]) for j, norm in enumerate(model.micro.feature_norms)], dim=1)
-    out = model.micro(torch.cat([feats, model.embed(b.inputs)], 1))[:, m:]  # (N, K-1, d)
+    out = micro_states(model, torch.cat([feats, model.embed(b.inputs)], 1), b)[:, m:]  # (N, K-1, d)
     states = torch.cat([b.h0[:, None], out[:, :-1]], 1)  # the states that produced tokens 0..K-2
     head = model.base.get_output_embeddings().weight
     if model.micro_vocab is not None:
@@ -278,6 +311,9 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if not trained or model.config.max_step_tokens < 2:
         raise HamburgerError(f"{args.model} is not a HAMburger checkpoint with a micro-step decoder: "
                              "train one with `hamburger train` first")
+    if dargs.micro_context >= 0 and dargs.micro_context != model.config.micro_context:
+        model.config.micro_context = model.micro.context = dargs.micro_context
+        print(f"micro-step decoder: context of {dargs.micro_context} base positions", file=sys.stderr)
     torch.manual_seed(dargs.seed)
     out.mkdir(parents=True, exist_ok=True)
     trainer = DrafterTrainer(model, dargs)

@@ -1,0 +1,99 @@
+"""A micro-step decoder with context (`micro_context`): in the engines it drafts exactly what it learnt to draft.
+
+Training (`train-drafter --micro-context`) runs the decoder teacher-forced over unmerged text, each position's
+inputs attending to the base's keys and values up to that position. Verify mode reads an unmerged cache, so
+its drafts must be the training forward's predictions at the same positions, whatever the batch's padding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import base_greedy, hamburger
+from hamburger import HamburgerError
+from hamburger.inference import verify as verify_mod
+from hamburger.inference.engine import Engine, ReferenceEngine
+from hamburger.inference.scheduler import Scheduler
+from hamburger.training.drafter import draft_batch, draft_forward, drafted
+
+PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51]]
+K = 4
+
+
+def teacher_forced_drafts(model, prompt: list[int], output: list[int]) -> dict[int, list[int]]:
+    """{position s: the drafter's K-1 predictions after s}, teacher-forced on prompt + output (padded so that
+    every position has K-1 inputs; a padding token is only ever an input after the output's end)."""
+    ids = prompt + output + [0] * K
+    b = draft_batch(model, ids, len(prompt), None)
+    with torch.no_grad():
+        preds = drafted(model, draft_forward(model, b)[0])
+    return dict(zip(b.s.tolist(), preds.tolist()))
+
+
+@pytest.mark.parametrize("window", [3, 64])
+def test_verify_drafts_with_context_are_the_trained_forwards(arch, window, monkeypatch):
+    model = hamburger(arch, k=K, micro_context=window)
+    calls = []
+    real = verify_mod.draft
+
+    def record(engine, states, t0, *args):
+        drafts, n, q = real(engine, states, t0, *args)
+        calls.append((drafts.tolist(), n.tolist()))
+        return drafts, n, q
+
+    monkeypatch.setattr(verify_mod, "draft", record)
+    out = Engine(model).generate(PROMPTS, max_new_tokens=20, confidence=0.01, mode="verify")
+    checked = 0
+    for row, prompt in enumerate(PROMPTS):
+        output = out.tokens[row]
+        assert output == base_greedy(model, prompt, 20)
+        expected = teacher_forced_drafts(model, prompt, output)
+        j = 0  # the output index of this pass's token 0
+        for drafts, n in calls:
+            if j >= len(output) - 1:
+                break
+            s = len(prompt) + j - 1  # the position of the state that produced token 0
+            mine = drafts[row][: n[row]]
+            for i, d in enumerate(mine):
+                assert d == expected[s][i], (arch, window, row, j, i)
+                checked += 1
+                if j + 1 + i >= len(output) or d != output[j + 1 + i]:
+                    break
+            kept = next((i for i, d in enumerate(mine) if j + 1 + i >= len(output) or d != output[j + 1 + i]),
+                        len(mine))
+            j += 1 + kept
+    assert checked > 20
+
+
+def test_scheduler_with_context_equals_the_engine_alone(arch):
+    """Trust and verify requests staggered in the scheduler's rows (right-padded, each at its own length) equal
+    the engine's output for each alone (left-padded batch of one): the context each row sees is its own."""
+    model = hamburger(arch, k=K, micro_context=5)
+    torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
+    engine, sched = Engine(model), Scheduler(model, max_batch_size=2, max_len=64)
+    jobs = [(0, PROMPTS[0], 14, "trust"), (1, PROMPTS[1], 12, "verify"), (2, PROMPTS[2], 10, "trust")]
+    ids, out, step = {}, {}, 0
+    while len(ids) < len(jobs) or sched.has_work():
+        for j, (at, prompt, limit, mode) in enumerate(jobs):
+            if at == step:
+                ids[sched.submit(prompt, limit, confidence=0.3, mode=mode)] = j
+        for ev in sched.step():
+            out.setdefault(ids[ev.id], []).append(ev)
+        step += 1
+        assert step < 200
+    for j, (_, prompt, limit, mode) in enumerate(jobs):
+        alone = engine.generate([prompt], max_new_tokens=limit, confidence=0.3, mode=mode)
+        assert [t for e in out[j] for t in e.tokens] == alone.tokens[0], (arch, mode)
+        if mode == "trust":
+            assert [len(e.tokens) for e in out[j]] == alone.steps[0]
+    together = engine.generate(PROMPTS, max_new_tokens=14, confidence=0.3)  # left padding: each row its own
+    for i, prompt in enumerate(PROMPTS):
+        assert together.tokens[i] == engine.generate([prompt], max_new_tokens=14, confidence=0.3).tokens[0]
+    assert max(max(s) for s in together.steps) > 1
+
+
+def test_context_needs_the_fast_engine():
+    model = hamburger(k=K, micro_context=4)
+    with pytest.raises(HamburgerError, match="fast engine"):
+        ReferenceEngine(model).generate([[5, 6]], max_new_tokens=3)
