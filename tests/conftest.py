@@ -67,6 +67,8 @@ def randomize_new_modules(model: HamburgerModel, seed: int = 1, stop_bias: float
             for p in getattr(model, name).parameters():
                 p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.3)
         model.stop_head.net[-1].bias.fill_(stop_bias)
+        if model.micro.context_gate is not None:  # open the context gates (they start closed)
+            model.micro.context_gate.copy_(torch.randn(model.micro.context_gate.shape, generator=gen))
         for p in model.slot_adapters.parameters():  # none unless the config asks for slot adapters
             p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.1)
     return model

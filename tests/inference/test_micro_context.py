@@ -33,7 +33,7 @@ def teacher_forced_drafts(model, prompt: list[int], output: list[int]) -> dict[i
 
 @pytest.mark.parametrize("window", [3, 64])
 def test_verify_drafts_with_context_are_the_trained_forwards(arch, window, monkeypatch):
-    model = hamburger(arch, k=K, micro_context=window)
+    model = hamburger(arch, k=K, micro_layers=2, micro_context=window)
     calls = []
     real = verify_mod.draft
 
@@ -69,7 +69,7 @@ def test_verify_drafts_with_context_are_the_trained_forwards(arch, window, monke
 def test_scheduler_with_context_equals_the_engine_alone(arch):
     """Trust and verify requests staggered in the scheduler's rows (right-padded, each at its own length) equal
     the engine's output for each alone (left-padded batch of one): the context each row sees is its own."""
-    model = hamburger(arch, k=K, micro_context=5)
+    model = hamburger(arch, k=K, micro_layers=2, micro_context=5)
     torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
     engine, sched = Engine(model), Scheduler(model, max_batch_size=2, max_len=64)
     jobs = [(0, PROMPTS[0], 14, "trust"), (1, PROMPTS[1], 12, "verify"), (2, PROMPTS[2], 10, "trust")]

@@ -306,6 +306,9 @@ def test_micro_context_rows_batched_as_one_sequence_equal_each_row_alone(arch, w
         plain = micro.forward_context(x, torch.arange(q)[None].expand(len(x), -1), empty, empty,
                                       torch.ones(q, q).tril().bool()[None, None])
         torch.testing.assert_close(plain, micro(x), atol=1e-5, rtol=1e-5)
+        # A closed gate (as a new one starts) reads nothing: the features-only decoder, at any positions.
+        micro.context_gate.zero_()
+        torch.testing.assert_close(drafter.micro_states(model, x, b), micro(x), atol=1e-5, rtol=1e-5)
 
 
 def test_micro_context_trains_and_is_saved(tmp_path, ckpt):
@@ -314,4 +317,5 @@ def test_micro_context_trains_and_is_saved(tmp_path, ckpt):
     quiet(main, argv(ckpt, data, out, "--max-steps", "4", "--micro-context", "8"))
     cfg = json.loads((out / "hamburger" / "config.json").read_text())["hamburger"]
     assert cfg["micro_context"] == 8
-    assert HamburgerModel.from_pretrained(out / "hamburger").micro.context == 8
+    trained = HamburgerModel.from_pretrained(out / "hamburger").micro
+    assert trained.context == 8 and trained.context_gate.abs().min() > 0  # the gates opened, and were saved

@@ -39,7 +39,6 @@ from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
 from hamburger.model.config import check_confidence, check_mode
 from hamburger.model.hamburger_model import HamburgerModel
-from hamburger.model.layers import attend, project
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 ENGINES = ("auto", "fast", "reference")
@@ -188,14 +187,12 @@ class Engine:
             return micro.norm(x[:, -1])
         rope = micro.rotary_emb(x, context.base_pos[:, None] + 1 + offsets)
         end = context.visible.shape[1]
-        mask = torch.cat([context.visible[:, None, None].expand(-1, 1, t, -1), own.expand(b, -1, -1, -1)], -1)
+        seen = context.visible[:, None, None]  # (B, 1, 1, end)
         base_k, base_v = context.cache.k, context.cache.v
-        for i, layer in enumerate(micro.layers):
-            q, k, v = project(layer, x, rope)
-            k, v = cache.update(i, start, k, v)
+        for i in range(len(micro.layers)):
             src = micro.context_layers[i]
-            x = attend(layer, x, q, torch.cat([base_k[src, :, :, :end], k], 2),
-                       torch.cat([base_v[src, :, :, :end], v], 2), mask)
+            x = micro.context_layer(i, x, rope, (None, None, own), (base_k[src, :, :, :end], base_v[src, :, :, :end], seen),
+                                    write=lambda k, v, i=i: cache.update(i, start, k, v))
         return micro.norm(x[:, -1])
 
     # --- the loop ------------------------------------------------------------------------------------------

@@ -26,10 +26,18 @@ def project(layer, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, t
     return q, k, v
 
 
+def attention(layer, q, keys, values, mask: torch.Tensor) -> torch.Tensor:
+    """The layer's attention (its scale, grouped query heads) under a mask -> (B, heads, T, hd)."""
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.self_attn.scaling,
+                                          enable_gqa=keys.shape[1] != q.shape[1])
+
+
+def finish(layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    """Output projection of the heads' outputs o (B, heads, T, hd), then the MLP (both residual)."""
+    x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(*x.shape[:2], -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
 def attend(layer, x: torch.Tensor, q, keys, values, mask: torch.Tensor) -> torch.Tensor:
     """The rest of the layer: attention under a float mask, output projection, MLP (both residual)."""
-    attn = layer.self_attn
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
-                                       enable_gqa=keys.shape[1] != q.shape[1])
-    x = x + attn.o_proj(o.transpose(1, 2).reshape(*x.shape[:2], -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return finish(layer, x, attention(layer, q, keys, values, mask))

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from hamburger.model.layers import attend, project
+from hamburger.model.layers import attention, finish, project
 
 
 class RMSNorm(nn.Module):
@@ -41,7 +41,9 @@ class MicroStepDecoder(nn.Module):
 
     With `context` > 0, micro layer i also attends to the base's (rotated) keys and values of base layer
     `context_layers[i]` (the top layer it was copied from) over the latest `context` positions, and its own
-    inputs take the absolute positions that follow them (`forward_context`).
+    inputs take the absolute positions that follow them (`context_layer`). That attention has a softmax of its
+    own, added to the layer's through a per-head gate tanh(g) with g = 0 at the start: a decoder trained
+    without context starts out unchanged and learns how much to read.
     """
 
     def __init__(self, base: PreTrainedModel, num_layers: int, feature_layers: list[int], init_from_top: bool,
@@ -56,7 +58,8 @@ class MicroStepDecoder(nn.Module):
             for layer, src in zip(self.layers, base_layers[len(base_layers) - num_layers :]):
                 layer.load_state_dict(src.state_dict())
         num_base_layers = len(base_layers)
-        self.context = context
+        self.context = 0
+        self.context_gate: nn.Parameter | None = None
         self.context_layers = list(range(num_base_layers - num_layers, num_base_layers))
         self.feature_layers = list(feature_layers)
         # The final output (index L) is already normed by the base; the others are raw residual streams.
@@ -66,6 +69,7 @@ class MicroStepDecoder(nn.Module):
         self.norm = copy.deepcopy(decoder.norm)
         self.rotary_emb = copy.deepcopy(decoder.rotary_emb)
         self.to(dtype=next(base.parameters()).dtype)
+        self.set_context(context)
 
     @property
     def num_features(self) -> int:
@@ -94,15 +98,41 @@ class MicroStepDecoder(nn.Module):
             x = out[0] if isinstance(out, tuple) else out
         return self.norm(x)
 
+    def set_context(self, window: int) -> None:
+        """Read the latest `window` base positions (0: none); a new gate starts closed (the outputs unchanged)."""
+        self.context = window
+        if window and self.context_gate is None:
+            heads = self.layers[0].self_attn.config.num_attention_heads
+            p = next(self.parameters())
+            self.context_gate = nn.Parameter(torch.zeros(len(self.layers), heads, dtype=p.dtype, device=p.device))
+
+    def context_layer(self, i: int, x: torch.Tensor, rope, own: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+                      context: tuple[torch.Tensor, torch.Tensor, torch.Tensor], write=None) -> torch.Tensor:
+        """Micro layer i over (B, q, d) with context. `own` = (keys, values, mask) of the decoder's earlier inputs
+        (the new ones are appended; `write(k, v)` instead returns the keys and values to attend to, e.g. a cache
+        update); `context` = (keys, values, mask) of the base's entries (B, kv_heads, T, hd) and (B|1, 1, q, T)
+        bool. Rows that see no context entry get none (not a uniform average)."""
+        layer = self.layers[i]
+        q, k, v = project(layer, x, rope)
+        own_k, own_v, own_mask = own
+        k, v = write(k, v) if write is not None else (torch.cat([own_k, k], 2), torch.cat([own_v, v], 2))
+        o = attention(layer, q, k, v, own_mask)
+        ctx_k, ctx_v, ctx_mask = context
+        seen = ctx_mask.any(-1, keepdim=True)  # (B|1, 1, q, 1)
+        bias = torch.zeros(ctx_mask.shape, dtype=q.dtype, device=q.device).masked_fill(~ctx_mask, -1e4)
+        o_ctx = torch.where(seen, attention(layer, q, ctx_k, ctx_v, bias), 0.0)
+        return finish(layer, x, o + torch.tanh(self.context_gate[i])[None, :, None, None] * o_ctx)
+
     def forward_context(self, x: torch.Tensor, positions: torch.Tensor, keys: list[torch.Tensor],
                         values: list[torch.Tensor], mask: torch.Tensor) -> torch.Tensor:
         """x (B, q, d) at absolute `positions` (B, q), after context keys/values (one (B, kv_heads, T, hd) per
-        micro layer, rotated at their own positions); `mask` (B or 1, 1, q, T + q) bool, True = attend.
-        Returns normed (B, q, d)."""
+        micro layer, rotated at their own positions); `mask` (B or 1, 1, q, T + q) bool, True = attend: its
+        first T columns over the context, the rest over x. Returns normed (B, q, d)."""
         rope = self.rotary_emb(x, positions)
-        for layer, ck, cv in zip(self.layers, keys, values):
-            q, k, v = project(layer, x, rope)
-            x = attend(layer, x, q, torch.cat([ck, k], 2), torch.cat([cv, v], 2), mask)
+        t = keys[0].shape[2]
+        empty = x.new_zeros(x.shape[0], keys[0].shape[1], 0, keys[0].shape[3])
+        for i, (ck, cv) in enumerate(zip(keys, values)):
+            x = self.context_layer(i, x, rope, (empty, empty, mask[..., t:]), (ck, cv, mask[..., :t]))
         return self.norm(x)
 
 

@@ -53,6 +53,7 @@ class DrafterArgs:
     eval_examples: int = 40
     eval_every: int = 250
     save_every: int = 100
+    gate_lr: float = 1e-2  # the context gates' learning rate (they start closed; at `lr` they would barely open)
     micro_context: int = -1  # > 0: the micro-step decoder attends to that many latest base positions; -1: as the checkpoint
     bf16: bool = True  # autocast the training passes (not the evaluation) where the CPU or GPU has bf16
     seed: int = 0
@@ -207,7 +208,10 @@ class DrafterTrainer:
         self.params = [p for name in TRAINED for p in getattr(model, name).parameters()]
         for p in self.params:
             p.requires_grad_(True)
-        self.opt = torch.optim.AdamW(self.params, lr=args.lr, weight_decay=0.0)
+        gate = model.micro.context_gate
+        rest = [p for p in self.params if p is not gate]
+        groups = [{"params": rest}] + ([{"params": [gate], "lr": args.gate_lr}] if gate is not None else [])
+        self.opt = torch.optim.AdamW(groups, lr=args.lr, weight_decay=0.0)
         warm, total = args.warmup, args.max_steps
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / warm) * (
             0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
@@ -312,7 +316,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         raise HamburgerError(f"{args.model} is not a HAMburger checkpoint with a micro-step decoder: "
                              "train one with `hamburger train` first")
     if dargs.micro_context >= 0 and dargs.micro_context != model.config.micro_context:
-        model.config.micro_context = model.micro.context = dargs.micro_context
+        model.config.micro_context = dargs.micro_context
+        model.micro.set_context(dargs.micro_context)
         print(f"micro-step decoder: context of {dargs.micro_context} base positions", file=sys.stderr)
     torch.manual_seed(dargs.seed)
     out.mkdir(parents=True, exist_ok=True)
