@@ -263,6 +263,8 @@ def test_bad_inputs_are_one_line_errors(tmp_path, ckpt, tiny_model_dir, capsys):
     assert not out.exists()
     assert main(argv(ckpt, data, out, *run, "--eval-fraction", "1.0")) == 2  # everything held out
     one_line_error(capsys, "no training examples")
+    assert main(argv(ckpt, data, out, *run, "--micro-context", "-3")) == 2
+    one_line_error(capsys, "--micro-context must be")
 
     assert main(argv(ckpt, data, out, *run)) == 0
     capsys.readouterr()
@@ -319,3 +321,8 @@ def test_micro_context_trains_and_is_saved(tmp_path, ckpt):
     assert cfg["micro_context"] == 8
     trained = HamburgerModel.from_pretrained(out / "hamburger").micro
     assert trained.context == 8 and trained.context_gate.abs().min() > 0  # the gates opened, and were saved
+    # Trained on without context (--micro-context 0), the checkpoint has no gates and loads as features-only.
+    again = tmp_path / "again"
+    quiet(main, argv(out / "hamburger", data, again, "--max-steps", "1", "--micro-context", "0"))
+    plain = HamburgerModel.from_pretrained(again / "hamburger").micro
+    assert plain.context == 0 and plain.context_gate is None

@@ -101,7 +101,9 @@ class MicroStepDecoder(nn.Module):
     def set_context(self, window: int) -> None:
         """Read the latest `window` base positions (0: none); a new gate starts closed (the outputs unchanged)."""
         self.context = window
-        if window and self.context_gate is None:
+        if not window:
+            self.context_gate = None
+        elif self.context_gate is None:
             heads = self.layers[0].self_attn.config.num_attention_heads
             p = next(self.parameters())
             self.context_gate = nn.Parameter(torch.zeros(len(self.layers), heads, dtype=p.dtype, device=p.device))

@@ -302,6 +302,9 @@ class DrafterTrainer:
 
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     dargs = DrafterArgs(**{f: getattr(args, f) for f in DrafterArgs.__dataclass_fields__})
+    if dargs.micro_context < -1:
+        raise HamburgerError(f"--micro-context must be a number of positions >= 0 (or -1: the checkpoint's), "
+                             f"got {dargs.micro_context}")
     read_examples(Path(dargs.data))  # fail on bad data before loading a model
     out = Path(dargs.out)
     if out.exists() and any(out.iterdir()) and not args.resume:
