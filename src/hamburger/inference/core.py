@@ -33,7 +33,9 @@ Pick = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 class MicroContext:
     """What a micro-step decoder with context (`micro_context` > 0) reads of the base: the base's cache (its
     rows those of the macro-step), the entries each row may see (n, end) and the position of the state the
-    features come from (n,); the micro inputs take the positions after it."""
+    features come from (n,); the micro inputs take the positions after it. In trust mode the entries are
+    smashed slots and in compress mode merged ones (read without the merger's bias): the decoder was trained
+    on unmerged text, so there its drafts are an approximation, which verify and compress modes check."""
 
     cache: KVCache
     visible: torch.Tensor
