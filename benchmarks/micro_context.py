@@ -78,7 +78,7 @@ def main() -> None:
     plain = statistics.median(times["micro-steps, features only"])
     print(f"{a.model} ({a.quantize}), batch {b}, {a.cached} cached base entries, K = {k} "
           f"({k - 1} micro-steps per macro-step), median of {a.rounds} rounds:")
-    print(f"| setting | ms per macro-step | x features only |\n| --- | --- | --- |")
+    print("| setting | ms per macro-step | x features only |\n| --- | --- | --- |")
     for name, ts in times.items():
         ms = statistics.median(ts)
         print(f"| {name} | {ms:.2f} | {ms / plain:.2f}x |")

@@ -42,12 +42,19 @@ class MicroContext:
     base_pos: torch.Tensor
 
 
-def micro_context(engine: Engine, cache: KVCache, in_use: torch.Tensor, base_pos: torch.Tensor) -> MicroContext | None:
-    """The context of a macro-step (None for a decoder without one): of each row's entries in use (n, end),
-    the latest `micro_context`, as in training (`train-drafter --micro-context`)."""
+def micro_context(engine: Engine, cache: KVCache, used: torch.Tensor | list[int] | int, base_pos: torch.Tensor,
+                  valid: torch.Tensor | None = None) -> MicroContext | None:
+    """The context of a macro-step, None for a decoder without one. A row's entries in use are its first `used`
+    slots ((n,), a list, or one int for every row), less those `valid` (n, >= end) marks False (left padding); the
+    decoder sees the latest `micro_context` of them, as in training (`train-drafter --micro-context`)."""
     window = engine.model.micro.context
     if not window or engine.k == 1:
         return None
+    used = torch.as_tensor(used, device=base_pos.device).expand(base_pos.shape[0])
+    end = int(used.max())
+    in_use = torch.arange(end, device=base_pos.device) < used[:, None]
+    if valid is not None:
+        in_use &= valid[:, :end]
     latest = in_use.long().flip(-1).cumsum(-1).flip(-1) <= window
     return MicroContext(cache, in_use & latest, base_pos)
 

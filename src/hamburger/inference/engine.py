@@ -250,7 +250,7 @@ class Engine:
         for step in range(gen.max_new_tokens):
             forced_len = None if forced is None else forced[:, min(step, forced.shape[1] - 1)]
             # The base's state that the step starts from: the last prompt token, then each step's last token.
-            ctx = micro_context(self, cache, valid[:, :slot], lengths + gen_len - 1) if model.micro.context else None
+            ctx = micro_context(self, cache, slot, lengths + gen_len - 1, valid)
             step_tok, step_len, ended = macro_step(self, states, ~done, gen_len, limits, pick, micro_cache, forced_len,
                                                    ctx)
             if step == 0:

@@ -447,12 +447,8 @@ class Scheduler:
         live, verify = self.live[:n].clone(), self.verify[:n]
         limits = Limits(self.eos[:n], self.max_new[:n] - verify.long(), self.confidence[:n])
         micro_cache = CacheView(self.micro_cache, slice(0, n)) if self.k > 1 else None
-        ctx = None
-        if self.model.micro.context:
-            used = self.cache_len[:n]
-            in_use = torch.arange(int(used.max()), device=used.device) < used[:, None]
-            ctx = micro_context(self.engine, CacheView(self.cache, slice(0, n)), in_use,
-                                self.prompt_len[:n] + self.gen_len[:n] - 1)  # the state each row's step starts from
+        ctx = micro_context(self.engine, CacheView(self.cache, slice(0, n)), self.cache_len[:n],
+                            self.prompt_len[:n] + self.gen_len[:n] - 1)  # the state each row's step starts from
         step_tok, step_len, ended = macro_step(self.engine, list(self.states[:n].unbind(1)), live,
                                                self.gen_len[:n], limits, self._pick, micro_cache, context=ctx)
         drafts = torch.zeros_like(step_len)

@@ -144,11 +144,7 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
         # Drafts may not run past the token budget: the pass adds the kept drafts and one token of the base's.
         left = torch.tensor([0 if d else gen.max_new_tokens - len(t) - 1 for d, t in zip(done, gen.tokens)], device=dev)
         if k > 1:
-            ctx = None
-            if model.micro.context:
-                used = torch.tensor(cache_len, device=dev)
-                in_use = valid[:, : max(cache_len)] & (torch.arange(max(cache_len), device=dev) < used[:, None])
-                ctx = micro_context(engine, cache, in_use, next_pos - 1)  # the state that produced t0
+            ctx = micro_context(engine, cache, cache_len, next_pos - 1, valid)  # next_pos - 1: t0's state
             drafts, n_drafts, q = draft(engine, states, t0, left, gen.confidence, gen.sampling, rng, warpers,
                                         micro_cache, ctx)
         else:
