@@ -180,3 +180,36 @@ def test_verify_sampling_follows_the_base_distribution():
         assert tv(got[i], p) < 2.0 * noise + 0.01, (i, tv(got[i], p), noise)
         if i > 0:
             assert tv(trusted[i], p) > 2.0 * noise + 0.01  # the test tells a wrong sampler apart
+
+
+def test_drafts_go_on_while_the_whole_draft_is_likely_kept():
+    """A draft is worth its micro-step only if every draft before it is kept too: verify rows (`path`) go on
+    while the product of the stop head's P(go on) over the step exceeds the confidence, trust rows while each
+    token's own P(go on) does. With P(go on) 0.6 everywhere and confidence 0.3: 0.6, 0.36 pass and 0.216
+    does not, so a path row drafts 2 tokens where a trust row takes all K-1 = 3."""
+    from hamburger.inference.core import Limits, macro_step
+    from hamburger.inference.kv import KVCache
+
+    model = hamburger("llama", k=4)
+    with torch.no_grad():
+        model.stop_head.net[-1].weight.zero_()
+        model.stop_head.net[-1].bias.fill_(-math.log(0.6 / 0.4))  # stop logit: P(go on) = 0.6
+    engine = Engine(model)
+    cfg, m, n = model.base.config, model.micro.num_features, 3
+    states = [torch.randn(n, cfg.hidden_size, generator=torch.Generator().manual_seed(i)) for i in range(m + 1)]
+
+    def pick(h, active, micro):
+        return model.lm_head(h).argmax(-1)
+
+    def step_lengths(path, confidence=0.3):
+        cache = KVCache.for_layers(model.micro.layers, cfg, n, m + engine.k, engine.dtype, engine.device)
+        limits = Limits(torch.full((1, 1), -1), 100, confidence, path=path)
+        with torch.inference_mode():
+            return macro_step(engine, states, torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.long),
+                              limits, pick, cache)[1].tolist()
+
+    assert step_lengths(False) == [4, 4, 4]
+    assert step_lengths(True) == [3, 3, 3]
+    assert step_lengths(torch.tensor([True, False, True])) == [3, 4, 3]
+    assert step_lengths(True, confidence=0.5) == [2, 2, 2]
+    assert step_lengths(True, confidence=1.0) == step_lengths(False, confidence=1.0) == [1, 1, 1]

@@ -265,6 +265,10 @@ def test_bad_inputs_are_one_line_errors(tmp_path, ckpt, tiny_model_dir, capsys):
     one_line_error(capsys, "no training examples")
     assert main(argv(ckpt, data, out, *run, "--micro-context", "-3")) == 2
     one_line_error(capsys, "--micro-context must be")
+    assert main(argv(ckpt, data, out, *run, "--micro-layers", "-1")) == 2
+    one_line_error(capsys, "--micro-layers must be")
+    assert main(argv(ckpt, data, out, *run, "--micro-layers", "9")) == 2
+    one_line_error(capsys, "can keep fewer")
 
     assert main(argv(ckpt, data, out, *run)) == 0
     capsys.readouterr()
@@ -326,3 +330,43 @@ def test_micro_context_trains_and_is_saved(tmp_path, ckpt):
     quiet(main, argv(out / "hamburger", data, again, "--max-steps", "1", "--micro-context", "0"))
     plain = HamburgerModel.from_pretrained(again / "hamburger").micro
     assert plain.context == 0 and plain.context_gate is None
+
+
+def test_a_drafter_can_keep_fewer_micro_layers(tmp_path, tiny_model_dir):
+    """--micro-layers 2: a micro-step decoder of 3 layers keeps its last two, each with the base layer it reads
+    as context and its gates; the checkpoint loads as that decoder, whose engine equals the reference path
+    (trust) and whose verify mode is still exactly the base."""
+    from conftest import base_greedy  # noqa: PLC0415
+    from hamburger import generate  # noqa: PLC0415
+    from hamburger.inference.engine import Engine  # noqa: PLC0415
+
+    base, tok = load_base(str(tiny_model_dir))
+    cfg = HamburgerConfig(max_step_tokens=K, micro_layers=3, init_micro_from_top=True)
+    ckpt = tmp_path / "ckpt"
+    randomize_new_modules(HamburgerModel.wrap(base, tok, cfg)).save_pretrained(ckpt)
+    full = HamburgerModel.from_pretrained(ckpt).micro
+    assert len(full.layers) == 3
+    data = write_data(tmp_path / "data.jsonl")
+    out = tmp_path / "run"
+    quiet(main, argv(ckpt, data, out, "--max-steps", "2", "--micro-layers", "2", "--micro-context", "8"))
+    cfg = json.loads((out / "hamburger" / "config.json").read_text())["hamburger"]
+    assert cfg["micro_layers"] == 2 and cfg["micro_context"] == 8
+    model = HamburgerModel.from_pretrained(out / "hamburger").eval()
+    micro = model.micro
+    assert len(micro.layers) == 2 and micro.context_layers == full.context_layers[-2:]
+    assert tuple(micro.context_gate.shape) == (2, full.layers[0].self_attn.config.num_attention_heads)
+    assert [layer.self_attn.layer_idx for layer in micro.layers] == [0, 1]
+    prompts = [[5, 17, 33, 8, 60, 12, 9], [40, 41]]
+    out_verify = Engine(model).generate(prompts, max_new_tokens=12, mode="verify", confidence=0.1)
+    assert out_verify.tokens == [base_greedy(model, p, 12) for p in prompts]
+
+    plain = HamburgerModel.from_pretrained(ckpt).eval()  # without context: the reference path runs it too
+    plain.micro.keep_top(2)
+    with torch.no_grad():
+        for layer in plain.micro.layers:  # trained-looking layers, so the two paths have something to disagree on
+            for p in layer.parameters():
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.02)
+    ref = generate(plain, prompts, max_new_tokens=12, confidence=0.3)
+    fast = Engine(plain).generate(prompts, max_new_tokens=12, confidence=0.3)
+    assert fast.tokens == ref.tokens and fast.steps == ref.steps
+    assert max(max(s) for s in ref.steps) > 1  # micro-steps were taken

@@ -85,11 +85,16 @@ class MicroRun:
 @dataclass
 class Limits:
     """Per-row rules that end a step or a sequence: EOS ids (n, E) (-1 pads; (1, E) for all rows alike), the
-    token budget (n,) or one int, and the confidence a step needs to go on, (n,) or one float."""
+    token budget (n,) or one int, and the confidence a step needs to go on, (n,) or one float.
+
+    `path` (n,) or one bool: rows whose confidence bounds the chance that the whole step so far is right (the
+    product of the stop head's P(go on) over the step), not the next token's alone. Verify and compress mode
+    draft this way: a draft is worth its micro-step only if every draft before it is kept too."""
 
     eos: torch.Tensor
     max_new: torch.Tensor | int
     confidence: torch.Tensor | float
+    path: torch.Tensor | bool = False
 
     def ends(self, tok: torch.Tensor, gen_len: torch.Tensor) -> torch.Tensor:
         """Rows whose sequence ends with `tok` (EOS) or has reached its budget (`gen_len` counts `tok`)."""
@@ -121,7 +126,8 @@ def macro_step(engine: Engine, states: list[torch.Tensor], live: torch.Tensor, g
     go_on = live & ~ended
     if k == 1:
         return step_tok, step_len, ended
-    go_on &= _goes_on(model.stop_head(h0), step_len, forced_len, limits.confidence)
+    reach = torch.ones(h0.shape[0], device=h0.device)  # the stop head's P(every token of the step so far is right)
+    go_on &= _goes_on(model.stop_head(h0), step_len, forced_len, limits, reach)
     run = MicroRun(engine, feats, cache, context)
     for i in range(1, k):
         if not bool(go_on.any()):  # the one host sync per micro-step: does any step go on?
@@ -134,14 +140,19 @@ def macro_step(engine: Engine, states: list[torch.Tensor], live: torch.Tensor, g
         now_ends = go_on & limits.ends(tok, gen_len)
         ended |= now_ends
         go_on = go_on & ~now_ends & (step_len < k)
-        go_on &= _goes_on(model.stop_head(h), step_len, forced_len, limits.confidence)
+        go_on &= _goes_on(model.stop_head(h), step_len, forced_len, limits, reach)
     return step_tok, step_len, ended
 
 
-def _goes_on(stop_logits: torch.Tensor, step_len: torch.Tensor, forced_len: torch.Tensor | None,
-             confidence: torch.Tensor | float) -> torch.Tensor:
-    """The stop head's verdict, or the forced step length where one is given."""
-    says = continues(stop_logits, confidence)
+def _goes_on(stop_logits: torch.Tensor, step_len: torch.Tensor, forced_len: torch.Tensor | None, limits: Limits,
+             reach: torch.Tensor) -> torch.Tensor:
+    """The stop head's verdict (on the step's running product `reach`, updated in place, for `path` rows), or
+    the forced step length where one is given."""
+    p = torch.sigmoid(-stop_logits.float())
+    reach.mul_(p)
+    path = limits.path
+    says = continues(stop_logits, limits.confidence, reach if path is True else p if path is False
+                     else torch.where(path, reach, p))
     if forced_len is None:
         return says
     return torch.where(forced_len > 0, step_len < forced_len, says)

@@ -69,10 +69,12 @@ def sample(
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
-def continues(stop_logits: torch.Tensor, confidence: float | torch.Tensor) -> torch.Tensor:
-    """Whether a step goes on after the current token: P(continue) = sigmoid(-stop_logit) > confidence.
+def continues(stop_logits: torch.Tensor, confidence: float | torch.Tensor,
+              p: torch.Tensor | None = None) -> torch.Tensor:
+    """Whether a step goes on after the current token: P(continue) = sigmoid(-stop_logit) > confidence (or the
+    given probability `p`, e.g. the product over the step's tokens so far, > confidence).
 
     The comparison is strict, so confidence 1.0 never continues a step (every step is one token and the
     output is the base model's), and lower confidence lets steps run longer.
     """
-    return torch.sigmoid(-stop_logits.float()) > confidence
+    return (torch.sigmoid(-stop_logits.float()) if p is None else p) > confidence

@@ -445,7 +445,7 @@ class Scheduler:
         them), so they do not count as generated and do not end the request."""
         n = self._span()
         live, verify = self.live[:n].clone(), self.verify[:n]
-        limits = Limits(self.eos[:n], self.max_new[:n] - verify.long(), self.confidence[:n])
+        limits = Limits(self.eos[:n], self.max_new[:n] - verify.long(), self.confidence[:n], path=verify)
         micro_cache = CacheView(self.micro_cache, slice(0, n)) if self.k > 1 else None
         ctx = micro_context(self.engine, CacheView(self.cache, slice(0, n)), self.cache_len[:n],
                             self.prompt_len[:n] + self.gen_len[:n] - 1)  # the state each row's step starts from

@@ -85,7 +85,8 @@ def draft(engine: Engine, states: list[torch.Tensor], t0: torch.Tensor, limit: t
     bsz = t0.shape[0]
     live = torch.ones(bsz, dtype=torch.bool, device=t0.device)
     gen_len = torch.zeros(bsz, dtype=torch.long, device=t0.device)
-    limits = Limits(torch.full((1, 1), -1, device=t0.device), limit + 1, confidence)  # t0 + at most `limit` drafts
+    # t0 + at most `limit` drafts, each only while P(every draft so far is kept) > confidence
+    limits = Limits(torch.full((1, 1), -1, device=t0.device), limit + 1, confidence, path=True)
     step_tok, step_len, _ = macro_step(engine, states, live, gen_len, limits, pick, cache, context=context)
     n = step_len - 1
     d = int(n.max()) if bsz else 0

@@ -108,6 +108,19 @@ class MicroStepDecoder(nn.Module):
             p = next(self.parameters())
             self.context_gate = nn.Parameter(torch.zeros(len(self.layers), heads, dtype=p.dtype, device=p.device))
 
+    def keep_top(self, n: int) -> None:
+        """Keep only the last `n` layers (each with its context source and gates): a micro-step that reads fewer
+        weights. The first kept layer then reads the features directly."""
+        if not 1 <= n <= len(self.layers):
+            raise ValueError(f"a micro-step decoder of {len(self.layers)} layers can keep 1..{len(self.layers)}, not {n}")
+        drop = len(self.layers) - n
+        self.layers = nn.ModuleList(list(self.layers)[drop:])
+        for i, layer in enumerate(self.layers):  # caches are indexed by the layer's own number
+            layer.self_attn.layer_idx = i
+        self.context_layers = self.context_layers[drop:]
+        if self.context_gate is not None:
+            self.context_gate = nn.Parameter(self.context_gate.detach()[drop:].clone())
+
     def context_layer(self, i: int, x: torch.Tensor, rope, own: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
                       context: tuple[torch.Tensor, torch.Tensor, torch.Tensor], write=None) -> torch.Tensor:
         """Micro layer i over (B, q, d) with context. `own` = (keys, values, mask) of the decoder's earlier inputs
