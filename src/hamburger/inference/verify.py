@@ -1,11 +1,12 @@
 """Verify mode: the micro-step decoder drafts, the base checks, the output is exactly the base's.
 
 After the base's own token t0, the micro-step decoder drafts up to K-1 tokens (its stop head may end a draft
-early: `confidence` is the P(next draft is right) a draft must keep to go on). The next base forward takes
-[t0, d1, .., dn] as separate positions (one KV entry each), keeps the longest prefix of drafts that the base
-agrees with, and adds the base's own next token, so every forward emits 1..n+1 tokens. Greedy: a draft is
-kept when it is the base's argmax. Sampling: speculative-sampling acceptance (keep d with probability
-min(1, p(d)/q(d)), else draw from max(p - q, 0)), so the output follows the base's distribution exactly.
+early: a draft goes on while the stop head's P(every draft so far is right), the product of its P(go on)
+over the step, exceeds `confidence`). The next base forward takes [t0, d1, .., dn] as separate positions
+(one KV entry each), keeps the longest prefix of drafts that the base agrees with, and adds the base's own
+next token, so every forward emits 1..n+1 tokens. Greedy: a draft is kept when it is the base's argmax.
+Sampling: speculative-sampling acceptance (keep d with probability min(1, p(d)/q(d)), else draw from
+max(p - q, 0)), so the output follows the base's distribution exactly.
 
 Rows accept different numbers of tokens, so each row keeps its own cache length: a pass writes at each
 row's own slots (`RowSlots`) and a rejected draft's entries are simply overwritten by the next pass.
