@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from hamburger.cli import main
 from hamburger.evaluation.bench_systems import bench_messages, long_documents
@@ -167,3 +168,27 @@ def test_llama_cpp_system_times_greedy_generation(tmp_path, monkeypatch):
     assert run([[5, 6]], 2).generated_tokens == 2  # the token limit
     assert calls[0][2] == 1 and [c for c in calls if c == ("reset",)] == [("reset",)] * 3
     assert run.weights_bytes == 40
+
+
+def test_measure_interleaves_the_systems_runs():
+    """Run r of every system before run r + 1 of any, each round starting one system later: a slow spell of the
+    machine then falls on all systems alike. Each system's figures are its own runs' median."""
+    from hamburger.evaluation.bench_systems import measure  # noqa: PLC0415
+    from hamburger.inference.stats import GenerationStats  # noqa: PLC0415
+
+    calls = []
+
+    def system(name, seconds):
+        def run(prompts, n):
+            calls.append((name, n))
+            return GenerationStats(sequences=len(prompts), generated_tokens=11 * len(prompts), decode_s=seconds)
+        return run
+
+    rows = measure([(system("a", 1.0), [[1], [2]], 2), (system("b", 2.0), [[1], [2]], 1)], max_new=16, runs=3,
+                   device=torch.device("cpu"))
+    assert calls == [("a", 8), ("b", 8),  # warm-ups
+                     ("a", 16), ("b", 16), ("b", 16),  # run 1: a (one batch of 2), b (two batches of 1)
+                     ("b", 16), ("b", 16), ("a", 16),  # run 2 starts with b
+                     ("a", 16), ("b", 16), ("b", 16)]  # run 3 with a again
+    assert rows[0]["decode_tokens_per_s"] == 20 / 1.0 and rows[1]["decode_tokens_per_s"] == 20 / 4.0
+    assert len(rows[0]["runs_tokens_per_s"]) == 3

@@ -26,7 +26,9 @@ tokens before the first difference).
 
 Every system is timed the same way: time to first token (prefill and the first token), then decode
 tokens/s = (generated tokens - 1 per sequence) / time after the first token (`stats.GenerationStats`).
-Each figure is the median over `--runs` runs after one short warm-up per system.
+Each figure is the median over `--runs` runs after one short warm-up per system. Under each scheme the
+systems' runs interleave (run 1 of every system, then run 2, ...), so a slow spell of a shared machine falls
+on all of them alike and the ratios measured side by side hold.
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
         plain = HamburgerModel.plain(model.base, model.tokenizer)
         weights = {"hamburger": model_bytes(model), "base": model_bytes(model.base)}
         suffix = "" if scheme == "none" else f"+{scheme}"
+        jobs, labels, rows_info = [], [], []
         for name in systems:
             if name == "llama_cpp" and scheme != "none":
                 continue  # it decodes its own GGUF: one row, whatever our scheme
@@ -119,26 +122,37 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
                     if conf is not None and conf != main_conf and (name != "hamburger_engine" or batch != 1):
                         continue  # the sweep runs on the fast engine at batch 1
                     pool = (prompts * (batch // len(prompts) + 1))[:max(batch, len(prompts))]
-                    log(f"{name}{suffix}{'' if conf is None else f'@{conf:g}'} batch {batch}")
-                    row_conf = (verify_confidence or model.config.verify_confidence) \
-                        if name in ("hamburger_verify", "hamburger_compress") else conf
-                    record.clear()
-                    row = {"system": name + suffix, "quantize": scheme, "confidence": row_conf, "batch_size": batch,
-                           "max_new_tokens": max_new, **measure(system, pool, batch, max_new, runs, device)}
-                    drafts = 2 if name.startswith("spec_") else 1  # the draft keeps a cache of the same shape
-                    generated_entries = row["kv_entries"] - row["prompt_tokens"]
-                    row["kv_entries"] *= drafts
-                    row["kv_bytes"] = row["kv_entries"] * getattr(system, "kv_bytes_per_entry", entry_bytes)
-                    row["kv_entries_per_generated_token"] = generated_entries * drafts / max(1, row["generated_tokens"])
-                    # The weights the system decodes with (spec_*: the base; its INT8 draft copy is not counted).
-                    row["weights_mb"] = getattr(system, "weights_bytes", None) or \
-                        weights["hamburger" if name in TRAINED_ONLY else "base"]
-                    row["weights_mb"] /= 2**20
-                    outputs[scheme, name, conf, batch] = dict(record)
-                    if scheme != "none" and ("none", name, conf, batch) in outputs:
-                        row.update(agreement(outputs["none", name, conf, batch], record))
-                    rows.append(row)
-                del system
+                    mine: dict = {}  # this row's outputs: the system's `record` after each of this row's calls
+
+                    def job(ps, n, system=system, record=record, mine=mine):
+                        stats = system(ps, n)
+                        mine.update(record)
+                        return stats
+
+                    jobs.append((job, pool, batch))
+                    labels.append(f"{name}{suffix}{'' if conf is None else f'@{conf:g}'} batch {batch}")
+                    rows_info.append((name, conf, batch, system, mine))
+        # The systems' runs interleave (`measure`), so their ratios hold on a machine with slow spells.
+        for (name, conf, batch, system, record), measured in zip(rows_info, measure(jobs, max_new, runs, device,
+                                                                                    log, labels) if jobs else []):
+            row_conf = (verify_confidence or model.config.verify_confidence) \
+                if name in ("hamburger_verify", "hamburger_compress") else conf
+            row = {"system": name + suffix, "quantize": scheme, "confidence": row_conf, "batch_size": batch,
+                   "max_new_tokens": max_new, **measured}
+            drafts = 2 if name.startswith("spec_") else 1  # the draft keeps a cache of the same shape
+            generated_entries = row["kv_entries"] - row["prompt_tokens"]
+            row["kv_entries"] *= drafts
+            row["kv_bytes"] = row["kv_entries"] * getattr(system, "kv_bytes_per_entry", entry_bytes)
+            row["kv_entries_per_generated_token"] = generated_entries * drafts / max(1, row["generated_tokens"])
+            # The weights the system decodes with (spec_*: the base; its INT8 draft copy is not counted).
+            row["weights_mb"] = getattr(system, "weights_bytes", None) or \
+                weights["hamburger" if name in TRAINED_ONLY else "base"]
+            row["weights_mb"] /= 2**20
+            outputs[scheme, name, conf, batch] = record
+            if scheme != "none" and ("none", name, conf, batch) in outputs:
+                row.update(agreement(outputs["none", name, conf, batch], record))
+            rows.append(row)
+        del jobs, rows_info
         if any(n in TRAINED_ONLY for n in systems):
             costs[scheme] = step_costs(model)
         del model, plain

@@ -251,18 +251,31 @@ def kv_bytes_per_entry(model) -> int:
     return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
 
 
-def measure(system: Callable, prompts: list[list[int]], batch: int, max_new: int, runs: int,
-            device: torch.device) -> dict:
-    """Median over runs of one system on all prompts in chunks of `batch`; one short warm-up first."""
-    system(prompts[:batch], min(8, max_new))
-    per_run = []
-    for _ in range(runs):
-        parts = []
-        with PeakMemory(device) as mem:
-            for i in range(0, len(prompts), batch):
-                parts.append(system(prompts[i:i + batch], max_new))
-        total = GenerationStats(**{f.name: sum(getattr(s, f.name) for s in parts) for f in fields(GenerationStats)})
-        per_run.append((total, mem.peak, statistics.mean(s.prefill_s for s in parts)))
+def measure(jobs: list[tuple[Callable, list[list[int]], int]], max_new: int, runs: int, device: torch.device,
+            log: Callable[[str], None] = lambda s: None, labels: list[str] | None = None) -> list[dict]:
+    """Median over runs of each job (system, prompts, batch): all prompts in chunks of `batch`, one short warm-up
+    first. The jobs' runs are interleaved (run 1 of every job, then run 2, each round starting one job later),
+    so a slow spell of a shared machine falls on all systems alike rather than on whichever ran then."""
+    for system, prompts, batch in jobs:
+        system(prompts[:batch], min(8, max_new))
+    per_run: list[list] = [[] for _ in jobs]
+    for r in range(runs):
+        for j in [(r + i) % len(jobs) for i in range(len(jobs))]:
+            system, prompts, batch = jobs[j]
+            if labels:
+                log(f"run {r + 1}/{runs}: {labels[j]}")
+            parts = []
+            with PeakMemory(device) as mem:
+                for i in range(0, len(prompts), batch):
+                    parts.append(system(prompts[i:i + batch], max_new))
+            total = GenerationStats(**{f.name: sum(getattr(s, f.name) for s in parts) for f in fields(GenerationStats)})
+            per_run[j].append((total, mem.peak, statistics.mean(s.prefill_s for s in parts)))
+    return [summarize_runs(job_runs) for job_runs in per_run]
+
+
+def summarize_runs(per_run: list) -> dict:
+    """One job's runs -> the median decode speed (and every run's), the median TTFT, the peak memory and the
+    counts of the median run."""
     tps = [r[0].decode_tokens_per_s for r in per_run]
     median_run = sorted(per_run, key=lambda r: r[0].decode_tokens_per_s)[len(per_run) // 2]
     stats = median_run[0]
