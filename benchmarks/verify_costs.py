@@ -4,7 +4,9 @@ Verify mode spends, per base forward: the base over t0 and the n drafts (1 + n p
 to check them), the first micro-step (the m features and t0 through the micro-step decoder) and n - 1 later
 ones (one token each), each micro-step with the shortlist head and the stop head. This times each of them in
 the engine (batch `--batch`, `--cached` entries in the cache, rounds alternating so that a slow spell of a
-shared machine falls on all alike) and prints them as multiples of a one-position base forward.
+shared machine falls on all alike) and prints them as multiples of a one-position base forward. For a
+checkpoint trained with `train-drafter --micro-context W` it also times its micro-steps with the context
+switched off (the same weights; the outputs differ, the work is what is compared): what the context costs.
 
     python benchmarks/verify_costs.py runs/ctx-gate16/export --quantize fp16        # about 1 min on 2 cores
 """
@@ -63,6 +65,9 @@ def main() -> None:
                                                                             context))
     items["later micro-step (one token)"] = lambda: heads(engine._micro(torch.randn(b, 1, d), micro_cache, m + 1,
                                                                         context))
+    if context is not None:
+        items["first micro-step, context off"] = lambda: heads(engine._micro(torch.randn(b, m + 1, d), micro_cache, 0))
+        items["later micro-step, context off"] = lambda: heads(engine._micro(torch.randn(b, 1, d), micro_cache, m + 1))
     times = {name: [] for name in items}
     with torch.inference_mode():
         for fn in items.values():
