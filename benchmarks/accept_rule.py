@@ -44,7 +44,7 @@ def auc(score: torch.Tensor, label: torch.Tensor) -> float:
 
 
 def chain(signal: torch.Tensor, ok: torch.Tensor, c: float, after: bool, path: bool = False,
-          costs: tuple[float, float, float] = (0.08, 0.2, 0.15)) -> tuple[float, float, float, float]:
+          costs: tuple[float, float, float] = (0.057, 0.209, 0.170)) -> tuple[float, float, float, float]:
     """signal, ok (N, D). Rule "before" (the stop head): draft j is computed and emitted while signal_j > c;
     with `path`, while the product signal_1 * .. * signal_j > c (the chance that every draft so far is kept).
     Rule "after" (the token's probability): draft j is computed while the chain is alive and emitted if
@@ -69,10 +69,10 @@ def main() -> None:
     p.add_argument("--eval-fraction", type=float, default=0.04, help="the training run's held-out fraction")
     p.add_argument("--examples", type=int, default=60, help="held-out examples read (the first ones)")
     p.add_argument("--max-len", type=int, default=512)
-    p.add_argument("--costs", type=float, nargs=3, default=(0.08, 0.2, 0.15), metavar=("POSITION", "FIRST", "LATER"),
+    p.add_argument("--costs", type=float, nargs=3, default=(0.057, 0.209, 0.170), metavar=("POSITION", "FIRST", "LATER"),
                    help="the cost model, in base forwards: one more position in a base forward, the first micro-step "
-                        "(the features and token 0), each later micro-step (default: fp16, batch 1, this CPU, a "
-                        "context decoder)")
+                        "(the features and token 0), each later micro-step (default: benchmarks/verify_costs.py on "
+                        "runs/ctx-gate16-2400, fp16, batch 1, the 2-core development CPU; measure yours)")
     args = p.parse_args()
     try:
         _, held = split_eval(read_examples(Path(args.data)), args.eval_fraction)

@@ -1,9 +1,10 @@
 """Verify mode against the base in the same engine, interleaved prompt by prompt: a fair ratio on a noisy machine.
 
-`hamburger bench` times each system's runs one after the other, so a slow spell of a shared machine (seen here:
-the same base at 23 and at 29 tokens/s within minutes) can fall on one system only. This decodes each of the
-bench's prompts with the base and then in verify mode, alternating which goes first, `--rounds` times, and
-reports the summed decode time of each, the ratio per round and its median and spread. Greedy, batch 1.
+A shared machine has slow spells (seen here: the same base at 23 and at 29 tokens/s within minutes).
+`hamburger bench` interleaves its systems run by run (a run: every prompt, ~40 s here); this interleaves
+finer, prompt by prompt: it decodes each of the bench's prompts with the base and then in verify mode,
+alternating which goes first, `--rounds` times, and reports the summed decode time of each, the ratio per
+round and its median and spread. Greedy, batch 1.
 
     python benchmarks/verify_ab.py runs/ctx-gate16-2400/export --quantize fp16 --confidence 0.4    # ~6 min
 """

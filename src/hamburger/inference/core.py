@@ -150,9 +150,8 @@ def _goes_on(stop_logits: torch.Tensor, step_len: torch.Tensor, forced_len: torc
     the forced step length where one is given."""
     p = torch.sigmoid(-stop_logits.float())
     reach.mul_(p)
-    path = limits.path
-    says = continues(stop_logits, limits.confidence, reach if path is True else p if path is False
-                     else torch.where(path, reach, p))
+    path = torch.as_tensor(limits.path, device=p.device)  # one bool for all rows, or one per row
+    says = continues(stop_logits, limits.confidence, torch.where(path, reach, p))
     if forced_len is None:
         return says
     return torch.where(forced_len > 0, step_len < forced_len, says)
