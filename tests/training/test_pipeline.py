@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import EOS, tiny_base, tiny_tokenizer
+from conftest import EOS, VOCAB, tiny_base, tiny_tokenizer
 from hamburger import (
     HamburgerConfig,
     HamburgerError,
@@ -93,6 +93,68 @@ def test_distill_then_segment_cli(tmp_path, tiny_model_dir, capsys):
     summary = json.loads((tmp_path / "seg.jsonl.summary.json").read_text())
     assert summary["examples"] == 7 and summary["response_tokens"] == sum(sum(e["steps"]) for e in examples)
     assert main(seg_args) == 2  # never overwrite without --force
+
+
+def test_distill_scheduler_replies_equal_the_reference_path():
+    """The fast engine's continuous batching (2 rows for 7 prompts, refilled as replies end) gives each prompt the
+    reply the reference path's static batches give it: the index of a reply is its prompt's, whatever the order."""
+    from hamburger.inference.sampling import SamplingParams
+    from hamburger.training.distill import replies
+
+    model = HamburgerModel.plain(tiny_base("llama"), tiny_tokenizer())
+    rng = random.Random(0)
+    prompts = [[rng.randrange(5, VOCAB) for _ in range(rng.randrange(2, 9))] for _ in range(7)]
+    eos = {EOS}
+
+    def collect(engine):
+        got = {}
+        for group in replies(model, prompts, 2, 7, SamplingParams(), engine):
+            for i, toks in group:
+                assert i not in got
+                got[i] = toks
+        return got
+
+    fast, ref = collect("fast"), collect("reference")
+    assert sorted(fast) == list(range(7)) and fast == ref
+    assert all(1 <= len(t) <= 7 and (len(t) == 7 or t[-1] in eos) for t in fast.values())
+
+
+def test_distilled_rows_read_as_unsegmented_examples_for_the_drafter(tmp_path):
+    from hamburger.training.examples import read_examples
+
+    tok = tiny_tokenizer()
+    rows = [{"id": "a", "messages": [{"role": "user", "content": "w5 w6"}, {"role": "assistant", "content": "w7"}],
+             "response_ids": [9, 10, 11]},
+            {"id": "b", "messages": [{"role": "user", "content": "w8"}, {"role": "assistant", "content": ""}],
+             "response_ids": []},
+            {"id": "c", "input_ids": [1, 2, 3, 4], "prompt_len": 2, "steps": [2]}]
+    path = write_jsonl(tmp_path / "mixed.jsonl", rows)
+    got = dict(read_examples(path, tok))
+    assert sorted(got) == ["a", "c"]  # an empty reply teaches nothing
+    from hamburger.model.base import encode_chat
+
+    prompt = encode_chat(tok, rows[0]["messages"][:-1])
+    assert got["a"].input_ids == prompt + [9, 10, 11] and got["a"].prompt_len == len(prompt)
+    assert got["a"].steps == [1, 1, 1] and got["c"].steps == [2]
+    with pytest.raises(HamburgerError, match="not a segmented example"):  # the trust trainer needs the steps
+        read_examples(path)
+
+
+def test_stdlib_prompts_are_split_and_apart_from_code():
+    from hamburger.training.sources import code_prompts, load_prompts, stdlib_prompts
+
+    train, held = stdlib_prompts("train"), stdlib_prompts("heldout")
+    assert len(train) > 500 and len(held) > 100
+    ids = [p.id for p in train + held]
+    assert len(set(ids)) == len(ids)  # ids unique, the splits disjoint
+    code = {p.messages[0]["content"].split("`")[1] for p in code_prompts("train")}
+    assert all(p.source == "stdlib" and p.messages[0]["content"].startswith("Write a Python function") for p in train)
+    parts = [part for p in train for part in p.meta["module"].split(".")]
+    assert not any(part in ("test", "tests", "idlelib") or part.startswith("test_") for part in parts)
+    # the code source's top-level functions stay in `code` only: stdlib takes their modules' methods, not them
+    top = [p for p in train if "." not in p.meta["module"] and "a method of" not in p.messages[0]["content"]]
+    assert top == [] and code
+    assert {p.source for p in load_prompts(["stdlib"], limit=5)} == {"stdlib"}
 
 
 def test_segment_rows_uses_the_base_entropy():

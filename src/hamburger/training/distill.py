@@ -3,7 +3,13 @@
 Output: JSONL, one row per prompt: `id`, `source`, `messages` (the prompt turns plus the assistant's
 reply), `answer` (reference, where the source has one), `finished` (the reply ended with EOS) and
 `response_ids` (the exact tokens generated, so segmentation needs no re-tokenisation).
-Rows are appended batch by batch, so an interrupted run resumes where it stopped.
+Rows are appended as replies end, so an interrupted run resumes where it stopped.
+
+The replies come from the fast engine's continuous-batching scheduler where the base is supported (static
+batches on the transformers reference path otherwise, or with `--engine reference`), in the order they end.
+`--quantize fp16` speeds a CPU up about 1.7× (2 cores, batches of 32 replies of 64 tokens: 175 tokens/s
+against 104 in float32); its greedy replies are the fp16 base's, which can part from the float32 base's where two tokens
+are nearly tied.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from rich.console import Console
@@ -23,8 +31,10 @@ from rich.progress import (
 )
 
 from hamburger.errors import HamburgerError
-from hamburger.inference.reference import eos_ids, generate
+from hamburger.inference.engine import ReferenceEngine, make_engine
+from hamburger.inference.reference import eos_ids
 from hamburger.inference.sampling import SamplingParams
+from hamburger.inference.scheduler import Scheduler
 from hamburger.model.base import encode_chat
 from hamburger.model.hamburger_model import HamburgerModel
 from hamburger.training.sources import BUILTIN, Prompt, load_prompts
@@ -47,38 +57,73 @@ def done_ids(path: Path) -> set[str]:
     return ids
 
 
-def distill(
-    model: HamburgerModel, prompts: list[Prompt], out: Path, batch_size: int = 16, max_new_tokens: int = 256,
-    sampling: SamplingParams | None = None, progress: bool = True,
-) -> dict[str, int]:
-    """Generate the base model's replies for `prompts` not yet in `out`, appending rows to `out`."""
+def replies(model: HamburgerModel, prompts: list[list[int]], batch_size: int, max_new_tokens: int,
+            sampling: SamplingParams, engine: str = "auto") -> Iterator[list[tuple[int, list[int]]]]:
+    """The plain base's replies to `prompts`, as groups of (prompt index, reply tokens) in the order they finish.
+
+    On the fast engine the prompts go through the continuous-batching scheduler: `batch_size` rows, a finished
+    row takes the next prompt at once, so no pass computes a row that is done (a static batch runs every row to
+    its longest reply). The reference path decodes static batches of `batch_size`."""
     base = HamburgerModel.plain(model.base, model.tokenizer)
+    runner = make_engine(base, engine)
+    if isinstance(runner, ReferenceEngine):
+        for start in range(0, len(prompts), batch_size):
+            res = runner.generate(prompts[start : start + batch_size], max_new_tokens=max_new_tokens, confidence=1.0,
+                                  sampling=sampling, mode="trust")
+            yield list(enumerate(res.tokens, start))
+        return
+    longest = max(map(len, prompts), default=1)
+    sched = Scheduler(base, max_batch_size=batch_size, max_len=longest + max_new_tokens)
+    index = {sched.submit(ids, max_new_tokens, confidence=1.0, sampling=sampling): i for i, ids in enumerate(prompts)}
+    tokens: dict[int, list[int]] = {}
+    while sched.has_work():
+        done = []
+        for ev in sched.step():
+            tokens.setdefault(ev.id, []).extend(ev.tokens)
+            if ev.finished:
+                done.append((index[ev.id], tokens.pop(ev.id)))
+        if done:
+            yield done
+
+
+def distill(
+    model: HamburgerModel, prompts: list[Prompt], out: Path, batch_size: int = 32, max_new_tokens: int = 256,
+    sampling: SamplingParams | None = None, progress: bool = True, engine: str = "auto",
+) -> dict[str, int]:
+    """Generate the base model's replies for `prompts` not yet in `out`, appending a row per reply as it finishes.
+    `engine`: as `make_engine`'s kind (auto: the fast engine where the base is supported)."""
     tok, eos = model.tokenizer, eos_ids(model)
     skip = done_ids(out)
     todo = [p for p in prompts if p.id not in skip]
     encoded = [(p, encode_chat(tok, p.messages)) for p in todo]
-    encoded.sort(key=lambda pair: len(pair[1]))  # similar lengths per batch: less padding
-    counts = {"prompts": len(prompts), "already_done": len(prompts) - len(todo), "written": 0, "unfinished": 0}
+    encoded.sort(key=lambda pair: len(pair[1]))  # similar lengths side by side: less padding
+    counts = {"prompts": len(prompts), "already_done": len(prompts) - len(todo), "written": 0, "unfinished": 0,
+              "tokens": 0}
     out.parent.mkdir(parents=True, exist_ok=True)
     columns = (TextColumn("distill"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]} tok/s"),
                TimeRemainingColumn())
     with Progress(*columns, disable=not progress, console=Console(stderr=True)) as bar, out.open("a", encoding="utf-8") as f:
         task = bar.add_task("distill", total=len(encoded), tps="-")
-        for start in range(0, len(encoded), batch_size):
-            batch = encoded[start : start + batch_size]
-            res = generate(base, [ids for _, ids in batch], max_new_tokens=max_new_tokens, confidence=1.0,
-                           sampling=sampling or SamplingParams())
-            for (p, _), tokens in zip(batch, res.tokens):
-                finished = bool(tokens) and tokens[-1] in eos
-                reply = tok.decode(tokens, skip_special_tokens=True).strip()
+        t0 = said = time.perf_counter()
+        for group in replies(model, [ids for _, ids in encoded], batch_size, max_new_tokens,
+                             sampling or SamplingParams(), engine):
+            for i, reply_ids in group:
+                p = encoded[i][0]
+                finished = bool(reply_ids) and reply_ids[-1] in eos
+                reply = tok.decode(reply_ids, skip_special_tokens=True).strip()
                 row = {"id": p.id, "source": p.source, "messages": p.messages + [{"role": "assistant", "content": reply}],
-                       "answer": p.answer, "finished": finished, "response_ids": tokens}
+                       "answer": p.answer, "finished": finished, "response_ids": reply_ids}
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
                 counts["written"] += 1
                 counts["unfinished"] += not finished
+                counts["tokens"] += len(reply_ids)
             f.flush()
-            st = res.stats
-            bar.update(task, advance=len(batch), tps=f"{st.generated_tokens / max(st.prefill_s + st.decode_s, 1e-9):.0f}")
+            now = time.perf_counter()
+            bar.update(task, advance=len(group), tps=f"{counts['tokens'] / max(now - t0, 1e-9):.0f}")
+            if progress and not bar.console.is_terminal and (now - said > 60 or counts["written"] == len(encoded)):
+                said = now  # a log file gets a plain line a minute instead of a live bar
+                print(f"distill {counts['written']}/{len(encoded)} prompts, {counts['tokens']} tokens, "
+                      f"{counts['tokens'] / (now - t0):.0f} tok/s, elapsed {now - t0:.0f}s", file=sys.stderr, flush=True)
     return counts
 
 
@@ -94,7 +139,7 @@ def cmd_distill(args: argparse.Namespace) -> int:
     prompts = load_prompts(sources, split=args.split, per_template=args.per_template, seed=args.seed, limit=args.limit)
     model, _ = load_from_args(args)
     sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
-    counts = distill(model, prompts, Path(args.out), args.batch_size, args.max_new_tokens, sampling)
+    counts = distill(model, prompts, Path(args.out), args.batch_size, args.max_new_tokens, sampling, engine=args.engine)
     print(json.dumps(counts), file=sys.stderr)
     return 0
 
@@ -105,7 +150,13 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--split", default="train", choices=("train", "heldout"))
     p.add_argument("--out", required=True, help="JSONL to append to (an existing file is resumed, never truncated)")
     add_model_args(p)
-    p.add_argument("--batch-size", type=int, default=16)
+    from hamburger.cli import add_quantize_args  # noqa: PLC0415 - the CLI imports this module first
+
+    add_quantize_args(p)
+    p.add_argument("--engine", choices=("auto", "fast", "reference"), default="auto",
+                   help="fast: static KV caches (Llama, Mistral, Qwen2, Qwen3); reference: transformers, any model; "
+                   "auto: fast where supported")
+    p.add_argument("--batch-size", type=int, default=32, help="prompts per batch (sorted by length)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--per-template", type=int, default=10, help="GSM variants generated per template")

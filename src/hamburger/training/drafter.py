@@ -199,7 +199,7 @@ class DrafterTrainer:
         self.model, self.args, self.out = model, args, Path(args.out)
         self.device_type = next(model.parameters()).device.type
         self.bf16 = bf16_autocast(args.bf16, self.device_type)
-        train, held = split_eval(read_examples(Path(args.data)), args.eval_fraction)
+        train, held = split_eval(read_examples(Path(args.data), model.tokenizer), args.eval_fraction)
         self.train = [ex for _, ex in train]
         self.held = [ex for _, ex in held][: args.eval_examples]
         if not self.train:
@@ -347,7 +347,7 @@ def register(sub, add_model_args) -> None:
     p = sub.add_parser("train-drafter", help="distil the micro-step decoder into a drafter for every position "
                                              "(KL to the frozen base; for --mode verify)")
     add_model_args(p)
-    p.add_argument("--data", required=True, help="segmented JSONL (hamburger segment)")
+    p.add_argument("--data", required=True, help="segmented JSONL (hamburger segment), or distilled JSONL (hamburger distill) read unsegmented: the drafter learns at every response position")
     p.add_argument("--out", required=True, help="run folder: state/ to resume, hamburger/ the checkpoint, log.jsonl")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--no-bf16", dest="bf16", action="store_false")

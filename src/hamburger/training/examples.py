@@ -11,14 +11,17 @@ from pathlib import Path
 import torch
 
 from hamburger.errors import HamburgerError
-from hamburger.model.base import fingerprint
+from hamburger.model.base import encode_chat, fingerprint
 from hamburger.model.hamburger_model import HamburgerModel
 from hamburger.model.outputs import metrics_from_counts
 from hamburger.training.data import SegmentedExample, collate
 from hamburger.training.teacher import read_teacher, teacher_dir
 
 
-def read_examples(path: Path) -> list[tuple[str, SegmentedExample]]:
+def read_examples(path: Path, tokenizer=None) -> list[tuple[str, SegmentedExample]]:
+    """The (id, example) rows of segmented JSONL (`hamburger segment`). With a `tokenizer`, rows of distilled JSONL
+    (`hamburger distill`: `messages` and `response_ids`) are read too, as unsegmented examples (one token per
+    step): for the drafter, which learns at every response position and never reads the steps."""
     if not path.is_file():
         raise HamburgerError(f"segmented data {path} does not exist (make it with `hamburger segment`)")
     out = []
@@ -26,9 +29,17 @@ def read_examples(path: Path) -> list[tuple[str, SegmentedExample]]:
         if line.strip():
             try:
                 row = json.loads(line)
-                out.append((str(row.get("id", n)), SegmentedExample(row["input_ids"], row["prompt_len"], row["steps"])))
-            except (ValueError, KeyError, TypeError) as exc:
-                raise HamburgerError(f"{path}:{n}: not a segmented example ({exc})") from exc
+                if tokenizer is not None and "input_ids" not in row and isinstance(row.get("response_ids"), list):
+                    if not row["response_ids"]:
+                        continue  # an empty reply teaches nothing
+                    prompt = encode_chat(tokenizer, row["messages"][:-1])
+                    ex = SegmentedExample(prompt + row["response_ids"], len(prompt), [1] * len(row["response_ids"]))
+                else:
+                    ex = SegmentedExample(row["input_ids"], row["prompt_len"], row["steps"])
+                out.append((str(row.get("id", n)), ex))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                what = "a segmented or distilled example" if tokenizer is not None else "a segmented example"
+                raise HamburgerError(f"{path}:{n}: not {what} ({exc!r})") from exc
     if not out:
         raise HamburgerError(f"{path} holds no examples")
     return out

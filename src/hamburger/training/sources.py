@@ -5,6 +5,9 @@
 - chat: `chatterbot-corpus` English questions; a stable hash holds out one in five.
 - code: Python functions described by the docstrings of the CPython standard library on this machine
   (HumanEval is reserved for evaluation and never used here); a stable hash holds out one in five.
+- stdlib: more of the same kind, from the rest of the standard library: the top-level functions of its
+  subpackages (json, email, asyncio, ...) and the public methods of public classes everywhere (tests and
+  GUI packages left out). A source of its own, so `code` and its held-out split stay as they were.
 - user data: JSONL with `messages` or `prompt`/`response`, or a Hugging Face datasets folder.
 """
 
@@ -26,7 +29,10 @@ from hamburger.errors import HamburgerError
 from hamburger.model.base import cache_dir
 
 SPLITS = ("train", "heldout")
-BUILTIN = ("gsm", "chat", "code")
+BUILTIN = ("gsm", "chat", "code", "stdlib")
+# stdlib folders that hold tests, GUIs or bundled packages rather than library code to describe
+SKIP_STDLIB = frozenset({"test", "tests", "idlelib", "tkinter", "turtledemo", "site-packages", "ensurepip", "lib2to3",
+                         "venv", "__pycache__"})
 
 
 @dataclass
@@ -122,22 +128,49 @@ def chat_prompts(split: str = "train") -> list[Prompt]:
     return out
 
 
+def _described(node: ast.AST) -> str | None:
+    """The one-paragraph docstring summary of a short public function, or None."""
+    if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+        return None
+    doc = ast.get_docstring(node)
+    if not doc or not 2 <= node.end_lineno - node.lineno <= 40:
+        return None
+    summary = " ".join(doc.strip().split("\n\n")[0].split())
+    return summary if 20 <= len(summary) <= 300 else None
+
+
+def _parse(path: Path) -> ast.Module | None:
+    try:
+        return ast.parse(path.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, OSError, ValueError):
+        return None
+
+
 def _stdlib_functions(root: Path) -> Iterator[tuple[str, str, str]]:
     """(module, signature, docstring summary) of short documented top-level functions of the stdlib."""
     for path in sorted(root.glob("*.py")):
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, OSError):
-            continue
-        for node in tree.body:
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node)
-            if not doc or not 2 <= node.end_lineno - node.lineno <= 40:
-                continue
-            summary = " ".join(doc.strip().split("\n\n")[0].split())
-            if 20 <= len(summary) <= 300:
+        tree = _parse(path)
+        for node in tree.body if tree else ():
+            if summary := _described(node):
                 yield path.stem, f"{node.name}({ast.unparse(node.args)})", summary
+
+
+def _stdlib_more(root: Path) -> Iterator[tuple[str, str, str, str]]:
+    """(module, class or "", signature, summary): subpackages' top-level functions, and public methods of public
+    classes in every module; the modules `_stdlib_functions` reads give only their methods."""
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root)
+        if SKIP_STDLIB.intersection(rel.parts[:-1]) or rel.parts[0].startswith("test") or rel.stem.startswith("test"):
+            continue
+        tree = _parse(path)
+        module = ".".join(rel.with_suffix("").parts)
+        for node in tree.body if tree else ():
+            if len(rel.parts) > 1 and (summary := _described(node)):
+                yield module, "", f"{node.name}({ast.unparse(node.args)})", summary
+            elif isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                for item in node.body:
+                    if summary := _described(item):
+                        yield module, node.name, f"{item.name}({ast.unparse(item.args)})", summary
 
 
 def code_prompts(split: str = "train", limit: int | None = None) -> list[Prompt]:
@@ -152,6 +185,23 @@ def code_prompts(split: str = "train", limit: int | None = None) -> list[Prompt]
         out.append(Prompt(f"code-{hashlib.sha1(key.encode()).hexdigest()[:10]}", "code",
                           [{"role": "user", "content": text}], meta={"module": module}))
     return out[:limit]
+
+
+def stdlib_prompts(split: str = "train") -> list[Prompt]:
+    """Code prompts from the rest of the standard library (see the module docstring); split by a stable hash."""
+    _check_split(split)
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for module, cls, signature, summary in _stdlib_more(root):
+        key = f"{module}.{cls}.{signature}"
+        if _held_out(key) != (split == "heldout"):
+            continue
+        where = f"a method of the class `{cls}` of the module `{module}`" if cls else f"from the module `{module}`"
+        text = (f"Write a Python function `{signature}`, {where}. {summary.rstrip('.')}. "
+                "Reply with the code and a short explanation.")
+        out.append(Prompt(f"stdlib-{hashlib.sha1(key.encode()).hexdigest()[:10]}", "stdlib",
+                          [{"role": "user", "content": text}], meta={"module": module}))
+    return out
 
 
 def user_prompts(path: str | Path) -> list[Prompt]:
@@ -200,6 +250,8 @@ def load_prompts(sources: list[str], split: str = "train", per_template: int = 1
             items = chat_prompts(split)
         elif source == "code":
             items = code_prompts(split)
+        elif source == "stdlib":
+            items = stdlib_prompts(split)
         else:
             items = user_prompts(source)
         if limit is not None:
