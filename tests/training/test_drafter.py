@@ -208,6 +208,31 @@ def test_train_drafter_command(tmp_path, ckpt, capsys):
             assert torch.equal(old[key], new[key]), f"{key} changed"
 
 
+def test_distilled_data_trains_as_its_segmented_form(tmp_path, ckpt):
+    """`--data` may be `hamburger distill`'s JSONL: the drafter trains exactly as on the same tokens segmented."""
+    from hamburger.model.base import encode_chat
+
+    tok = HamburgerModel.from_pretrained(ckpt).tokenizer
+    rng = random.Random(3)
+    distilled, segmented = [], []
+    for i in range(12):
+        messages = [{"role": "user", "content": " ".join(f"w{rng.randrange(5, 40)}" for _ in range(3))}]
+        reply = [rng.randrange(5, VOCAB) for _ in range(rng.randrange(6, 12))]
+        distilled.append({"id": f"d{i}", "messages": messages + [{"role": "assistant", "content": "x"}],
+                          "response_ids": reply})
+        prompt = encode_chat(tok, messages)
+        segmented.append({"id": f"d{i}", "input_ids": prompt + reply, "prompt_len": len(prompt),
+                          "steps": [2] * (len(reply) // 2) + [1] * (len(reply) % 2)})  # steps the drafter ignores
+    runs = {}
+    for name, rows in (("distilled", distilled), ("segmented", segmented)):
+        data = tmp_path / f"{name}.jsonl"
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        assert main(argv(ckpt, str(data), tmp_path / name, "--max-steps", "2", "--eval-every", "2")) == 0
+        runs[name] = (read_log(tmp_path / name), load_file(tmp_path / name / "state" / "trained.safetensors"))
+    assert runs["distilled"][0] == runs["segmented"][0]
+    assert all(torch.equal(v, runs["segmented"][1][k]) for k, v in runs["distilled"][1].items())
+
+
 def test_resume_is_exact(tmp_path, ckpt, monkeypatch, capsys):
     data = write_data(tmp_path / "data.jsonl")
     common = ("--max-steps", "6", "--save-every", "3", "--eval-every", "3")
@@ -257,7 +282,7 @@ def test_bad_inputs_are_one_line_errors(tmp_path, ckpt, tiny_model_dir, capsys):
     one_line_error(capsys, "does not exist")
     (tmp_path / "bad.jsonl").write_text('{"input_ids": [5, 6, 7]}\n')
     assert main(argv(ckpt, str(tmp_path / "bad.jsonl"), out, *run)) == 2
-    one_line_error(capsys, "bad.jsonl:1", "not a segmented example")
+    one_line_error(capsys, "bad.jsonl:1", "not a segmented or distilled example")
     assert main(argv(tiny_model_dir, data, out, *run)) == 2  # a base model, not a checkpoint
     one_line_error(capsys, "not a HAMburger checkpoint")
     assert not out.exists()

@@ -129,7 +129,7 @@ def test_distilled_rows_read_as_unsegmented_examples_for_the_drafter(tmp_path):
              "response_ids": []},
             {"id": "c", "input_ids": [1, 2, 3, 4], "prompt_len": 2, "steps": [2]}]
     path = write_jsonl(tmp_path / "mixed.jsonl", rows)
-    got = dict(read_examples(path, tok))
+    got = dict(read_examples(path, tok, distilled=True))
     assert sorted(got) == ["a", "c"]  # an empty reply teaches nothing
     from hamburger.model.base import encode_chat
 
@@ -137,7 +137,8 @@ def test_distilled_rows_read_as_unsegmented_examples_for_the_drafter(tmp_path):
     assert got["a"].input_ids == prompt + [9, 10, 11] and got["a"].prompt_len == len(prompt)
     assert got["a"].steps == [1, 1, 1] and got["c"].steps == [2]
     with pytest.raises(HamburgerError, match="not a segmented example"):  # the trust trainer needs the steps
-        read_examples(path)
+        read_examples(path, tok)
+    assert [ex.prompt_len for _, ex in read_examples(path, distilled=True)] == [0, 2]  # checked, prompts left out
 
 
 def test_stdlib_prompts_are_split_and_apart_from_code():

@@ -199,7 +199,7 @@ class DrafterTrainer:
         self.model, self.args, self.out = model, args, Path(args.out)
         self.device_type = next(model.parameters()).device.type
         self.bf16 = bf16_autocast(args.bf16, self.device_type)
-        train, held = split_eval(read_examples(Path(args.data), model.tokenizer), args.eval_fraction)
+        train, held = split_eval(read_examples(Path(args.data), model.tokenizer, distilled=True), args.eval_fraction)
         self.train = [ex for _, ex in train]
         self.held = [ex for _, ex in held][: args.eval_examples]
         if not self.train:
@@ -309,7 +309,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if dargs.micro_layers < 0:
         raise HamburgerError(f"--micro-layers must be a number of layers >= 1 (or 0: all the checkpoint's), "
                              f"got {dargs.micro_layers}")
-    read_examples(Path(dargs.data))  # fail on bad data before loading a model
+    read_examples(Path(dargs.data), distilled=True)  # fail on bad data before loading a model
     out = Path(dargs.out)
     if out.exists() and any(out.iterdir()) and not args.resume:
         raise HamburgerError(f"{out} is not empty: pass --resume to continue that run, or pick a new --out")

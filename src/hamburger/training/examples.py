@@ -18,10 +18,11 @@ from hamburger.training.data import SegmentedExample, collate
 from hamburger.training.teacher import read_teacher, teacher_dir
 
 
-def read_examples(path: Path, tokenizer=None) -> list[tuple[str, SegmentedExample]]:
-    """The (id, example) rows of segmented JSONL (`hamburger segment`). With a `tokenizer`, rows of distilled JSONL
+def read_examples(path: Path, tokenizer=None, distilled: bool = False) -> list[tuple[str, SegmentedExample]]:
+    """The (id, example) rows of segmented JSONL (`hamburger segment`). With `distilled`, rows of distilled JSONL
     (`hamburger distill`: `messages` and `response_ids`) are read too, as unsegmented examples (one token per
-    step): for the drafter, which learns at every response position and never reads the steps."""
+    step): for the drafter, which learns at every response position and never reads the steps. Their prompts
+    are tokenized with `tokenizer`; without one they are left out (prompt_len 0): enough to check a file."""
     if not path.is_file():
         raise HamburgerError(f"segmented data {path} does not exist (make it with `hamburger segment`)")
     out = []
@@ -29,16 +30,18 @@ def read_examples(path: Path, tokenizer=None) -> list[tuple[str, SegmentedExampl
         if line.strip():
             try:
                 row = json.loads(line)
-                if tokenizer is not None and "input_ids" not in row and isinstance(row.get("response_ids"), list):
+                if distilled and "input_ids" not in row and isinstance(row.get("response_ids"), list):
                     if not row["response_ids"]:
                         continue  # an empty reply teaches nothing
-                    prompt = encode_chat(tokenizer, row["messages"][:-1])
+                    if not isinstance(row["messages"], list) or not all(isinstance(t, int) for t in row["response_ids"]):
+                        raise TypeError("messages must be a list and response_ids token ids")
+                    prompt = encode_chat(tokenizer, row["messages"][:-1]) if tokenizer is not None else []
                     ex = SegmentedExample(prompt + row["response_ids"], len(prompt), [1] * len(row["response_ids"]))
                 else:
                     ex = SegmentedExample(row["input_ids"], row["prompt_len"], row["steps"])
                 out.append((str(row.get("id", n)), ex))
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
-                what = "a segmented or distilled example" if tokenizer is not None else "a segmented example"
+                what = "a segmented or distilled example" if distilled else "a segmented example"
                 raise HamburgerError(f"{path}:{n}: not {what} ({exc!r})") from exc
     if not out:
         raise HamburgerError(f"{path} holds no examples")
