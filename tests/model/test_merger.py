@@ -185,3 +185,22 @@ def test_a_merger_saved_with_per_head_weights_still_loads(tmp_path):
     save_file(state, str(tmp_path / "old.safetensors"), metadata={"config": json.dumps(config)})
     again = KVMerger.load(tmp_path / "old.safetensors")
     assert torch.equal(again.k_logits, merger.k_logits) and torch.equal(again.a, merger.a)
+
+
+def test_train_merger_reports_to_a_tracker(tmp_path, tiny_model_dir):
+    """`--report-to tensorboard`: every row of log.jsonl (training and held-out) also goes to TensorBoard, by step."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    data = write_data(tmp_path / "data.jsonl", n=8)
+    out = tmp_path / "run"
+    assert main(["train-merger", "--model", str(tiny_model_dir), "--data", data, "--out", str(out), "--max-steps", "2",
+                 "--eval-every", "1", "--eval-fraction", "0.3", "--report-to", "tensorboard"]) == 0
+    logged = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(next((out / "tracker").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    held = [(e.step, e.value) for e in events.Scalars("eval/heldout_all_acc")]
+    assert held == [(r["step"], pytest.approx(r["heldout_all_acc"], abs=1e-4)) for r in logged if "heldout_all_acc" in r]
+    assert len(held) == 3
+    assert main(["train-merger", "--model", str(tiny_model_dir), "--data", data, "--out", str(tmp_path / "bad"),
+                 "--report-to", "tensorbored"]) == 2
+    assert not (tmp_path / "bad").exists()  # refused before anything was written

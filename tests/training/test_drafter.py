@@ -208,6 +208,23 @@ def test_train_drafter_command(tmp_path, ckpt, capsys):
             assert torch.equal(old[key], new[key]), f"{key} changed"
 
 
+def test_train_drafter_reports_to_a_tracker(tmp_path, ckpt):
+    """`--report-to tensorboard`: held-out rows go to TensorBoard as they go to log.jsonl, training losses every step;
+    an unknown tracker is refused before a model is loaded."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    data = write_data(tmp_path / "data.jsonl")
+    out = tmp_path / "run"
+    assert main(argv(ckpt, data, out, "--max-steps", "4", "--eval-every", "2", "--report-to", "tensorboard")) == 0
+    events = EventAccumulator(str(next((out / "tracker").rglob("events.out.tfevents.*")).parent))
+    events.Reload()
+    acc1 = [(e.step, e.value) for e in events.Scalars("eval/micro_acc@1")]
+    assert acc1 == [(r["step"], pytest.approx(r["micro_acc@1"], abs=1e-6)) for r in read_log(out)]
+    assert [e.step for e in events.Scalars("train/kl")] == [1, 2, 3, 4]
+    assert main(argv(ckpt, data, tmp_path / "bad", "--report-to", "tensorbored")) == 2
+    assert not (tmp_path / "bad").exists()
+
+
 def test_distilled_data_trains_as_its_segmented_form(tmp_path, ckpt):
     """`--data` may be `hamburger distill`'s JSONL: the drafter trains exactly as on the same tokens segmented."""
     from hamburger.model.base import encode_chat

@@ -35,6 +35,7 @@ from hamburger.errors import HamburgerError
 from hamburger.model.hamburger_model import HamburgerModel
 from hamburger.training.examples import read_examples, split_eval
 from hamburger.training.precision import bf16_autocast
+from hamburger.training.tracking import Tracker, check_tracker
 
 TRAINED = ("micro", "stop_head")  # the embedder and slot adapters are not touched by this objective
 
@@ -58,6 +59,7 @@ class DrafterArgs:
     micro_layers: int = 0  # > 0: keep only the micro-step decoder's last that many layers (a cheaper micro-step); 0: all
     bf16: bool = True  # autocast the training passes (not the evaluation) where the CPU or GPU has bf16
     seed: int = 0
+    report_to: str = "none"  # an accelerate tracker (tensorboard, wandb, mlflow, ...) that also gets the metrics
 
 
 @dataclass
@@ -218,6 +220,7 @@ class DrafterTrainer:
             0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total) / total))))
         self.step = 0
         self.gen = torch.Generator().manual_seed(args.seed)
+        self.tracker = Tracker(args.report_to, self.out, "train-drafter", asdict(args))
 
     def order(self, epoch: int) -> list[int]:
         idx = list(range(len(self.train)))
@@ -271,7 +274,9 @@ class DrafterTrainer:
     def fit(self) -> dict[str, float]:
         a = self.args
         if self.step == 0:
-            self.log({"step": 0, "examples_seen": 0, **self.evaluate()})
+            first = self.evaluate()
+            self.log({"step": 0, "examples_seen": 0, **first})
+            self.tracker.log(first, 0, "eval")
         t0, positions, metrics = time.perf_counter(), 0, {}
         self.model.train()
         while self.step < a.max_steps:
@@ -289,15 +294,20 @@ class DrafterTrainer:
                 self.opt.step()
                 positions += len(batch.inputs)
             self.sched.step()
-            if self.step % 20 == 0 and batch is not None:
+            if batch is not None:
                 rate = positions / (time.perf_counter() - t0)
+                self.tracker.log({**parts, "positions_per_s": rate, "lr": self.sched.get_last_lr()[0]}, self.step,
+                                 "train")
+            if self.step % 20 == 0 and batch is not None:
                 print(f"step {self.step}/{a.max_steps} kl {parts['kl']:.3f} stop {parts['stop_bce']:.3f} "
                       f"lr {self.sched.get_last_lr()[0]:.2e} {rate:.0f} positions/s", flush=True)
             if self.step % a.eval_every == 0 or self.step == a.max_steps:
                 metrics = self.evaluate()
                 self.log({"step": self.step, "examples_seen": self.step, **metrics})
+                self.tracker.log(metrics, self.step, "eval")
             if self.step % a.save_every == 0 or self.step == a.max_steps:
                 self.save()
+        self.tracker.end()
         return metrics
 
 
@@ -309,7 +319,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if dargs.micro_layers < 0:
         raise HamburgerError(f"--micro-layers must be a number of layers >= 1 (or 0: all the checkpoint's), "
                              f"got {dargs.micro_layers}")
-    read_examples(Path(dargs.data), distilled=True)  # fail on bad data before loading a model
+    read_examples(Path(dargs.data), distilled=True)  # fail on bad data or a missing tracker before loading a model
+    check_tracker(dargs.report_to)
     out = Path(dargs.out)
     if out.exists() and any(out.iterdir()) and not args.resume:
         raise HamburgerError(f"{out} is not empty: pass --resume to continue that run, or pick a new --out")

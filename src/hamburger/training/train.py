@@ -50,6 +50,7 @@ from hamburger.training.examples import (
 from hamburger.training.export import cmd_export
 from hamburger.training.precision import bf16_autocast
 from hamburger.training.teacher import teacher_dir
+from hamburger.training.tracking import check_tracker
 
 MODES = ("frozen", "lora", "full")
 
@@ -80,21 +81,6 @@ class TrainArgs:
     teacher_cache: bool = True  # KD reads DATA.teacher/ (from `segment --teacher-top-k`) when it is there
     seed: int = 0
     report_to: str = "none"  # an accelerate tracker (tensorboard, wandb, mlflow, ...) that also gets the metrics
-
-
-def check_tracker(name: str) -> str | None:
-    """The accelerate tracker `--report-to` names, or None for "none"; a clear error if it is unknown or its
-    package is not installed (accelerate itself would skip it silently)."""
-    if name == "none":
-        return None
-    from accelerate.tracking import LOGGER_TYPE_TO_CLASS, get_available_trackers  # noqa: PLC0415
-
-    if name not in LOGGER_TYPE_TO_CLASS:
-        raise HamburgerError(f"--report-to {name!r}: not a tracker accelerate knows; choose none or one of "
-                             f"{', '.join(sorted(LOGGER_TYPE_TO_CLASS))}")
-    if name not in [str(t) for t in get_available_trackers()]:
-        raise HamburgerError(f"--report-to {name}: its package is not installed (pip install {name})")
-    return name
 
 
 def configure_optimizer(model: HamburgerModel, args: TrainArgs) -> torch.optim.Optimizer:

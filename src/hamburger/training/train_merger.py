@@ -19,6 +19,7 @@ from hamburger.errors import HamburgerError
 from hamburger.model.base import fingerprint
 from hamburger.model.merger import WEIGHTS, KVMerger, Layout, forward_layout
 from hamburger.training.examples import read_examples, split_eval
+from hamburger.training.tracking import Tracker, check_tracker
 
 
 @dataclass
@@ -39,6 +40,7 @@ class MergerArgs:
     eval_every: int = 100
     save_every: int = 100
     seed: int = 0
+    report_to: str = "none"  # an accelerate tracker (tensorboard, wandb, mlflow, ...) that also gets the metrics
 
 
 def clip_example(ids: list[int], prompt_len: int, steps: list[int], max_len: int) -> tuple[list[int], list[int]]:
@@ -110,6 +112,7 @@ class MergerTrainer:
         self.step = 0
         self.gen = torch.Generator().manual_seed(args.seed)  # random step lengths
         self.fingerprint = fingerprint(base)  # stored with the merger: it fits only this base
+        self.tracker = Tracker(args.report_to, self.out, "train-merger", asdict(args))
 
     def order(self, epoch: int) -> list[int]:
         idx = list(range(len(self.train)))
@@ -176,6 +179,7 @@ class MergerTrainer:
         with (self.out / "log.jsonl").open("a") as f:
             f.write(json.dumps(row) + "\n")
         print(json.dumps(row), flush=True)
+        self.tracker.log(row, row["step"], "train" if "train_kl" in row else "eval")
 
     def evaluate(self) -> dict[str, float]:
         return {f"heldout_{k}": v for k, v in evaluate_merger(self.base, self.merger, self.held,
@@ -205,6 +209,7 @@ class MergerTrainer:
                 self.save()
             if out_of_time:
                 break
+        self.tracker.end()
         return metrics
 
 
@@ -212,7 +217,8 @@ def cmd_train_merger(args: argparse.Namespace) -> int:
     from hamburger.cli import load_from_args  # noqa: PLC0415 - cli imports this module to register it
 
     margs = MergerArgs(**{f: getattr(args, f) for f in MergerArgs.__dataclass_fields__})
-    read_examples(Path(margs.data))  # fail on bad data before loading a model
+    read_examples(Path(margs.data))  # fail on bad data or a missing tracker before loading a model
+    check_tracker(margs.report_to)
     out = Path(margs.out)
     if out.exists() and any(out.iterdir()) and not args.resume:
         raise HamburgerError(f"{out} is not empty: pass --resume to continue that run, or pick a new --out")
