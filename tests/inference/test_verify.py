@@ -213,3 +213,48 @@ def test_drafts_go_on_while_the_whole_draft_is_likely_kept():
     assert step_lengths(torch.tensor([True, False, True])) == [3, 4, 3]
     assert step_lengths(True, confidence=0.5) == [2, 2, 2]
     assert step_lengths(True, confidence=1.0) == step_lengths(False, confidence=1.0) == [1, 1, 1]
+
+
+def test_a_draft_stop_head_decides_drafts_and_the_trust_head_trust_steps(tmp_path):
+    """A checkpoint with a draft stop head: verify rows (and compress rows) read it, trust rows the trust head, in
+    the engine, per row in the scheduler's mixed batches, and after a save and load. Here the trust head always
+    goes on and the draft head always stops: trust steps take K tokens, verify drafts nothing and is the base."""
+    from hamburger.inference.scheduler import Scheduler
+    from hamburger.model.hamburger_model import HamburgerModel
+
+    model = hamburger("llama", k=4)
+    draft = model.add_draft_stop_head()
+    assert model.config.draft_stop_head
+    with torch.no_grad():
+        model.stop_head.net[-1].weight.zero_()
+        model.stop_head.net[-1].bias.fill_(-20.0)  # P(go on) ~ 1
+        draft.net[-1].weight.zero_()
+        draft.net[-1].bias.fill_(20.0)  # P(go on) ~ 0
+    model.save_pretrained(tmp_path / "ckpt")
+    loaded = HamburgerModel.from_pretrained(tmp_path / "ckpt", base=model.base, tokenizer=model.tokenizer)
+    assert torch.equal(loaded.draft_stop_head.net[-1].bias, draft.net[-1].bias)
+    assert loaded.parameter_counts()["draft_stop_head"] == sum(p.numel() for p in draft.parameters())
+    for m in (model, loaded):
+        engine = Engine(m)
+        trust = engine.generate(PROMPTS, max_new_tokens=12, confidence=0.5, mode="trust")
+        assert all(s == 4 for steps in trust.steps for s in steps[:-1])
+        verify = engine.generate(PROMPTS, max_new_tokens=12, confidence=0.5, mode="verify")
+        assert verify.stats.drafted_tokens == 0
+        assert verify.tokens == [base_greedy(m, p, 12) for p in PROMPTS]
+    sched = Scheduler(loaded, max_batch_size=2, max_len=64)
+    ids = {sched.submit(PROMPTS[0], 12, confidence=0.5, mode="trust"): "trust",
+           sched.submit(PROMPTS[1], 12, confidence=0.5, mode="verify"): "verify"}
+    drafted, steps = {}, {}
+    while sched.has_work():
+        for ev in sched.step():
+            steps.setdefault(ids[ev.id], []).append(len(ev.tokens))
+            drafted[ids[ev.id]] = ev.stats.drafted_tokens
+    assert drafted["verify"] == 0 and drafted["trust"] == 0
+    assert all(s == 4 for s in steps["trust"][:-1]) and all(s == 1 for s in steps["verify"])
+    # With the heads the other way round, the trust rows take one token per step and verify drafts.
+    with torch.no_grad():
+        model.stop_head.net[-1].bias.fill_(20.0)
+        draft.net[-1].bias.fill_(-20.0)
+    engine = Engine(model)
+    assert all(s == 1 for steps in engine.generate(PROMPTS, max_new_tokens=12, confidence=0.5).steps for s in steps)
+    assert engine.generate(PROMPTS, max_new_tokens=12, confidence=0.5, mode="verify").stats.drafted_tokens > 0

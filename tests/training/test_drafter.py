@@ -208,6 +208,31 @@ def test_train_drafter_command(tmp_path, ckpt, capsys):
             assert torch.equal(old[key], new[key]), f"{key} changed"
 
 
+def test_train_drafter_with_a_draft_stop_head_leaves_trust_mode_its_own(tmp_path, ckpt, capsys):
+    """`--draft-stop-head`: the micro-step decoder and a new draft stop head train; trust mode's stop head stays
+    exactly as it was, so one checkpoint serves both modes. Resuming without the flag goes on with the same heads."""
+    data = write_data(tmp_path / "data.jsonl")
+    out = tmp_path / "run"
+    assert main(argv(ckpt, data, out, "--max-steps", "2", "--eval-every", "2", "--draft-stop-head")) == 0
+    assert "draft stop head" in capsys.readouterr().err
+    assert {k.split(".")[0] for k in load_file(out / "state" / "trained.safetensors")} == {"micro", "draft_stop_head"}
+    old = HamburgerModel.from_pretrained(ckpt)
+    new = HamburgerModel.from_pretrained(out / "hamburger")
+    assert new.config.draft_stop_head and old.draft_stop_head is None
+    for key, value in old.stop_head.state_dict().items():
+        assert torch.equal(value, new.stop_head.state_dict()[key])
+        assert not torch.equal(value, new.draft_stop_head.state_dict()[key]), key
+    assert main(argv(ckpt, data, out, "--max-steps", "3", "--eval-every", "3", "--resume")) == 0
+    assert [r["step"] for r in read_log(out)] == [0, 2, 3]
+    again = HamburgerModel.from_pretrained(out / "hamburger")
+    assert torch.equal(again.stop_head.net[0].weight, old.stop_head.net[0].weight)
+    assert not torch.equal(again.draft_stop_head.net[0].weight, new.draft_stop_head.net[0].weight)
+    # A checkpoint that has a draft stop head trains that one, with or without the flag.
+    out2 = tmp_path / "run2"
+    assert main(argv(out / "hamburger", data, out2, "--max-steps", "1", "--eval-every", "1")) == 0
+    assert {k.split(".")[0] for k in load_file(out2 / "state" / "trained.safetensors")} == {"micro", "draft_stop_head"}
+
+
 def test_train_drafter_reports_to_a_tracker(tmp_path, ckpt):
     """`--report-to tensorboard`: held-out rows go to TensorBoard as they go to log.jsonl, training losses every step;
     an unknown tracker is refused before a model is loaded."""

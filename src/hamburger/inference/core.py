@@ -89,7 +89,8 @@ class Limits:
 
     `path` (n,) or one bool: rows whose confidence bounds the chance that the whole step so far is right (the
     product of the stop head's P(go on) over the step), not the next token's alone. Verify and compress mode
-    draft this way: a draft is worth its micro-step only if every draft before it is kept too."""
+    draft this way: a draft is worth its micro-step only if every draft before it is kept too. These rows read
+    the checkpoint's draft stop head where it has one (`HamburgerModel.stop_logits`)."""
 
     eos: torch.Tensor
     max_new: torch.Tensor | int
@@ -127,7 +128,7 @@ def macro_step(engine: Engine, states: list[torch.Tensor], live: torch.Tensor, g
     if k == 1:
         return step_tok, step_len, ended
     reach = torch.ones(h0.shape[0], device=h0.device)  # the stop head's P(every token of the step so far is right)
-    go_on &= _goes_on(model.stop_head(h0), step_len, forced_len, limits, reach)
+    go_on &= _goes_on(model.stop_logits(h0, limits.path), step_len, forced_len, limits, reach)
     run = MicroRun(engine, feats, cache, context)
     for i in range(1, k):
         if not bool(go_on.any()):  # the one host sync per micro-step: does any step go on?
@@ -140,7 +141,7 @@ def macro_step(engine: Engine, states: list[torch.Tensor], live: torch.Tensor, g
         now_ends = go_on & limits.ends(tok, gen_len)
         ended |= now_ends
         go_on = go_on & ~now_ends & (step_len < k)
-        go_on &= _goes_on(model.stop_head(h), step_len, forced_len, limits, reach)
+        go_on &= _goes_on(model.stop_logits(h, limits.path), step_len, forced_len, limits, reach)
     return step_tok, step_len, ended
 
 

@@ -48,7 +48,7 @@ from hamburger.inference.qlinear import MODULES, QuantizedLinear, carry_hooks, f
 SCHEMES = ("none", "fp16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
 # Parts of a HamburgerModel left in float by default: small, and the stop head's decisions are thresholded.
-DEFAULT_SKIP = ("embedder", "stop_head", "slot_adapters")
+DEFAULT_SKIP = ("embedder", "stop_head", "draft_stop_head", "slot_adapters")
 CACHE_FORMAT = "hamburger-quantized"
 CACHE_VERSION = 1
 

@@ -59,6 +59,7 @@ class Generation:
     stats: GenerationStats = field(init=False)
     logits: list[list[torch.Tensor]] = field(init=False)
     _start: float = field(init=False, default=0.0)
+    _context: tuple = field(init=False, default=())  # (base cache, entries in use (B, T), the state's position (B,))
     _warpers: LogitsProcessorList = field(init=False, default_factory=LogitsProcessorList)
     _generator: torch.Generator | None = field(init=False, default=None)
 
@@ -95,6 +96,9 @@ class Generation:
         self.stats.base_forwards += 1
         self.stats.row_forwards += bsz
         for step in itertools.count():
+            # What a micro-step decoder with context reads: the base's entries so far (the padding hidden).
+            generated = torch.tensor([len(t) for t in self.tokens], device=device)
+            self._context = (cache, mask.bool(), lengths + generated - 1)
             new = self._macro_step(hidden, step, done)
             for b, toks in enumerate(new):
                 if toks:
@@ -132,13 +136,35 @@ class Generation:
             self.stats.prefill_s = time.perf_counter() - self._start  # time to first token
         micro_cache = DynamicCache()
         x = torch.cat([model.micro.features(hidden, (slice(None), -1)), model.embed(tok)[:, None]], dim=1)
+        inputs = x[:, :0]  # the step's inputs so far, for a decoder with context
         while any(go_on):
-            hm = model.micro(x, micro_cache)[:, -1]
+            if model.micro.context:
+                inputs = torch.cat([inputs, x], dim=1)
+                hm = self._micro_with_context(inputs)
+            else:
+                hm = model.micro(x, micro_cache)[:, -1]
             logits = model.lm_head(hm)
             tok = sample(logits, self.sampling, self._generator, self._warpers)
             go_on = self._record(tok, logits, model.stop_head(hm), go_on, step, new)
             x = model.embed(tok)[:, None]
         return new
+
+    def _micro_with_context(self, x: torch.Tensor) -> torch.Tensor:
+        """The micro-step decoder with context over all of the step's inputs so far (B, q, d) -> the last state
+        (B, d), recomputed from the start each micro-step (no cache: the oracle, not the fast path). Each micro
+        layer also reads the base's cached keys and values of its source layer, the latest `micro.context` real
+        entries, and the inputs take the positions after the base state's (as `train-drafter` trains it)."""
+        micro = self.model.micro
+        cache, valid, base_pos = self._context
+        q = x.shape[1]
+        latest = valid.long().flip(-1).cumsum(-1).flip(-1) <= micro.context
+        ctx = (valid & latest)[:, None, None, :].expand(-1, 1, q, -1)
+        own = torch.ones(q, q, dtype=torch.bool, device=x.device).tril()[None, None].expand(x.shape[0], 1, q, q)
+        layers = [cache.layers[i] for i in micro.context_layers]
+        positions = base_pos[:, None] + 1 + torch.arange(q, device=x.device)
+        out = micro.forward_context(x, positions, [c.keys for c in layers], [c.values for c in layers],
+                                    torch.cat([ctx, own], -1))
+        return out[:, -1]
 
     def _record(
         self, tok: torch.Tensor, logits: torch.Tensor, stop_logits: torch.Tensor, active: list[bool], step: int,
@@ -238,9 +264,6 @@ def stream(
     eos_token_ids: set[int] | None = None,
 ) -> Generation:
     """Validate inputs and return a `Generation` to iterate over, one `StepEvent` per macro-step."""
-    if model.micro.context:
-        raise HamburgerError("a micro-step decoder with context (micro_context) runs on the fast engine only "
-                             "(Llama, Mistral, Qwen2, Qwen3 bases), not on the reference path")
     prompts, forced_steps = check_request(prompts, max_new_tokens, forced_steps, model.config.max_step_tokens)
     confidence = check_confidence(model.config.default_confidence if confidence is None else confidence)
     return Generation(

@@ -35,6 +35,9 @@ class HamburgerConfig:
     # base checks every draft: its exact output, one KV entry per token); verify's own confidence default.
     default_mode: str = "trust"
     verify_confidence: float = 0.3
+    # True: a second stop head (`draft_stop_head`) decides how far verify and compress mode draft, trained on
+    # unmerged text by `train-drafter --draft-stop-head`; trust mode keeps `stop_head`. False: one head for all.
+    draft_stop_head: bool = False
     base_in_checkpoint: bool = False  # the checkpoint also carries (fine-tuned) base weights
     lora_rank: int = 0  # > 0: LoRA adapters on the base's attention projections (trained, shipped, mergeable)
     lora_alpha: float = 32.0

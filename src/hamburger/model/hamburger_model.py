@@ -5,6 +5,7 @@ Also the training forward and loss on segmented batches, and checkpoints (config
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
@@ -26,12 +27,13 @@ from hamburger.training.teacher import sparse_kl
 WEIGHTS_NAME = "model.safetensors"
 MERGER_NAME = "merger.safetensors"  # compress mode's KV merger, when the checkpoint has one
 MICRO_VOCAB_KEY = "micro_vocab"
-NEW_MODULES = ("embedder", "micro", "stop_head", "slot_adapters")
+NEW_MODULES = ("embedder", "micro", "stop_head", "slot_adapters")  # what `hamburger train` trains
+DRAFT_STOP_HEAD = "draft_stop_head"  # verify/compress mode's own stop head, when the checkpoint has one
 
 
 def is_trained_key(key: str) -> bool:
     """State-dict keys a checkpoint stores when the base itself is not shipped: new modules and LoRA adapters."""
-    return key.split(".")[0] in NEW_MODULES or ".lora_" in key
+    return key.split(".")[0] in (*NEW_MODULES, DRAFT_STOP_HEAD) or ".lora_" in key
 
 
 class HamburgerModel(nn.Module):
@@ -50,6 +52,7 @@ class HamburgerModel(nn.Module):
         self.micro = MicroStepDecoder(base, cfg.micro_layers, cfg.feature_layers, cfg.init_micro_from_top,
                                        cfg.micro_context)
         self.stop_head = StopHead(bcfg.hidden_size, cfg.stop_hidden)
+        self.draft_stop_head: StopHead | None = None
         self.slot_adapters = SlotAdapters(base, cfg.slot_adapter_rank, cfg.slot_adapter_alpha, cfg.slot_adapter_targets)
         if cfg.lora_rank:
             from peft import LoraConfig, inject_adapter_in_model  # noqa: PLC0415 - only for LoRA checkpoints
@@ -67,6 +70,25 @@ class HamburgerModel(nn.Module):
         device = next(base.parameters()).device
         for name in NEW_MODULES:
             getattr(self, name).to(device=device, dtype=dtype)
+        if cfg.draft_stop_head:
+            self.add_draft_stop_head()
+
+    def add_draft_stop_head(self) -> StopHead:
+        """Give verify and compress mode a stop head of their own, starting as a copy of the trust one."""
+        if self.draft_stop_head is None:
+            self.draft_stop_head = copy.deepcopy(self.stop_head)
+            self.config.draft_stop_head = True
+        return self.draft_stop_head
+
+    def stop_logits(self, h: torch.Tensor, drafting: torch.Tensor | bool = False) -> torch.Tensor:
+        """The stop head's logits for states (n, d): trust mode's head, or for `drafting` rows ((n,) or one bool:
+        verify and compress mode's drafts) the draft stop head where the checkpoint has one."""
+        draft = self.draft_stop_head
+        if draft is None or drafting is False:
+            return self.stop_head(h)
+        if drafting is True:
+            return draft(h)
+        return torch.where(drafting, draft(h), self.stop_head(h))
 
     # --- construction and checkpoints -------------------------------------------------------------
 
@@ -362,8 +384,9 @@ class HamburgerModel(nn.Module):
 
     def parameter_counts(self) -> dict[str, int]:
         counts = {"base": sum(p.numel() for p in self.base.parameters())}
-        for name in NEW_MODULES:
-            if n := sum(p.numel() for p in getattr(self, name).parameters()):  # slot adapters are optional
+        for name in (*NEW_MODULES, DRAFT_STOP_HEAD):
+            module = getattr(self, name)
+            if module is not None and (n := sum(p.numel() for p in module.parameters())):  # optional modules
                 counts[name] = n
         return counts
 

@@ -37,7 +37,12 @@ from hamburger.training.examples import read_examples, split_eval
 from hamburger.training.precision import bf16_autocast
 from hamburger.training.tracking import Tracker, check_tracker
 
-TRAINED = ("micro", "stop_head")  # the embedder and slot adapters are not touched by this objective
+
+def trained_modules(model: HamburgerModel) -> tuple[str, str]:
+    """The micro-step decoder and the stop head that decides drafts: the checkpoint's draft stop head where it has
+    one (trust mode's `stop_head` then stays as it was), else its only stop head. The embedder and slot adapters
+    are not touched by this objective."""
+    return ("micro", "draft_stop_head" if model.draft_stop_head is not None else "stop_head")
 
 
 @dataclass
@@ -60,6 +65,7 @@ class DrafterArgs:
     bf16: bool = True  # autocast the training passes (not the evaluation) where the CPU or GPU has bf16
     seed: int = 0
     report_to: str = "none"  # an accelerate tracker (tensorboard, wandb, mlflow, ...) that also gets the metrics
+    draft_stop_head: bool = False  # train a stop head of verify mode's own (a copy of the trust one to start)
 
 
 @dataclass
@@ -147,7 +153,7 @@ def draft_forward(model: HamburgerModel, b: DraftBatch) -> tuple[torch.Tensor, t
     head = model.base.get_output_embeddings().weight
     if model.micro_vocab is not None:
         head = head[model.micro_vocab.to(head.device)]
-    return F.linear(out, head).float(), model.stop_head(states).float()
+    return F.linear(out, head).float(), model.stop_logits(states, drafting=True).float()
 
 
 def drafted(model: HamburgerModel, logits: torch.Tensor) -> torch.Tensor:
@@ -208,7 +214,8 @@ class DrafterTrainer:
             raise HamburgerError(f"{args.data} leaves no training examples once --eval-fraction {args.eval_fraction} "
                                  "is held out")
         model.requires_grad_(False)
-        self.params = [p for name in TRAINED for p in getattr(model, name).parameters()]
+        self.trained = trained_modules(model)
+        self.params = [p for name in self.trained for p in getattr(model, name).parameters()]
         for p in self.params:
             p.requires_grad_(True)
         gate = model.micro.context_gate
@@ -228,7 +235,7 @@ class DrafterTrainer:
         return idx
 
     def trained_state(self) -> dict[str, torch.Tensor]:
-        return {f"{name}.{k}": v.detach().contiguous() for name in TRAINED
+        return {f"{name}.{k}": v.detach().contiguous() for name in self.trained
                 for k, v in getattr(self.model, name).state_dict().items()}
 
     def save(self) -> None:
@@ -245,7 +252,7 @@ class DrafterTrainer:
         if not (state / "trainer.json").is_file():
             return False
         weights = load_file(state / "trained.safetensors")
-        for name in TRAINED:
+        for name in self.trained:
             prefix = name + "."
             getattr(self.model, name).load_state_dict({k[len(prefix):]: v for k, v in weights.items()
                                                        if k.startswith(prefix)})
@@ -344,6 +351,12 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
         model.micro.keep_top(dargs.micro_layers)
         model.config.micro_layers = dargs.micro_layers
         print(f"micro-step decoder: its last {dargs.micro_layers} layers", file=sys.stderr)
+    saved = out / "state" / "trainer.json"
+    if args.resume and saved.is_file() and json.loads(saved.read_text())["args"].get("draft_stop_head"):
+        dargs.draft_stop_head = True  # the run being resumed trains a draft stop head
+    if dargs.draft_stop_head and model.draft_stop_head is None:
+        model.add_draft_stop_head()
+        print("stop heads: a draft stop head for verify and compress mode (trust mode keeps its own)", file=sys.stderr)
     torch.manual_seed(dargs.seed)
     out.mkdir(parents=True, exist_ok=True)
     trainer = DrafterTrainer(model, dargs)
@@ -362,7 +375,10 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--out", required=True, help="run folder: state/ to resume, hamburger/ the checkpoint, log.jsonl")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--no-bf16", dest="bf16", action="store_false")
+    p.add_argument("--draft-stop-head", action="store_true",
+                   help="train a stop head of verify/compress mode's own and leave trust mode's as it is (so one "
+                        "checkpoint serves both); a checkpoint that has one always trains that one")
     for name, f in DrafterArgs.__dataclass_fields__.items():
-        if name not in ("data", "out", "bf16"):
+        if name not in ("data", "out", "bf16", "draft_stop_head"):
             p.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=f.default)
     p.set_defaults(func=cmd_train_drafter)
