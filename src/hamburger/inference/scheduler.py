@@ -32,11 +32,11 @@ import torch
 from hamburger.errors import HamburgerError
 from hamburger.inference.core import Limits, macro_step, micro_context
 from hamburger.inference.engine import Engine, check_merger
-from hamburger.inference.kv import CacheView, KVCache, RowSlots, SlotWrites
+from hamburger.inference.kv import CacheView, KVCache, SlotWrites
 from hamburger.inference.reference import eos_ids
 from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
-from hamburger.inference.verify import accept_greedy, accept_sampled, merge_step, merged_mask
+from hamburger.inference.verify import accept_greedy, accept_sampled, check_pass, settle
 from hamburger.model.config import check_confidence
 from hamburger.model.hamburger_model import HamburgerModel
 
@@ -285,22 +285,17 @@ class Scheduler:
         step [t0, kept drafts] becomes one entry at the step's first slot (`verify.merge_step`)."""
         dev, live, verify = self.states.device, self.live[:n], self.verify[:n] & self.live[:n]
         width = 1 + int(self.n_drafts[:n].max())
-        offsets = torch.arange(width, device=dev)
         step_len = self.step_len[:n]
         embeds = self.model.embed(self.step_tok[:n, :width])
         smashed = self.model.smash(self.step_tok[:n], step_len.clamp(min=1))
         embeds[:, 0] = torch.where(verify[:, None], embeds[:, 0], smashed)
-        positions = (self.prompt_len[:n] + self.gen_len[:n] - 1).clamp(min=0)[:, None] + offsets
-        slots = torch.where(live, self.cache_len[:n], 0)[:, None] + offsets
-        end = int(slots.max()) + 1
-        mask = (torch.arange(end, device=dev)[None, None] <= slots[:, :, None])[:, None]  # (n, 1, width, end)
+        positions = (self.prompt_len[:n] + self.gen_len[:n] - 1).clamp(min=0)
         compress = self.compress[:n] & live
-        if bool(compress.any()):  # per layer: -inf where hidden, the merger's bias on merged entries
-            mask = merged_mask(self.model.merger, mask, self.merged_len[:n, :end], self.engine.dtype)
         merged = torch.zeros(n, width, dtype=torch.bool, device=dev)
         merged[:, 0] = ~verify & (step_len > 1)
-        states = self.engine._base(embeds, positions, CacheView(self.cache, slice(0, n)), RowSlots(slots, end), mask,
-                                   merged, last=False)
+        states = check_pass(self.engine, embeds, positions, torch.where(live, self.cache_len[:n], 0),
+                            CacheView(self.cache, slice(0, n)), merged,
+                            merged_len=self.merged_len[:n] if bool(compress.any()) else None)
         at = torch.zeros(n, dtype=torch.long, device=dev)
         rows = verify.nonzero().squeeze(1)
         logits = self.model.lm_head(states[0][rows])  # (rows, width, V): the base's choice after t0, d1, ..
@@ -316,11 +311,8 @@ class Scheduler:
             kept_i, t0 = accept_sampled(self.step_tok[i : i + 1, 1 : 1 + nd], self.n_drafts[i : i + 1], q, probs,
                                         req.rng)
             at[i], self.next_t0[i] = kept_i[0], t0[0]
-        self.states[:n] = torch.stack([s[torch.arange(n, device=dev), at] for s in states], 1)
-        merge = compress.nonzero().squeeze(1)
-        if len(merge):
-            merge_step(self.model.merger, self.cache, self.cache_len[merge], 1 + at[merge], self.merged_len, merge)
-        self.cache_len[:n] += live.long() * torch.where(compress, 1, 1 + at)
+        self.states[:n] = torch.stack(settle(self.model.merger, states, at, self.cache, self.cache_len[:n], live,
+                                             compress, self.merged_len), 1)
         kept, tokens, rows_l = at.tolist(), self.step_tok[:n].tolist(), rows.tolist()
         added = [0] * n
         for i in rows_l:

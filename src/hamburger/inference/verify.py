@@ -132,7 +132,7 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
     gen.stats.prefill_s = time.perf_counter() - start_t
     done = [False] * bsz
     new = [[t] for t in t0.tolist()]
-    cache_len = [width] * bsz  # entries in use per row: t0 of the coming pass is written at cache_len
+    cache_len = torch.full((bsz,), width, device=dev)  # entries in use per row: t0 of the coming pass goes here
     next_pos = lengths.clone()  # position id of t0
     for step in range(gen.max_new_tokens):
         for b, toks in enumerate(new):
@@ -145,6 +145,7 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
             return
         # Drafts may not run past the token budget: the pass adds the kept drafts and one token of the base's.
         left = torch.tensor([0 if d else gen.max_new_tokens - len(t) - 1 for d, t in zip(done, gen.tokens)], device=dev)
+        alive = torch.tensor([not d for d in done], device=dev)
         if k > 1:
             ctx = micro_context(engine, cache, cache_len, next_pos - 1, valid)  # next_pos - 1: t0's state
             drafts, n_drafts, q = draft(engine, states, t0, left, gen.confidence, gen.sampling, rng, warpers,
@@ -153,16 +154,9 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
             drafts, n_drafts, q = torch.zeros(bsz, 0, dtype=torch.long, device=dev), left * 0, None
         gen.stats.drafted_tokens += int(n_drafts.sum())
         tokens = torch.cat([t0[:, None], drafts], 1)
-        t = tokens.shape[1]
-        offsets = torch.arange(t, device=dev)
-        slots = torch.tensor(cache_len, device=dev)[:, None] + offsets
-        end = max(cache_len) + t
-        key = torch.arange(end, device=dev)
-        step_mask = (valid[:, None, None, :end] & (key[None, None, None] <= slots[:, None, :, None]))
-        if merger is not None:  # per layer: -inf where hidden, the merger's bias on merged entries
-            step_mask = merged_mask(merger, step_mask, merged_len[:, :end], engine.dtype)
-        states = engine._base(model.embed(tokens), next_pos[:, None] + offsets, cache, RowSlots(slots, end), step_mask,
-                              last=False)
+        compress = alive if merger is not None else torch.zeros_like(alive)
+        states = check_pass(engine, model.embed(tokens), next_pos, cache_len, cache, visible=valid,
+                            merged_len=merged_len if merger is not None else None)
         gen.stats.base_forwards += 1
         gen.stats.row_forwards += done.count(False)
         logits = model.lm_head(states[0])
@@ -171,19 +165,50 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
         else:
             p = torch.softmax(warpers(None, logits.flatten(0, 1).float()), -1).view(*logits.shape[:2], -1)
             kept, t0 = accept_sampled(drafts, n_drafts, q if q is not None else p[:, :0], p, rng)
-        # The features for the next draft: the base's states at the position that produced the new t0.
-        at = kept[:, None, None].expand(-1, 1, states[0].shape[-1])
-        states = [s.gather(1, at).squeeze(1) for s in states]
-        kept_l, t0_l, drafts_l = kept.tolist(), t0.tolist(), drafts.tolist()  # the one transfer per step
-        new = [[] if done[b] else drafts_l[b][: kept_l[b]] + [t0_l[b]] for b in range(bsz)]
         # A row that ended before this pass stays where it is: it is still computed (the batch is rectangular)
         # but writes over its own unused slots, so the cache never grows past its last live entry.
-        if merger is not None:  # the decided step [t0, kept drafts] becomes one entry at its first slot
-            merge_step(merger, cache, torch.tensor(cache_len, device=dev), 1 + kept, merged_len)
-            cache_len = [c if done[b] else c + 1 for b, c in enumerate(cache_len)]
-        else:
-            cache_len = [c if done[b] else c + 1 + kept_l[b] for b, c in enumerate(cache_len)]
-        next_pos += (1 + kept) * torch.tensor([not d for d in done], device=dev)
+        states = settle(merger, states, kept, cache, cache_len, alive, compress, merged_len)
+        kept_l, t0_l, drafts_l = kept.tolist(), t0.tolist(), drafts.tolist()  # the one transfer per step
+        new = [[] if done[b] else drafts_l[b][: kept_l[b]] + [t0_l[b]] for b in range(bsz)]
+        next_pos += (1 + kept) * alive
+
+
+def check_pass(engine: Engine, embeds: torch.Tensor, first_pos: torch.Tensor, cache_len: torch.Tensor,
+               cache: KVCache, merged: torch.Tensor | None = None, visible: torch.Tensor | None = None,
+               merged_len: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The base pass of verify and compress mode (the engine's and the scheduler's): (B, W, d) inputs per row
+    (token 0 or a trust row's smashed step, then the drafts) at positions first_pos.., written at the row's own
+    slots cache_len... Each position sees its row's entries up to its own slot (and only the `visible` ones
+    (B, S): a left-padded prompt's padding is hidden); with `merged_len` (B, S), the merger's bias on entries
+    that merge several tokens. `merged` (B, W): positions that are smashed steps (the slot adapters act there).
+    Returns the states at every position, each (B, W, d)."""
+    width = embeds.shape[1]
+    offsets = torch.arange(width, device=embeds.device)
+    slots = cache_len[:, None] + offsets
+    end = int(slots.max()) + 1
+    mask = torch.arange(end, device=embeds.device)[None, None] <= slots[:, :, None]  # (B, W, end)
+    if visible is not None:
+        mask = mask & visible[:, None, :end]
+    mask = mask[:, None]
+    if merged_len is not None:  # per layer: -inf where hidden, the merger's bias on merged entries
+        mask = merged_mask(engine.model.merger, mask, merged_len[:, :end], engine.dtype)
+    return engine._base(embeds, first_pos[:, None] + offsets, cache, RowSlots(slots, end), mask, merged, last=False)
+
+
+def settle(merger: KVMerger | None, states: list[torch.Tensor], kept: torch.Tensor, cache: KVCache,
+           cache_len: torch.Tensor, live: torch.Tensor, compress: torch.Tensor,
+           merged_len: torch.Tensor) -> list[torch.Tensor]:
+    """After a `check_pass`, with `kept` (B,) drafts kept per row: the states at each row's last kept position
+    (the features of its next draft), each (B, d); a compress row's decided step [t0, kept drafts] merged into
+    one entry at the step's first slot (`merge_step`); and the live rows' cache lengths advanced in place, by
+    1 + kept (1 for a compress row). Rows are the cache's rows 0..B-1."""
+    rows = torch.arange(kept.shape[0], device=kept.device)
+    states = [s[rows, kept] for s in states]
+    merge = compress.nonzero().squeeze(1)
+    if len(merge):
+        merge_step(merger, cache, cache_len[merge], 1 + kept[merge], merged_len, merge)
+    cache_len += live.long() * torch.where(compress, 1, 1 + kept)
+    return states
 
 
 def merged_mask(merger: KVMerger, visible: torch.Tensor, merged_len: torch.Tensor, dtype):
