@@ -51,6 +51,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"slot adapters cut to rank {args.slot_adapter_rank}: largest relative error {error:.3f}", file=sys.stderr)
     if args.default_confidence is not None:
         model.config.default_confidence = check_confidence(args.default_confidence)
+    if args.verify_confidence is not None:
+        model.config.verify_confidence = check_confidence(args.verify_confidence)
     if args.merge_lora:
         if not model.config.lora_rank:
             raise HamburgerError(f"{args.checkpoint} has no LoRA adapters to merge")

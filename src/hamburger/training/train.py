@@ -358,7 +358,10 @@ def register(sub, add_model_args) -> None:
     e.add_argument("--slot-adapter-rank", type=int, default=None,
                    help="cut the slot adapters to this rank (best approximation by SVD) for a smaller checkpoint")
     e.add_argument("--default-confidence", type=float, default=None,
-                   help="the confidence generation uses when none is given (e.g. the best point of an eval sweep)")
+                   help="the confidence trust mode uses when none is given (e.g. the best point of an eval sweep)")
+    e.add_argument("--verify-confidence", type=float, default=None,
+                   help="the confidence verify and compress mode draft at when none is given (e.g. the fastest point "
+                   "of `benchmarks/verify_ab.py`)")
     e.add_argument("--force", action="store_true")
     e.set_defaults(func=cmd_export)
 
