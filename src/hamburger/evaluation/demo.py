@@ -157,6 +157,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if getattr(args, "quantize", "none") == "none" and next(model.parameters()).device.type == "cpu":
             console.print("[dim]On a CPU, --quantize fp16 decodes both lanes about 2.3x faster (float16 weights, "
                           "float32 compute; see the README).[/dim]")
+        if mode == "trust":
+            console.print("[dim]--mode verify gives exactly the base's text: the base checks the micro-step "
+                          "decoder's drafts (make demo ARGS=\"--mode verify --quantize fp16\").[/dim]")
         return 0
     console.print("[bold]Chat with both models (an empty line or Ctrl-D ends).[/bold]")
     while True:
