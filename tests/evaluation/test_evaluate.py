@@ -137,7 +137,7 @@ def prompts_file(tmp_path):
 
 
 def run_eval(tmp_path, *args) -> dict:
-    out = tmp_path / "eval.json"
+    out = tmp_path / "new" / "folder" / "eval.json"  # --json makes its folder
     assert main(["eval", *args, "--json", str(out)]) == 0
     return json.loads(out.read_text())
 
@@ -205,7 +205,7 @@ def test_eval_plot_and_replot_from_json(tmp_path, checkpoint, prompts_file, caps
     run_eval(tmp_path, "--model", str(checkpoint), "--prompts", str(prompts_file), "--max-new-tokens", "6",
              "--confidence", "0.3,0.8", "--batch-size", "2", "--plot", str(tmp_path / "fig"))
     assert (tmp_path / "fig" / "quality_vs_kv_compression.png").stat().st_size > 1000
-    saved = tmp_path / "eval.json"
+    saved = tmp_path / "new" / "folder" / "eval.json"
     capsys.readouterr()
     assert main(["eval", "--from-json", str(saved), "--plot", str(tmp_path / "fig2")]) == 0
     assert "hamburger@0.3" in capsys.readouterr().out

@@ -242,8 +242,10 @@ def _check_args(args: argparse.Namespace) -> tuple[list[str], list[float] | None
         path = Path(args.json)
         if path.is_dir() or (path.exists() and not args.force):
             raise HamburgerError(f"{path} exists" + ("" if path.is_dir() else ": pass --force to overwrite it"))
-        if not path.parent.is_dir():
-            raise HamburgerError(f"cannot write {path}: folder {path.parent} does not exist")
+        try:  # a new folder is made (e.g. runs/eval/); nothing existing is touched
+            path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise HamburgerError(f"cannot write {path}: {exc.strerror or exc}") from None
     return tasks, confidences
 
 
