@@ -121,6 +121,15 @@ def base_greedy(model, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
+def greedy_no_eos(model, prompt, n):
+    """The base's greedy continuation, `n` tokens whatever they are (no EOS), by full forwards."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model.base(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
 def exact_marginals(model, prompt, temperature):
     """The base's exact distributions of generated tokens 1, 2 and 3 (marginals), by enumeration."""
     v = model.base.config.vocab_size

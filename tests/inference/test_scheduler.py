@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import PAD, base_greedy, exact_marginals, hamburger, random_merger, tv
+from conftest import PAD, base_greedy, exact_marginals, greedy_no_eos, hamburger, random_merger, tv
 from hamburger import HamburgerError, HamburgerModel, SamplingParams
 from hamburger.inference import scheduler as scheduler_module
 from hamburger.inference.engine import Engine
@@ -33,7 +33,7 @@ def run_staggered(sched: Scheduler, jobs: list[tuple[int, list[int], int]], **kw
 
 
 def check_equals_alone(model, confidence: float, rows: int) -> None:
-    engine, sched = Engine(model), Scheduler(model, max_batch_size=rows, max_len=64)
+    engine, sched = Engine(model, draft_rows=None), Scheduler(model, max_batch_size=rows, max_len=64, draft_rows=None)
     jobs = [(2 * j if j % 2 else j, p, n) for j, (p, n) in enumerate(zip(PROMPTS, LIMITS))]
     out = run_staggered(sched, jobs, confidence=confidence)
     for j, (_, prompt, limit) in enumerate(jobs):
@@ -52,7 +52,7 @@ def test_hamburger_multi_token_steps_equal_alone(arch, rows):
     model = hamburger(arch, k=4)
     torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
     check_equals_alone(model, 0.3, rows)
-    out = Engine(model).generate(PROMPTS, max_new_tokens=20, confidence=0.3)
+    out = Engine(model, draft_rows=None).generate(PROMPTS, max_new_tokens=20, confidence=0.3)
     assert max(max(s) for s in out.steps) > 1  # the comparison covered multi-token steps
 
 
@@ -64,8 +64,8 @@ def test_requests_prefilled_together_equal_alone(arch, prefill_tokens, interleav
     # first (7 | 2+5 | 1+4 | 6); otherwise all in the first step, shortest first (1+2+4 | 5+6 | 7).
     model = hamburger(arch, k=4)
     torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
-    engine = Engine(model)
-    sched = Scheduler(model, max_batch_size=6, max_len=64, prefill_tokens=prefill_tokens, interleave_prefill=interleave)
+    engine = Engine(model, draft_rows=None)
+    sched = Scheduler(model, max_batch_size=6, max_len=64, draft_rows=None, prefill_tokens=prefill_tokens, interleave_prefill=interleave)
     calls = []
     prefill = sched._prefill
     sched._prefill = lambda reqs, rows: (calls.append(len(reqs)), prefill(reqs, rows))
@@ -88,7 +88,7 @@ def test_decode_threads_switch_for_decode_passes_only(monkeypatch):
     before = torch.get_num_threads()
     seen: dict[str, set] = {"admit": set(), "macro": set()}
     try:
-        sched = Scheduler(model, max_batch_size=2, max_len=64, decode_threads=1)
+        sched = Scheduler(model, max_batch_size=2, max_len=64, draft_rows=None, decode_threads=1)
         for name, key in (("_admit", "admit"), ("_macro_step", "macro")):
             inner = getattr(sched, name)
 
@@ -101,17 +101,17 @@ def test_decode_threads_switch_for_decode_passes_only(monkeypatch):
     finally:
         torch.set_num_threads(before)
     assert seen == {"admit": {before}, "macro": {1}}
-    engine = Engine(model)
+    engine = Engine(model, draft_rows=None)
     for j, (_, prompt, limit) in enumerate(jobs):
         assert [t for e in out[j] for t in e.tokens] == engine.generate([prompt], max_new_tokens=limit,
                                                                         confidence=0.3).tokens[0]
     with pytest.raises(HamburgerError, match="decode_threads must be >= 1"):
-        Scheduler(model, max_batch_size=2, max_len=64, decode_threads=0)
+        Scheduler(model, max_batch_size=2, max_len=64, draft_rows=None, decode_threads=0)
     # Larger decode passes run on all threads: with the bound at 1 row, steps of 2 running rows use them.
     monkeypatch.setattr(scheduler_module, "DECODE_THREADS_ROWS", 1)
     seen_rows: set = set()
     try:
-        sched = Scheduler(model, max_batch_size=2, max_len=64, decode_threads=1)
+        sched = Scheduler(model, max_batch_size=2, max_len=64, draft_rows=None, decode_threads=1)
         inner = sched._macro_step
 
         def spy_rows():
@@ -138,8 +138,8 @@ def test_shortlist_respected():
 def test_sampled_request_equals_alone_with_its_seed():
     model = hamburger("llama", k=4)
     params = SamplingParams(temperature=1.0, top_k=20, seed=3)
-    alone = Engine(model).generate([PROMPTS[0]], max_new_tokens=16, confidence=0.3, sampling=params)
-    sched = Scheduler(model, max_batch_size=3, max_len=64)
+    alone = Engine(model, draft_rows=None).generate([PROMPTS[0]], max_new_tokens=16, confidence=0.3, sampling=params)
+    sched = Scheduler(model, max_batch_size=3, max_len=64, draft_rows=None)
     rid = sched.submit(PROMPTS[0], 16, confidence=0.3, sampling=params)
     sched.submit(PROMPTS[1], 9, confidence=0.3)  # a greedy neighbour
     tokens = []
@@ -150,7 +150,7 @@ def test_sampled_request_equals_alone_with_its_seed():
 
 def test_cancel_frees_the_row_and_queue_drains():
     model = hamburger("llama", k=4)
-    sched = Scheduler(model, max_batch_size=2, max_len=64)
+    sched = Scheduler(model, max_batch_size=2, max_len=64, draft_rows=None)
     first = sched.submit(PROMPTS[0], 30, eos_token_ids=set())
     ids = [sched.submit(p, n) for p, n in zip(PROMPTS[1:], LIMITS[1:])]
     sched.step()
@@ -166,7 +166,7 @@ def test_cancel_frees_the_row_and_queue_drains():
 
 
 def test_submit_rejects_what_cannot_fit():
-    sched = Scheduler(hamburger("llama", k=4), max_batch_size=1, max_len=32)
+    sched = Scheduler(hamburger("llama", k=4), max_batch_size=1, max_len=32, draft_rows=None)
     with pytest.raises(HamburgerError, match="context"):
         sched.submit([5] * 30, 3)
     with pytest.raises(HamburgerError, match="at least one"):
@@ -182,7 +182,7 @@ def test_rows_are_compacted_when_a_request_leaves():
     # passes cover exactly the running rows, and every output still equals the engine's alone.
     model = hamburger("llama", k=4)
     torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
-    engine, sched = Engine(model), Scheduler(model, max_batch_size=3, max_len=64)
+    engine, sched = Engine(model, draft_rows=None), Scheduler(model, max_batch_size=3, max_len=64, draft_rows=None)
     jobs = [(0, PROMPTS[1], 8), (0, PROMPTS[0], 20), (0, PROMPTS[2], 16)]
     ids = [sched.submit(p, n, confidence=0.3) for _, p, n in jobs]
     out: dict[int, list] = {}
@@ -235,8 +235,8 @@ def test_verify_requests_equal_the_base_beside_trust_requests(arch, rows):
     model = hamburger(arch, k=4)
     torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
     expected = {tuple(p): base_greedy(model, p, n) for p, n in zip(PROMPTS, LIMITS)}
-    sched = OracleScheduler(model, expected, max_batch_size=rows, max_len=64)
-    engine, ids, out, step = Engine(model), {}, {}, 0
+    sched = OracleScheduler(model, expected, max_batch_size=rows, max_len=64, draft_rows=None)
+    engine, ids, out, step = Engine(model, draft_rows=None), {}, {}, 0
     modes = ["verify", "trust", "verify", "verify", "trust", "verify"]
     while len(ids) < len(PROMPTS) or sched.has_work():
         for j, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
@@ -268,7 +268,7 @@ def test_verify_requests_equal_the_base_beside_trust_requests(arch, rows):
 
 def test_verify_requests_with_the_models_own_drafts_equal_the_base(arch):
     model = hamburger(arch, k=4)
-    sched = Scheduler(model, max_batch_size=3, max_len=64)
+    sched = Scheduler(model, max_batch_size=3, max_len=64, draft_rows=None)
     jobs = [(j, p, n) for j, (p, n) in enumerate(zip(PROMPTS, LIMITS))]
     out = run_staggered(sched, jobs, confidence=0.05, mode="verify")
     for j, (_, prompt, limit) in enumerate(jobs):
@@ -283,7 +283,7 @@ def test_compress_requests_equal_compress_mode_alone(arch, rows):
     alone: the same tokens, the same steps, one KV entry per step. Trust and verify requests are unchanged."""
     model = hamburger(arch, k=4)
     model.attach_merger(random_merger(model.base, channels=arch == "qwen2"))
-    engine, sched = Engine(model), Scheduler(model, max_batch_size=rows, max_len=64)
+    engine, sched = Engine(model, draft_rows=None), Scheduler(model, max_batch_size=rows, max_len=64, draft_rows=None)
     modes = ["compress", "trust", "compress", "verify", "compress", "trust"]
     conf = {"compress": 0.05, "verify": 0.05, "trust": 0.3}
     ids, out, step = {}, {}, 0
@@ -373,7 +373,7 @@ def test_sampled_checked_request_does_not_depend_on_its_neighbours(mode):
     params = SamplingParams(temperature=1.0, seed=5)
 
     def run(neighbours: bool) -> list[int]:
-        sched = Scheduler(model, max_batch_size=3, max_len=64)
+        sched = Scheduler(model, max_batch_size=3, max_len=64, draft_rows=None)
         rid = sched.submit(PROMPTS[2], 16, confidence=0.05, sampling=params, mode=mode)
         if neighbours:
             sched.submit(PROMPTS[0], 12, confidence=0.05, mode="verify")
@@ -391,7 +391,7 @@ def test_sampled_checked_request_does_not_depend_on_its_neighbours(mode):
 
 
 def test_compress_needs_a_merger():
-    sched = Scheduler(hamburger("llama", k=4), max_batch_size=2, max_len=64)
+    sched = Scheduler(hamburger("llama", k=4), max_batch_size=2, max_len=64, draft_rows=None)
     with pytest.raises(HamburgerError, match="compress mode needs a KV merger"):
         sched.submit([5, 6], 4, mode="compress")
     with pytest.raises(HamburgerError, match="mode must be one of trust, verify, compress"):
@@ -406,7 +406,7 @@ def test_sampled_verify_requests_follow_the_base_distribution():
     exact = exact_marginals(model, prompt, 1.0)
 
     def marginals(mode):
-        sched = Scheduler(model, max_batch_size=256, max_len=16)
+        sched = Scheduler(model, max_batch_size=256, max_len=16, draft_rows=None)
         ids, out = {}, {}
         for j in range(n):
             ids[sched.submit(prompt, 3, confidence=0.05, sampling=SamplingParams(temperature=1.0, seed=j),
@@ -442,9 +442,26 @@ def test_sampled_verify_takes_token_0_from_the_acceptance(monkeypatch):
         return torch.zeros(1, dtype=torch.long), torch.tensor([77])
 
     monkeypatch.setattr(scheduler_mod, "accept_sampled", reject_all)
-    sched = Scheduler(hamburger("llama", k=4), max_batch_size=2, max_len=64)
+    sched = Scheduler(hamburger("llama", k=4), max_batch_size=2, max_len=64, draft_rows=None)
     sched.submit(PROMPTS[0], 6, confidence=0.01, sampling=SamplingParams(temperature=1.0, seed=0), mode="verify")
     tokens = []
     while sched.has_work():
         tokens += [t for ev in sched.step() for t in ev.tokens]
     assert len(tokens) == 6 and tokens[1:] == [77] * 5 and max(calls) > 0
+
+
+def test_verify_requests_draft_only_while_few_run():
+    """`draft_rows`: verify requests draft only while at most that many requests run (their output is the base's
+    either way); compress requests always draft (their steps are what they merge)."""
+    model = hamburger("llama", k=4)
+    jobs = [(0, PROMPTS[0], 12), (0, PROMPTS[2], 12)]
+    for rows, drafts in ((1, False), (2, True)):
+        sched = Scheduler(model, max_batch_size=2, max_len=64, draft_rows=rows)
+        out = run_staggered(sched, jobs, confidence=0.01, mode="verify", eos_token_ids=set())
+        for j, (_, prompt, limit) in enumerate(jobs):
+            assert [t for e in out[j] for t in e.tokens] == greedy_no_eos(model, prompt, limit)
+        assert (sum(out[j][-1].stats.drafted_tokens for j in out) > 0) == drafts, rows
+    model.attach_merger(random_merger(model.base))
+    sched = Scheduler(model, max_batch_size=2, max_len=64, draft_rows=0)
+    out = run_staggered(sched, jobs, confidence=0.01, mode="compress", eos_token_ids=set())
+    assert sum(out[j][-1].stats.drafted_tokens for j in out) > 0

@@ -7,11 +7,14 @@ import math
 import pytest
 import torch
 
-from conftest import PAD, base_greedy, exact_marginals, hamburger, tv
+from conftest import PAD, base_greedy, exact_marginals, greedy_no_eos, hamburger, tv
 from hamburger import HamburgerError, SamplingParams
 from hamburger.inference import verify as verify_mod
 from hamburger.inference.engine import Engine, make_engine
+from hamburger.inference.qlinear import fp16_unavailable
+from hamburger.inference.quantize import quantize_model
 from hamburger.inference.verify import accept_greedy, accept_sampled
+from hamburger.model.config import DRAFT_ROWS
 
 PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51]]
 
@@ -67,7 +70,7 @@ def test_accept_sampled_without_drafts_draws_from_the_target():
 
 def test_verify_equals_the_base_greedy_output(arch):
     model = hamburger(arch, k=4)
-    engine = Engine(model)
+    engine = Engine(model, draft_rows=None)
     for confidence in (0.05, 0.3, 1.0):
         together = engine.generate(PROMPTS, max_new_tokens=24, confidence=confidence, mode="verify")
         for i, prompt in enumerate(PROMPTS):
@@ -99,7 +102,7 @@ def test_verify_keeps_long_agreeing_drafts_with_rows_at_different_lengths(monkey
         return torch.where(wrong, (drafts + 1) % 96, drafts), n_drafts, None
 
     monkeypatch.setattr(verify_mod, "draft", oracle)
-    gen = Engine(model).stream(prompts, max_new_tokens=n, confidence=0.5, mode="verify")
+    gen = Engine(model, draft_rows=None).stream(prompts, max_new_tokens=n, confidence=0.5, mode="verify")
     for _ in gen:
         pass
     out = gen.output()
@@ -127,7 +130,7 @@ def test_a_row_that_ends_early_does_not_outgrow_the_cache(monkeypatch):
         return drafts, torch.tensor([min(len(row), max(0, int(limit[0]))), 0]), None
 
     monkeypatch.setattr(verify_mod, "draft", oracle)
-    gen = Engine(model).stream(prompts, max_new_tokens=n, confidence=0.5, mode="verify")
+    gen = Engine(model, draft_rows=None).stream(prompts, max_new_tokens=n, confidence=0.5, mode="verify")
     for _ in gen:
         pass
     out = gen.output()
@@ -137,7 +140,7 @@ def test_a_row_that_ends_early_does_not_outgrow_the_cache(monkeypatch):
 
 def test_verify_respects_eos_and_the_token_budget():
     model = hamburger("llama", k=4)
-    engine = Engine(model)
+    engine = Engine(model, draft_rows=None)
     for n in (1, 2, 5):
         out = engine.generate(PROMPTS, max_new_tokens=n, confidence=0.05, mode="verify")
         for i, prompt in enumerate(PROMPTS):
@@ -148,11 +151,37 @@ def test_verify_respects_eos_and_the_token_budget():
 def test_verify_errors_are_clear():
     model = hamburger("llama", k=4)
     with pytest.raises(HamburgerError, match="mode"):
-        Engine(model).stream(PROMPTS, mode="bogus")
+        Engine(model, draft_rows=None).stream(PROMPTS, mode="bogus")
     with pytest.raises(HamburgerError, match="forced steps"):
-        Engine(model).stream(PROMPTS, mode="verify", forced_steps=[[2], [2], [2]])
+        Engine(model, draft_rows=None).stream(PROMPTS, mode="verify", forced_steps=[[2], [2], [2]])
     with pytest.raises(HamburgerError, match="fast engine"):
         make_engine(model, "reference").stream(PROMPTS, mode="verify")
+
+
+def test_verify_drafts_only_while_few_rows_decode():
+    """`draft_rows`: while more rows decode than that, a verify step is a plain base step (no drafts); the output
+    is the base's either way. No EOS here, so all three rows decode together to the budget."""
+    model = hamburger("llama", k=4)
+    expected = [greedy_no_eos(model, p, 12) for p in PROMPTS]
+    for rows, drafts in ((0, False), (1, False), (2, False), (3, True), (None, True)):
+        out = Engine(model, draft_rows=rows).generate(PROMPTS, max_new_tokens=12, confidence=0.01, mode="verify",
+                                                      eos_token_ids=set())
+        assert out.tokens == expected, rows
+        assert (out.stats.drafted_tokens > 0) == drafts, rows
+        if not drafts:
+            assert out.stats.micro_steps == 0 and out.stats.tokens_per_forward == 1.0
+    alone = Engine(model, draft_rows=1).generate([PROMPTS[0]], max_new_tokens=12, confidence=0.01, mode="verify",
+                                                 eos_token_ids=set())
+    assert alone.tokens == expected[:1] and alone.stats.drafted_tokens > 0
+    # "auto": no drafts with float weights on a CPU (a pass of 2-3 positions costs 1.5-1.9x one there), DRAFT_ROWS
+    # with fp16-packed ones (1.03-1.08x)
+    assert Engine(model).draft_rows == 0
+    if fp16_unavailable("cpu") is None:
+        quantize_model(model.base, "fp16")
+        assert Engine(model).draft_rows == DRAFT_ROWS
+    for bad in (-1, 1.5, True, "2", "all"):
+        with pytest.raises(HamburgerError, match="draft_rows"):
+            Engine(model, draft_rows=bad)
 
 
 
@@ -165,7 +194,7 @@ def test_verify_sampling_follows_the_base_distribution():
     prompt, n, temperature = PROMPTS[2], 3000, 1.0
     exact = exact_marginals(model, prompt, temperature)
     sampling = SamplingParams(temperature=temperature, seed=123)
-    engine = Engine(model)
+    engine = Engine(model, draft_rows=None)
 
     def marginals(mode):
         out = engine.generate([prompt] * n, max_new_tokens=3, confidence=0.05, sampling=sampling, mode=mode)
@@ -194,7 +223,7 @@ def test_drafts_go_on_while_the_whole_draft_is_likely_kept():
     with torch.no_grad():
         model.stop_head.net[-1].weight.zero_()
         model.stop_head.net[-1].bias.fill_(-math.log(0.6 / 0.4))  # stop logit: P(go on) = 0.6
-    engine = Engine(model)
+    engine = Engine(model, draft_rows=None)
     cfg, m, n = model.base.config, model.micro.num_features, 3
     states = [torch.randn(n, cfg.hidden_size, generator=torch.Generator().manual_seed(i)) for i in range(m + 1)]
 
@@ -235,13 +264,13 @@ def test_a_draft_stop_head_decides_drafts_and_the_trust_head_trust_steps(tmp_pat
     assert torch.equal(loaded.draft_stop_head.net[-1].bias, draft.net[-1].bias)
     assert loaded.parameter_counts()["draft_stop_head"] == sum(p.numel() for p in draft.parameters())
     for m in (model, loaded):
-        engine = Engine(m)
+        engine = Engine(m, draft_rows=None)
         trust = engine.generate(PROMPTS, max_new_tokens=12, confidence=0.5, mode="trust")
         assert all(s == 4 for steps in trust.steps for s in steps[:-1])
         verify = engine.generate(PROMPTS, max_new_tokens=12, confidence=0.5, mode="verify")
         assert verify.stats.drafted_tokens == 0
         assert verify.tokens == [base_greedy(m, p, 12) for p in PROMPTS]
-    sched = Scheduler(loaded, max_batch_size=2, max_len=64)
+    sched = Scheduler(loaded, max_batch_size=2, max_len=64, draft_rows=None)
     ids = {sched.submit(PROMPTS[0], 12, confidence=0.5, mode="trust"): "trust",
            sched.submit(PROMPTS[1], 12, confidence=0.5, mode="verify"): "verify"}
     drafted, steps = {}, {}
@@ -255,6 +284,6 @@ def test_a_draft_stop_head_decides_drafts_and_the_trust_head_trust_steps(tmp_pat
     with torch.no_grad():
         model.stop_head.net[-1].bias.fill_(20.0)
         draft.net[-1].bias.fill_(-20.0)
-    engine = Engine(model)
+    engine = Engine(model, draft_rows=None)
     assert all(s == 1 for steps in engine.generate(PROMPTS, max_new_tokens=12, confidence=0.5).steps for s in steps)
     assert engine.generate(PROMPTS, max_new_tokens=12, confidence=0.5, mode="verify").stats.drafted_tokens > 0

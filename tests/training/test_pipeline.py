@@ -410,12 +410,13 @@ def test_continue_a_checkpoint_with_slot_adapters(tmp_path, checkpoint, capsys):
 def test_export_stores_a_micro_step_shortlist(tmp_path, checkpoint, capsys):
     data = make_data(tmp_path / "data.jsonl")
     assert main(["export", str(checkpoint), str(tmp_path / "short"), "--micro-vocab", str(data),
-                 "--micro-vocab-size", "10", "--default-confidence", "0.6", "--verify-confidence", "0.35"]) == 0
+                 "--micro-vocab-size", "10", "--default-confidence", "0.6", "--verify-confidence", "0.35", "--default-mode", "verify"]) == 0
     assert "covering" in capsys.readouterr().err
     loaded = HamburgerModel.from_pretrained(tmp_path / "short")
     vocab = loaded.micro_vocab.tolist()
     assert EOS in vocab and len(vocab) == 10 and vocab == sorted(vocab)
     assert loaded.config.default_confidence == 0.6 and loaded.config.verify_confidence == 0.35
+    assert loaded.config.default_mode == "verify"
     loaded.save_pretrained(tmp_path / "again")
     assert HamburgerModel.from_pretrained(tmp_path / "again").micro_vocab.tolist() == vocab
 

@@ -57,6 +57,7 @@ from hamburger.evaluation.bench_systems import (
     measure,
 )
 from hamburger.inference.llamacpp import Unavailable
+from hamburger.model.config import DRAFT_ROWS, parse_draft_rows
 
 # --- the run ------------------------------------------------------------------------------------------------
 
@@ -79,13 +80,14 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
               confidences: Sequence[float], max_new: int, runs: int, compile: bool = False,
               log: Callable[[str], None] = lambda s: None, forced: ForcedSteps | None = None,
               verify_confidence: float | None = None, schemes: Sequence[str] = ("none",),
-              load_quantized: Callable[[str], object] | None = None) -> dict:
+              load_quantized: Callable[[str], object] | None = None, draft_rows: int | str | None = "auto") -> dict:
     """Every system at every batch size (HAMburger at every confidence), under every quantization scheme: rows,
     a summary and the KV curve.
 
     `hamburger_model` is the float model (scheme "none"); `load_quantized(scheme)` gives a freshly loaded model
     quantized with that scheme (a copy would share the slot adapters' hooks with the float model). Schemes run
-    one after the other, the quantized model freed before the next.
+    one after the other, the quantized model freed before the next. `draft_rows`: verify mode drafts only while
+    at most that many rows decode (`Engine`).
     """
     from hamburger.inference.quantize import model_bytes
     from hamburger.model.hamburger_model import HamburgerModel
@@ -111,7 +113,8 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
             for conf in (confidences if name in HAMBURGER else [None]):
                 record: dict = {}
                 try:
-                    system = make_system(name, model, plain, conf or 1.0, compile, forced, verify_confidence, record)
+                    system = make_system(name, model, plain, conf or 1.0, compile, forced, verify_confidence, record,
+                                         draft_rows)
                 except Unavailable as exc:
                     skipped[name + suffix] = str(exc)
                     log(f"{name}{suffix}: skipped ({exc})")
@@ -288,9 +291,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     prompts = [encode_chat(model.tokenizer, m) for m in messages]
     result = run_bench(model, prompts, systems, batch_sizes, confidences, args.max_new_tokens, args.runs,
                        args.compile, log=log, forced=forced, verify_confidence=args.verify_confidence,
-                       schemes=schemes, load_quantized=load_quantized)
+                       schemes=schemes, load_quantized=load_quantized, draft_rows=args.draft_rows)
     result.update(model=args.model, dtype=args.dtype, sets=sets, prompts=len(prompts), runs=args.runs,
                   max_new_tokens=args.max_new_tokens, compile=args.compile, quantize=schemes,
+                  draft_rows="all" if args.draft_rows is None else args.draft_rows,
                   group_size=args.group_size)
     if args.profile:
         result["profile"] = profile_steps(model, max(prompts, key=len))
@@ -317,6 +321,10 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--confidence", default=None, help="one value or a comma sweep (the sweep runs at batch 1)")
     p.add_argument("--verify-confidence", type=float, default=None,
                    help="hamburger_verify and hamburger_compress drafting threshold (default: the checkpoint's verify confidence)")
+    p.add_argument("--draft-rows", type=parse_draft_rows, default="auto", metavar="N",
+                   help="hamburger_verify drafts only in batches of at most N rows; beyond, its steps are plain base "
+                        f"steps. 'auto' (default): {DRAFT_ROWS} on a GPU and with fp16 weights on a CPU, 0 with float "
+                        "weights on a CPU (measured on 2 cores); 'all': at every batch size")
     p.add_argument("--runs", type=int, default=3, help="timed runs per system (the median is reported)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fast engine's base step")
     add_quantize_args(p, many=True)

@@ -185,9 +185,11 @@ class ForcedSteps:
 
 def make_system(name: str, hamburger_model, plain_model, confidence: float, compile: bool,
                 forced: ForcedSteps | None = None, verify_confidence: float | None = None,
-                record: dict | None = None) -> Callable[[list[list[int]], int], GenerationStats]:
+                record: dict | None = None, draft_rows: int | str | None = "auto",
+                ) -> Callable[[list[list[int]], int], GenerationStats]:
     """A function (prompts, max_new_tokens) -> GenerationStats for one named system; with `record`, each call
-    also notes every prompt's generated tokens there (prompt tuple -> tokens)."""
+    also notes every prompt's generated tokens there (prompt tuple -> tokens). `draft_rows`: `Engine`'s, for
+    hamburger_verify."""
     from hamburger.inference.engine import Engine, ReferenceEngine
     from hamburger.inference.reference import eos_ids
 
@@ -226,7 +228,8 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
         return lambda prompts, n: kept(prompts, engine.generate(prompts, max_new_tokens=n,
                                                                 forced_steps=forced.draw(len(prompts), n)))
     if name in ("hamburger_verify", "hamburger_compress"):
-        engine, mode = Engine(hamburger_model, compile=compile), name.removeprefix("hamburger_")
+        engine = Engine(hamburger_model, compile=compile, draft_rows=draft_rows)
+        mode = name.removeprefix("hamburger_")
         if mode == "compress":
             from hamburger.inference.engine import check_merger
 

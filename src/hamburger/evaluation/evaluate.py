@@ -56,7 +56,9 @@ def run_system(model: HamburgerModel, prompts: list[list[int]], max_new_tokens: 
     `GenerationStats` summed field by field (counts and seconds add up; the measures derive from the sums)."""
     from hamburger.inference.engine import make_engine
 
-    decoder = make_engine(model, engine)
+    # Verify mode drafts at every batch size here: eval reports what the drafts give (tokens per base forward),
+    # which the engine's speed rule (`draft_rows`: only while few rows decode) would hide at batch 16.
+    decoder = make_engine(model, engine, draft_rows=None)
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less left padding per batch
     tokens: list[list[int]] = [[] for _ in prompts]

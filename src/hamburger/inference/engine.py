@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from hamburger.errors import HamburgerError
 from hamburger.inference.core import Limits, MicroContext, macro_step, micro_context
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
-from hamburger.inference.qlinear import Fp16Linear
+from hamburger.inference.qlinear import Fp16Linear, Fp16Weights
 from hamburger.inference.reference import (
     Generation,
     GenerationOutput,
@@ -37,13 +37,21 @@ from hamburger.inference.reference import (
 from hamburger.inference.reference import stream as reference_stream
 from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
-from hamburger.model.config import check_confidence, check_mode
+from hamburger.model.config import DRAFT_ROWS, check_confidence, check_draft_rows, check_mode
 from hamburger.model.hamburger_model import HamburgerModel
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 ENGINES = ("auto", "fast", "reference")
 
 
+def auto_draft_rows(model: HamburgerModel) -> int:
+    """`draft_rows` "auto": DRAFT_ROWS on a GPU and on a CPU with fp16-packed weights (a pass of 4 positions costs
+    1.08x one of 1 there), 0 on a CPU with float32/bfloat16 weights (2 positions 1.55x, 3 positions 1.92x: torch's
+    small CPU matmuls run row by row) or int8/int4 ones (not measured)."""
+    device = next(model.parameters()).device
+    if device.type != "cpu" or any(isinstance(m, Fp16Weights) for m in model.base.modules()):
+        return DRAFT_ROWS
+    return 0
 
 
 def check_merger(model: HamburgerModel) -> None:
@@ -101,9 +109,14 @@ class EngineGeneration:
 class Engine:
     """Static-cache decoding of a `HamburgerModel` (or of its plain base with `max_step_tokens` 1)."""
 
-    def __init__(self, model: HamburgerModel, compile: bool = False, shortlist: bool = True) -> None:
+    def __init__(self, model: HamburgerModel, compile: bool = False, shortlist: bool = True,
+                 draft_rows: int | str | None = "auto") -> None:
+        """`draft_rows`: verify mode drafts only in batches of at most this many rows (None: always; 0: never;
+        "auto": `config.DRAFT_ROWS` where a pass of a few positions costs about one of one position, else 0; see
+        `auto_draft_rows`). Compress mode always drafts: its steps are what it merges."""
         check_supported(model)
         self.model = model
+        self.draft_rows = auto_draft_rows(model) if check_draft_rows(draft_rows) == "auto" else draft_rows
         # Micro-steps choose among the checkpoint's shortlist (if it has one): a head of |shortlist| rows
         # instead of the whole vocabulary. Token 0 of every step always uses the full head.
         self.vocab = model.micro_vocab if shortlist else None
@@ -320,11 +333,13 @@ class ReferenceEngine:
         return drain(self.stream(prompts, **kwargs))
 
 
-def make_engine(model: HamburgerModel, kind: str = "auto", compile: bool = False) -> Engine | ReferenceEngine:
-    """`fast` (static caches, Llama-style decoders), `reference` (any model), or `auto`: fast where supported."""
+def make_engine(model: HamburgerModel, kind: str = "auto", compile: bool = False,
+                draft_rows: int | str | None = "auto") -> Engine | ReferenceEngine:
+    """`fast` (static caches, Llama-style decoders), `reference` (any model), or `auto`: fast where supported.
+    `draft_rows`: see `Engine`."""
     if kind not in ENGINES:
         raise HamburgerError(f"engine must be one of {ENGINES}, got {kind!r}")
     supported = getattr(model.base.config, "model_type", "") in SUPPORTED
     if kind == "reference" or (kind == "auto" and not supported):
         return ReferenceEngine(model)
-    return Engine(model, compile=compile)
+    return Engine(model, compile=compile, draft_rows=draft_rows)

@@ -86,8 +86,10 @@ class Scheduler:
 
     def __init__(self, model: HamburgerModel, max_batch_size: int = 8, max_len: int | None = None,
                  prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = False,
-                 decode_threads: int | None = None) -> None:
-        self.engine = engine = Engine(model)  # checks the architecture; owns the shortlist head
+                 decode_threads: int | None = None, draft_rows: int | str | None = "auto") -> None:
+        # checks the architecture; owns the shortlist head and `draft_rows`: verify rows draft only while at most
+        # that many requests run (compress rows always draft)
+        self.engine = engine = Engine(model, draft_rows=draft_rows)
         if decode_threads is not None and decode_threads < 1:
             raise HamburgerError(f"decode_threads must be >= 1 (or None: torch's setting), got {decode_threads}")
         # Small decode passes with `decode_threads` torch threads; prefill and large decode passes with the threads
@@ -437,7 +439,10 @@ class Scheduler:
         them), so they do not count as generated and do not end the request."""
         n = self._span()
         live, verify = self.live[:n].clone(), self.verify[:n]
-        limits = Limits(self.eos[:n], self.max_new[:n] - verify.long(), self.confidence[:n], path=verify)
+        confidence = self.confidence[:n]
+        if self.engine.draft_rows is not None and n > self.engine.draft_rows:  # too many rows for drafts to pay
+            confidence = torch.where(verify & ~self.compress[:n], 1.0, confidence)  # 1.0: no drafts
+        limits = Limits(self.eos[:n], self.max_new[:n] - verify.long(), confidence, path=verify)
         micro_cache = CacheView(self.micro_cache, slice(0, n)) if self.k > 1 else None
         ctx = micro_context(self.engine, CacheView(self.cache, slice(0, n)), self.cache_len[:n],
                             self.prompt_len[:n] + self.gen_len[:n] - 1)  # the state each row's step starts from

@@ -146,7 +146,9 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
         # Drafts may not run past the token budget: the pass adds the kept drafts and one token of the base's.
         left = torch.tensor([0 if d else gen.max_new_tokens - len(t) - 1 for d, t in zip(done, gen.tokens)], device=dev)
         alive = torch.tensor([not d for d in done], device=dev)
-        if k > 1:
+        # Verify rows draft only in a batch of at most `draft_rows` rows (every row is computed, finished or not);
+        # compress rows always draft: their steps are what the merger compresses.
+        if k > 1 and (merger is not None or engine.draft_rows is None or bsz <= engine.draft_rows):
             ctx = micro_context(engine, cache, cache_len, next_pos - 1, valid)  # next_pos - 1: t0's state
             drafts, n_drafts, q = draft(engine, states, t0, left, gen.confidence, gen.sampling, rng, warpers,
                                         micro_cache, ctx)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 from dataclasses import dataclass, field
@@ -95,6 +96,32 @@ class HamburgerConfig:
 
 
 MODES = ("trust", "verify", "compress")
+
+
+# Verify mode drafts only while at most this many rows decode; beyond, a verify step is a plain base step (the
+# output is the base's either way). Measured on 2 CPU cores with fp16 weights, the shipped default (docs/RESULTS.md,
+# "Verify mode and the batch"): drafting gains 1.09-1.15x at 1 row and loses from 2 rows on (0.94x at 2, 0.61x at
+# 16), because there a pass of more positions costs nearly in proportion. "auto" (the default of `Engine`, bench
+# and serve) is this on a GPU and on a CPU with fp16-packed weights, and 0 on a CPU with float32 or bfloat16
+# weights, where even one row's pass of 2 or 3 positions costs 1.55x or 1.92x one of 1 position (torch's small
+# matmuls there run row by row; measured with benchmarks/verify_costs.py). Measure yours with bench --draft-rows.
+DRAFT_ROWS = 1
+
+
+def parse_draft_rows(text: str) -> int | str | None:
+    """--draft-rows: a count >= 0, "all" (draft at any batch size) or "auto"."""
+    if text in ("all", "auto"):
+        return None if text == "all" else text
+    try:
+        return check_draft_rows(int(text))
+    except (ValueError, HamburgerError):
+        raise argparse.ArgumentTypeError(f"expected a count >= 0, 'auto' or 'all', got {text!r}") from None
+
+
+def check_draft_rows(rows: int | str | None) -> int | str | None:
+    if rows != "auto" and rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
+        raise HamburgerError(f"draft_rows must be an int >= 0, 'auto' or None (draft at any batch size), got {rows!r}")
+    return rows
 
 
 def check_mode(mode: str) -> str:

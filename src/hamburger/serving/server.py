@@ -35,7 +35,7 @@ from starlette.requests import ClientDisconnect
 
 from hamburger.errors import HamburgerError
 from hamburger.inference.scheduler import PREFILL_TOKENS, RequestEvent
-from hamburger.model.config import check_confidence
+from hamburger.model.config import DRAFT_ROWS, check_confidence, parse_draft_rows
 from hamburger.serving.openai_api import (
     ApiError,
     ChatRequest,
@@ -246,7 +246,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     threads = decode_threads(args.decode_threads, args.device)
     model, trained = load_from_args(args)
     service = Service(model, args.model, args.max_batch_size, args.max_queue, args.max_len or DEFAULT_MAX_LEN,
-                      args.default_confidence, args.api_key, args.prefill_tokens, args.interleave_prefill, threads)
+                      args.default_confidence, args.api_key, args.prefill_tokens, args.interleave_prefill, threads,
+                      args.draft_rows)
     config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     # uvicorn re-raises the SIGTERM it handled after its graceful shutdown; a no-op handler makes that a clean exit 0.
@@ -282,6 +283,10 @@ def register(sub, add_model_args) -> None:
                    help="prefill one pass of waiting prompts per step (oldest first) between macro-steps, so running "
                         "requests never wait for a whole burst's prefill")
     add_decode_threads_arg(p)
+    p.add_argument("--draft-rows", type=parse_draft_rows, default="auto", metavar="N",
+                   help="verify-mode requests draft only while at most N requests run; beyond, their steps are plain "
+                        f"base steps, their output the same. 'auto' (default): {DRAFT_ROWS} on a GPU and with fp16 "
+                        "weights on a CPU, 0 with float weights on a CPU (measured on 2 cores); 'all': always")
     p.add_argument("--default-confidence", type=float, default=None,
                    help="confidence for requests that do not send one (default: the checkpoint's)")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")

@@ -82,10 +82,11 @@ class Service:
     def __init__(self, model: HamburgerModel, name: str, max_batch_size: int = 8, max_queue: int = 64,
                  max_len: int | None = None, default_confidence: float | None = None, api_key: str | None = None,
                  prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = False,
-                 decode_threads: int | None = None) -> None:
+                 decode_threads: int | None = None, draft_rows: int | str | None = "auto") -> None:
         self.model, self.tokenizer = model, model.tokenizer
         self.names = list(dict.fromkeys([name, "default"]))
-        self.scheduler = Scheduler(model, max_batch_size, max_len, prefill_tokens, interleave_prefill, decode_threads)
+        self.scheduler = Scheduler(model, max_batch_size, max_len, prefill_tokens, interleave_prefill, decode_threads,
+                                   draft_rows)
         self.max_queue, self.api_key = max_queue, api_key
         self.default_confidence = check_confidence(
             model.config.default_confidence if default_confidence is None else default_confidence)

@@ -13,7 +13,7 @@ import torch
 
 from hamburger.errors import HamburgerError
 from hamburger.inference.reference import eos_ids
-from hamburger.model.config import check_confidence
+from hamburger.model.config import check_confidence, check_mode
 from hamburger.model.hamburger_model import (
     HamburgerModel,
 )
@@ -53,6 +53,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         model.config.default_confidence = check_confidence(args.default_confidence)
     if args.verify_confidence is not None:
         model.config.verify_confidence = check_confidence(args.verify_confidence)
+    if args.default_mode is not None:
+        model.config.default_mode = check_mode(args.default_mode)
     if args.merge_lora:
         if not model.config.lora_rank:
             raise HamburgerError(f"{args.checkpoint} has no LoRA adapters to merge")
