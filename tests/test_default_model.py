@@ -99,13 +99,13 @@ def test_fast_engine_on_the_shipped_default():
     model, trained = load_model("default")
     prompts = [chat_ids(model.tokenizer, q) for q in QUESTIONS]
     engine = Engine(model, shortlist=False)
-    exact = engine.generate(prompts, max_new_tokens=40, confidence=1.0)
+    exact = engine.generate(prompts, max_new_tokens=40, confidence=1.0, mode="trust")
     for prompt, tokens in zip(prompts, exact.tokens):
         ids = torch.tensor([prompt])
         ref = model.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
         assert tokens == ref[0, len(prompt):].tolist()
     if trained:
-        fast = engine.generate(prompts, max_new_tokens=40, confidence=0.5)
+        fast = engine.generate(prompts, max_new_tokens=40, confidence=0.5, mode="trust")
         ref = generate(model, prompts, max_new_tokens=40, confidence=0.5)
         assert fast.tokens == ref.tokens and fast.steps == ref.steps
 
@@ -120,7 +120,7 @@ def test_verify_mode_on_the_shipped_default_is_the_base():
     if not trained:
         pytest.skip("no trained checkpoint ships in this build")
     prompts = [chat_ids(model.tokenizer, q) for q in QUESTIONS]
-    out = Engine(model).generate(prompts, max_new_tokens=40, confidence=0.1, mode="verify")
+    out = Engine(model, draft_rows=None).generate(prompts, max_new_tokens=40, confidence=0.1, mode="verify")
     for prompt, tokens in zip(prompts, out.tokens):
         ids = torch.tensor([prompt])
         ref = model.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)

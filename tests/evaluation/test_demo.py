@@ -19,6 +19,18 @@ def test_demo_runs_built_in_prompts(checkpoint, capsys):
         assert "--quantize fp16 decodes" not in capsys.readouterr().out
 
 
+def test_demo_in_verify_mode_says_why_float_weights_draft_nothing(checkpoint, capsys):
+    assert main(["demo", "--model", str(checkpoint), "--max-new-tokens", "6", "--mode", "verify",
+                 "--prompt", "hi"]) == 0
+    out = capsys.readouterr().out
+    assert "drafted nothing" in out and "--mode trust is HAMburger" in out  # float32 on a CPU: no drafts
+    if fp16_unavailable("cpu") is None:
+        assert main(["demo", "--model", str(checkpoint), "--max-new-tokens", "6", "--mode", "verify",
+                     "--prompt", "hi", "--quantize", "fp16"]) == 0
+        out = capsys.readouterr().out
+        assert "drafted nothing" not in out and "--mode trust is HAMburger" in out
+
+
 def test_demo_chat_reads_prompts_until_an_empty_line(checkpoint, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("w5 w6\nw7\n\n"))
     assert main(["demo", "--model", str(checkpoint), "--chat", "--max-new-tokens", "4"]) == 0

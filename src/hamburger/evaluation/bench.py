@@ -216,7 +216,7 @@ def kv_curve(model, prompts: list[list[int]], max_new: int, conf: float) -> dict
     from hamburger.inference.engine import make_engine
 
     out = make_engine(model).generate([max(prompts, key=len)], max_new_tokens=max_new, confidence=conf,
-                                      eos_token_ids=set())
+                                      eos_token_ids=set(), mode="trust")
     prompt_len, generated, kv, points = len(max(prompts, key=len)), 0, len(max(prompts, key=len)), []
     for n in out.steps[0]:
         generated += n

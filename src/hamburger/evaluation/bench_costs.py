@@ -85,7 +85,7 @@ def profile_steps(model, prompt: list[int], steps: int = 32, step_tokens: int = 
 
     k = min(step_tokens, model.config.max_step_tokens)
     gen = Engine(model).stream([prompt], max_new_tokens=1 + k * (steps + 1), forced_steps=[[1] + [k] * (steps + 2)],
-                               eos_token_ids=set())
+                               eos_token_ids=set(), mode="trust")
     events = iter(gen)
     next(events)  # prefill and the first step stay outside the profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])

@@ -226,7 +226,8 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
             raise HamburgerError("the hamburger_forced system needs --forced-steps SEGMENTED_JSONL")
         engine = Engine(hamburger_model, compile=compile)
         return lambda prompts, n: kept(prompts, engine.generate(prompts, max_new_tokens=n,
-                                                                forced_steps=forced.draw(len(prompts), n)))
+                                                                forced_steps=forced.draw(len(prompts), n),
+                                                                mode="trust"))
     if name in ("hamburger_verify", "hamburger_compress"):
         engine = Engine(hamburger_model, compile=compile, draft_rows=draft_rows)
         mode = name.removeprefix("hamburger_")

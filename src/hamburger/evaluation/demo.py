@@ -154,12 +154,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
             side_by_side(console, prompt, [{"role": "user", "content": prompt}], engines, confidence,
                          args.max_new_tokens, mode)
             console.print()
-        if getattr(args, "quantize", "none") == "none" and next(model.parameters()).device.type == "cpu":
+        ham = engines["hamburger"]
+        if mode == "verify" and getattr(ham, "draft_rows", 1) == 0:
+            console.print("[dim]Verify mode drafted nothing here: with float32 weights on a CPU a base pass over a few "
+                          "positions costs about as much as that many passes, so drafts cannot pay. --quantize fp16 "
+                          "decodes both lanes about 2.3x faster and lets verify mode draft (make demo "
+                          "ARGS=\"--quantize fp16\").[/dim]")
+        elif getattr(args, "quantize", "none") == "none" and next(model.parameters()).device.type == "cpu":
             console.print("[dim]On a CPU, --quantize fp16 decodes both lanes about 2.3x faster (float16 weights, "
                           "float32 compute; see the README).[/dim]")
         if mode == "trust":
             console.print("[dim]--mode verify gives exactly the base's text: the base checks the micro-step "
                           "decoder's drafts (make demo ARGS=\"--mode verify --quantize fp16\").[/dim]")
+        elif mode == "verify":
+            console.print("[dim]--mode trust is HAMburger as in the paper: drafts kept unchecked and each step smashed "
+                          "into one KV entry (on this checkpoint about one token per step, close to the base's text "
+                          "but not equal).[/dim]")
         return 0
     console.print("[bold]Chat with both models (an empty line or Ctrl-D ends).[/bold]")
     while True:
