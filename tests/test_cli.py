@@ -45,6 +45,7 @@ def test_info(capsys, checkpoint, tiny_model_dir):
     assert out["hamburger_checkpoint"] is True and out["architecture"] == "LlamaForCausalLM"
     assert set(out["parameters"]) == {"base", "embedder", "micro", "stop_head"} and out["feature_layers"] == [1, 2, 3, 4]
     assert all(v > 0 for v in out["parameters"].values())
+    assert out["default_mode"] == "trust" and out["kv_merger"] is False and 0 < out["verify_confidence"] <= 1
     assert main(["info", "--model", str(tiny_model_dir)]) == 0
     assert "a base model" in capsys.readouterr().out
 

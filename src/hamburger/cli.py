@@ -294,7 +294,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         "vocab_size": bcfg.vocab_size,
         "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
         "max_step_tokens": cfg.max_step_tokens,
+        "default_mode": cfg.default_mode,
         "default_confidence": cfg.default_confidence,
+        "verify_confidence": cfg.verify_confidence,
+        "kv_merger": model.merger is not None,
         "parameters": counts,
         "weights_mb": round(weights / 2**20, 1),
     }

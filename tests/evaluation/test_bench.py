@@ -98,12 +98,17 @@ def test_bench_quantized_schemes_side_by_side(tmp_path, checkpoint, capsys):
             assert row["quantize"] == "int8" and row["weights_mb"] < plain["weights_mb"]
             assert 0 <= row["prefix_vs_float"] <= 1 and row["compared_replies"] == 2
             assert f"{system}_b{batch}_vs_base" in result["summary"]
+            same = result["summary"].get(f"{system}_b{batch}_vs_same_weights_base")
+            assert (same is None) == (system == "engine_base+int8")  # like for like: against engine_base+int8
+            if same is not None:
+                want = row["decode_tokens_per_s"] / rows["engine_base+int8", batch]["decode_tokens_per_s"]
+                assert abs(same - want) < 1e-9
         else:
             assert row["quantize"] == "none" and "same_as_float" not in row
     # int8 does not flip the tiny base's (peaky) greedy choices: the base's replies are the float ones.
     assert rows["engine_base+int8", 1]["same_as_float"] == 1.0
     assert "hamburger_vs_base_b1" in result["summary"]  # the float comparison is still there
-    assert "engine_base+int8" in captured.out and "weights MB" in captured.out
+    assert "engine_base+int8" in captured.out and "weights MB" in captured.out and "× float base" in captured.out
     assert captured.err.count("quantize: int8:") == 1  # one quantized load for the whole run
 
 

@@ -36,18 +36,24 @@ def with_merger(arch: str, merger: KVMerger | None = None) -> HamburgerModel:
 
 def reference_next(model: HamburgerModel, prompt: list[int], tokens: list[int], closed: list[int]) -> int:
     """The merger's reference decoder's greedy next token: the prompt, `closed` steps (covering the first
-    tokens) as one merged entry each, the rest of `tokens` as the open step's own entries."""
+    tokens) as one merged entry each (those of the model's merge window still as their own entries), the rest
+    of `tokens` as the open step's own entries."""
     steps = closed + [len(tokens) - sum(closed) + 1]  # the open step, and the next token (a dummy 0)
-    logits = stepwise_forward(model.base, model.merger, prompt + tokens + [0], len(prompt), steps)[0]
+    logits = stepwise_forward(model.base, model.merger, prompt + tokens + [0], len(prompt), steps,
+                              window=model.config.merge_window)[0]
     return int(logits[-1].argmax())
 
 
+@pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_compress_decoding_equals_the_mergers_stepwise_reference(arch, monkeypatch):
+def test_compress_decoding_equals_the_mergers_stepwise_reference(arch, window, monkeypatch):
     """Every emitted token is the argmax of the merger's reference decoder (a list cache holding the prompt
     and one merged entry per closed step) over the steps the run closed. Batch of 3, left-padded, rows
-    accepting different numbers of drafts: the drafts are the reference's own tokens, a third of them spoilt."""
+    accepting different numbers of drafts: the drafts are the reference's own tokens, a third of them spoilt.
+    With a merge window of 3, the steps of the latest 3 positions keep their own entries (moved down in the
+    cache whenever an older step is merged): the same reference with that window."""
     model = with_merger(arch)
+    model.config.merge_window = window
     rng = random.Random(0)
 
     def drafter(engine, states, t0, limit, *args):
@@ -68,11 +74,26 @@ def test_compress_decoding_equals_the_mergers_stepwise_reference(arch, monkeypat
     out = drain(gen)
     for prompt, tokens, steps in zip(PROMPTS, out.tokens, out.steps):
         assert sum(steps) == len(tokens)
-        logits = stepwise_forward(model.base, model.merger, prompt + tokens, len(prompt), merged_steps(steps))[0]
+        logits = stepwise_forward(model.base, model.merger, prompt + tokens, len(prompt), merged_steps(steps),
+                                  window=window)[0]
         assert logits.argmax(-1).tolist() == tokens, steps
     lengths = [n for steps in out.steps for n in steps[1:]]
     assert len(set(lengths)) >= 3, lengths  # steps of several lengths were merged
-    assert out.stats.kv_entries == out.stats.prompt_tokens + out.stats.macro_steps < out.stats.kv_entries_base
+    stats = out.stats
+    assert stats.kv_entries == stats.prompt_tokens + stats.macro_steps + stats.window_entries < stats.kv_entries_base
+    assert (stats.window_entries > 0) == (window > 1)
+
+
+def test_a_window_longer_than_the_reply_is_the_base(arch):
+    """With a merge window longer than any reply nothing is ever merged: compress mode is then verify mode,
+    exactly the base's greedy output whatever the merger, one KV entry per token."""
+    model = with_merger(arch)
+    model.config.merge_window = 1000
+    out = Engine(model).generate(PROMPTS, max_new_tokens=16, confidence=0.01, mode="compress")
+    for prompt, tokens in zip(PROMPTS, out.tokens):
+        assert tokens == base_greedy(model, prompt, 16)
+    assert out.stats.drafted_tokens > 0
+    assert out.stats.kv_entries == out.stats.kv_entries_base
 
 
 def reference_greedy(model: HamburgerModel, prompt: list[int], n: int, k: int) -> list[int]:

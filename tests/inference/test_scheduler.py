@@ -276,13 +276,17 @@ def test_verify_requests_with_the_models_own_drafts_equal_the_base(arch):
     assert sum(out[j][-1].stats.drafted_tokens for j in out) > 0
 
 
+@pytest.mark.parametrize("window", [0, 3])
 @pytest.mark.parametrize("rows", [2, 4])
-def test_compress_requests_equal_compress_mode_alone(arch, rows):
+def test_compress_requests_equal_compress_mode_alone(arch, rows, window):
     """Compress requests (drafts checked by a base that reads each decided step as one merged entry), staggered
     and beside trust and verify requests, each get exactly what `Engine.generate(mode="compress")` gives them
-    alone: the same tokens, the same steps, one KV entry per step. Trust and verify requests are unchanged."""
+    alone: the same tokens, the same steps, one KV entry per step (with a merge window, plus the entries of the
+    latest steps, not merged yet). Trust and verify requests are unchanged."""
     model = hamburger(arch, k=4)
     model.attach_merger(random_merger(model.base, channels=arch == "qwen2"))
+    model.config.merge_window = window
+    windowed = 0
     engine, sched = Engine(model, draft_rows=None), Scheduler(model, max_batch_size=rows, max_len=64, draft_rows=None)
     modes = ["compress", "trust", "compress", "verify", "compress", "trust"]
     conf = {"compress": 0.05, "verify": 0.05, "trust": 0.3}
@@ -296,13 +300,15 @@ def test_compress_requests_equal_compress_mode_alone(arch, rows):
         # entries held: the prompt's, then one per step (trust, compress) or one per token (verify)
         held = [r for r in sched.rows if r is not None]
         assert sched.kv_entries() == sum(len(r.prompt) + (len(r.tokens) if r.mode == "verify" else len(r.steps))
-                                         for r in held)
+                                         + r.stats.window_entries for r in held)
+        windowed += sum(r.stats.window_entries for r in held)
         step += 1
     for j, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
         alone = engine.generate([prompt], max_new_tokens=limit, confidence=conf[modes[j]], mode=modes[j])
         assert [t for e in out[j] for t in e.tokens] == alone.tokens[0], modes[j]
         assert [len(e.tokens) for e in out[j]] == alone.steps[0], modes[j]
     assert sum(out[j][-1].stats.drafted_tokens for j in range(len(PROMPTS)) if modes[j] == "compress") > 0
+    assert (windowed > 0) == (window > 1)
     assert sched.running == 0 and sched.kv_entries() == 0
 
 

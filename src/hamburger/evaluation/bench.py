@@ -19,8 +19,9 @@ Systems (`--systems`):
 
 With `--quantize none,fp16,int8,int4` every system runs under each weight-only quantization scheme in the same run
 (`hamburger.inference.quantize`: the base, micro-step decoder and LM head; rows `engine_base+int8`, ...), each scheme on
-a freshly loaded copy of the model, on the same prompts and settings. The "× base engine" ratio stays
-against the float `engine_base`; quantized rows also give the weights' MB and their greedy agreement with the
+a freshly loaded copy of the model, on the same prompts and settings. The "× base engine" ratio is against the
+`engine_base` of the same weights (like for like), "× float base" against the float one; quantized rows also give
+the weights' MB and their greedy agreement with the
 same system in float (`same_as_float`: share of replies token for token equal; `prefix_vs_float`: share of
 tokens before the first difference).
 
@@ -205,6 +206,9 @@ def summarize(rows: list[dict], conf: float) -> dict:
         key, base = f"{row['system']}_b{row['batch_size']}", find(rows, "engine_base", row["batch_size"])
         if base and base["decode_tokens_per_s"]:
             out[f"{key}_vs_base"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        same = find(rows, f"engine_base+{row['quantize']}", row["batch_size"])
+        if same and same["decode_tokens_per_s"] and same is not row:
+            out[f"{key}_vs_same_weights_base"] = row["decode_tokens_per_s"] / same["decode_tokens_per_s"]
         if "same_as_float" in row:
             out[f"{key}_same_as_float"] = row["same_as_float"]
             out[f"{key}_prefix_vs_float"] = row["prefix_vs_float"]

@@ -19,14 +19,22 @@ def find(rows: list[dict], system: str, batch: int, conf: float | None = None) -
 
 
 def table(result: dict) -> tuple[list[str], list[list[str]]]:
-    header = ["system", "conf", "batch", "decode tok/s", "× base engine", "TTFT s", "tok/step", "tok/forward", "KV entries",
-              "KV MB", "KV/gen token", "peak MB", "weights MB", "= float"]
+    quantized = any(r.get("quantize", "none") != "none" for r in result["rows"])
+    header = ["system", "conf", "batch", "decode tok/s", "× base engine", *(["× float base"] if quantized else []),
+              "TTFT s", "tok/step", "tok/forward", "KV entries", "KV MB", "KV/gen token", "peak MB", "weights MB",
+              "= float"]
     body = []
+
+    def ratio(r: dict, base: dict | None) -> str:
+        return f"{r['decode_tokens_per_s'] / base['decode_tokens_per_s']:.2f}×" if base and base["decode_tokens_per_s"] \
+            else "-"
+
     for r in result["rows"]:
-        base = find(result["rows"], "engine_base", r["batch_size"])
-        ratio = r["decode_tokens_per_s"] / base["decode_tokens_per_s"] if base and base["decode_tokens_per_s"] else None
+        scheme = r.get("quantize", "none")
+        same = find(result["rows"], "engine_base" + ("" if scheme == "none" else f"+{scheme}"), r["batch_size"])
+        float_base = find(result["rows"], "engine_base", r["batch_size"])
         body.append([r["system"], "-" if r["confidence"] is None else f"{r['confidence']:g}", str(r["batch_size"]),
-                     f"{r['decode_tokens_per_s']:.1f}", "-" if ratio is None else f"{ratio:.2f}×",
+                     f"{r['decode_tokens_per_s']:.1f}", ratio(r, same), *([ratio(r, float_base)] if quantized else []),
                      f"{r['ttft_s']:.3f}", f"{r['tokens_per_step']:.2f}",
                      f"{r['tokens_per_forward']:.2f}" if "tokens_per_forward" in r else "-", str(r["kv_entries"]),
                      f"{r['kv_bytes'] / 2**20:.1f}", f"{r['kv_entries_per_generated_token']:.2f}",

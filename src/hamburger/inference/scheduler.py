@@ -36,7 +36,7 @@ from hamburger.inference.kv import CacheView, KVCache, SlotWrites
 from hamburger.inference.reference import eos_ids
 from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
-from hamburger.inference.verify import accept_greedy, accept_sampled, check_pass, settle
+from hamburger.inference.verify import Window, accept_greedy, accept_sampled, check_pass, settle
 from hamburger.model.config import check_confidence
 from hamburger.model.hamburger_model import HamburgerModel
 
@@ -73,6 +73,7 @@ class Request:
     started: float = 0.0  # when its prefill began
     rng: torch.Generator | None = None
     warpers: object = None
+    window_steps: list = field(default_factory=list)  # compress mode: its steps not merged yet (`verify.Window`)
 
 
 DECODE_THREADS_ROWS = 16  # decode passes of at most this many rows run on `decode_threads`
@@ -313,8 +314,17 @@ class Scheduler:
             kept_i, t0 = accept_sampled(self.step_tok[i : i + 1, 1 : 1 + nd], self.n_drafts[i : i + 1], q, probs,
                                         req.rng)
             at[i], self.next_t0[i] = kept_i[0], t0[0]
+        window = None
+        if self.model.config.merge_window > 1 and bool(compress.any()):
+            window = Window(self.model.config.merge_window, n)
+            window.steps = [r.window_steps if r is not None else [] for r in self.rows[:n]]  # the requests' own lists
+            window.first_pos = positions
         self.states[:n] = torch.stack(settle(self.model.merger, states, at, self.cache, self.cache_len[:n], live,
-                                             compress, self.merged_len), 1)
+                                             compress, self.merged_len, window), 1)
+        if window is not None:
+            for req in self.rows[:n]:
+                if req is not None and req.mode == "compress":
+                    req.stats.window_entries = sum(m - 1 for _, m, _ in req.window_steps)
         kept, tokens, rows_l = at.tolist(), self.step_tok[:n].tolist(), rows.tolist()
         added = [0] * n
         for i in rows_l:

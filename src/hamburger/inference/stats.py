@@ -36,6 +36,8 @@ class GenerationStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     unmerged: bool = False  # verify mode: one KV entry per generated token
+    # compress mode with a merge window: entries the steps not merged yet hold beyond one per step (at the end)
+    window_entries: int = 0
 
     @property
     def tokens_per_step(self) -> float:
@@ -44,8 +46,9 @@ class GenerationStats:
 
     @property
     def kv_entries(self) -> int:
-        """KV-cache entries per layer: one per prompt token plus one per macro-step (per token in verify mode)."""
-        return self.prompt_tokens + (self.generated_tokens if self.unmerged else self.macro_steps)
+        """KV-cache entries per layer: one per prompt token plus one per macro-step (per token in verify mode; in
+        compress mode with a merge window, plus the recent steps' entries beyond one each)."""
+        return self.prompt_tokens + (self.generated_tokens if self.unmerged else self.macro_steps + self.window_entries)
 
     @property
     def kv_entries_base(self) -> int:

@@ -114,7 +114,8 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
 
     With a `merger`, compress mode: once a pass has decided a step (t0 and its kept drafts), the step's KV
     entries are replaced by the merger's one entry per layer (`merge_step`), and later passes add the merger's
-    bias to those entries' attention logits. The drafts are then checked against a base that reads its past
+    bias to those entries' attention logits; with the checkpoint's `merge_window` > 1, only once the step lies
+    that many positions behind (`Window`). The drafts are then checked against a base that reads its past
     compressed; the prompt's entries stay as they are.
     """
 
@@ -128,6 +129,8 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
     states, cache, micro_cache, valid, lengths = engine.start(gen, extra=k)
     width, max_len = int(lengths.max()), valid.shape[1]
     merged_len = torch.zeros(bsz, max_len, dtype=torch.long, device=dev)  # tokens merged into each entry (0: none)
+    size = model.config.merge_window
+    window = Window(size, bsz) if merger is not None and size > 1 else None
     t0 = pick(model.lm_head(states[0])[:, None], gen.sampling, rng, warpers)[:, 0]
     gen.stats.prefill_s = time.perf_counter() - start_t
     done = [False] * bsz
@@ -169,7 +172,11 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
             kept, t0 = accept_sampled(drafts, n_drafts, q if q is not None else p[:, :0], p, rng)
         # A row that ended before this pass stays where it is: it is still computed (the batch is rectangular)
         # but writes over its own unused slots, so the cache never grows past its last live entry.
-        states = settle(merger, states, kept, cache, cache_len, alive, compress, merged_len)
+        if window is not None:
+            window.first_pos = next_pos
+        states = settle(merger, states, kept, cache, cache_len, alive, compress, merged_len, window)
+        if window is not None:
+            gen.stats.window_entries = window.extra_entries()
         kept_l, t0_l, drafts_l = kept.tolist(), t0.tolist(), drafts.tolist()  # the one transfer per step
         new = [[] if done[b] else drafts_l[b][: kept_l[b]] + [t0_l[b]] for b in range(bsz)]
         next_pos += (1 + kept) * alive
@@ -199,18 +206,66 @@ def check_pass(engine: Engine, embeds: torch.Tensor, first_pos: torch.Tensor, ca
 
 def settle(merger: KVMerger | None, states: list[torch.Tensor], kept: torch.Tensor, cache: KVCache,
            cache_len: torch.Tensor, live: torch.Tensor, compress: torch.Tensor,
-           merged_len: torch.Tensor) -> list[torch.Tensor]:
+           merged_len: torch.Tensor, window: Window | None = None) -> list[torch.Tensor]:
     """After a `check_pass`, with `kept` (B,) drafts kept per row: the states at each row's last kept position
     (the features of its next draft), each (B, d); a compress row's decided step [t0, kept drafts] merged into
     one entry at the step's first slot (`merge_step`); and the live rows' cache lengths advanced in place, by
-    1 + kept (1 for a compress row). Rows are the cache's rows 0..B-1."""
+    1 + kept (1 for a compress row). Rows are the cache's rows 0..B-1. With a `window`, a compress row's step
+    stays as its own entries until it lies `window.size` positions behind (`Window.close`)."""
     rows = torch.arange(kept.shape[0], device=kept.device)
     states = [s[rows, kept] for s in states]
+    if window is not None:
+        cache_len += live.long() * (1 + kept)
+        window.close(merger, cache, cache_len, merged_len, compress, kept)
+        return states
     merge = compress.nonzero().squeeze(1)
     if len(merge):
         merge_step(merger, cache, cache_len[merge], 1 + kept[merge], merged_len, merge)
     cache_len += live.long() * torch.where(compress, 1, 1 + kept)
     return states
+
+
+class Window:
+    """Compress mode with a recent exact window: each row's decided steps that are not merged yet (oldest
+    first, as [first slot, tokens, position of the last token]). A step is merged into one entry once it lies
+    `size` positions behind the next token (the next pass's t0), and the row's newer entries move down into the
+    freed slots (keys are rotated when written, so an entry needs no position of its own).
+
+    `first_pos` (B,): the position of each row's t0 in the pass being settled (set before `settle`)."""
+
+    def __init__(self, size: int, rows: int) -> None:
+        self.size, self.steps = size, [[] for _ in range(rows)]
+        self.first_pos: torch.Tensor | None = None
+
+    def close(self, merger: KVMerger, cache: KVCache, cache_len: torch.Tensor, merged_len: torch.Tensor,
+              compress: torch.Tensor, kept: torch.Tensor) -> None:
+        """Record each compress row's step just decided (its entries end at the row's advanced cache length)
+        and merge the steps that have left the window. `cache_len` (B,) is updated in place."""
+        lens, kept_l, pos_l = cache_len.tolist(), kept.tolist(), self.first_pos.tolist()
+        dev = cache_len.device
+        for b, on in enumerate(compress.tolist()):
+            if not on:
+                continue
+            n, steps = 1 + kept_l[b], self.steps[b]
+            steps.append([lens[b] - n, n, pos_l[b] + kept_l[b]])
+            nxt = pos_l[b] + n  # the position of the row's next t0
+            while steps and nxt - steps[0][2] >= self.size:
+                start, m, _ = steps.pop(0)
+                merge_step(merger, cache, torch.tensor([start], device=dev), torch.tensor([m], device=dev),
+                           merged_len, torch.tensor([b], device=dev))
+                if m > 1:  # move the newer entries down into the step's freed slots
+                    tail = lens[b] - (start + m)
+                    for t in (cache.k, cache.v):
+                        t[:, b, :, start + 1 : start + 1 + tail] = t[:, b, :, start + m : start + m + tail].clone()
+                    merged_len[b, start + 1 : lens[b]] = 0  # the window's entries are ordinary ones
+                    lens[b] -= m - 1
+                    for step in steps:
+                        step[0] -= m - 1
+        cache_len.copy_(torch.tensor(lens, device=dev))
+
+    def extra_entries(self) -> int:
+        """Entries the unmerged steps hold beyond one per step (what `GenerationStats.window_entries` counts)."""
+        return sum(m - 1 for steps in self.steps for _, m, _ in steps)
 
 
 def merged_mask(merger: KVMerger, visible: torch.Tensor, merged_len: torch.Tensor, dtype):

@@ -39,6 +39,10 @@ class HamburgerConfig:
     # True: a second stop head (`draft_stop_head`) decides how far verify and compress mode draft, trained on
     # unmerged text by `train-drafter --draft-stop-head`; trust mode keeps `stop_head`. False: one head for all.
     draft_stop_head: bool = False
+    # Compress mode: a decided step stays as its tokens' own KV entries until it lies `merge_window` positions
+    # behind the newest token, then becomes one merged entry (0 or 1: merged at once). The base then reads its
+    # recent past exactly and only the older past compressed.
+    merge_window: int = 0
     base_in_checkpoint: bool = False  # the checkpoint also carries (fine-tuned) base weights
     lora_rank: int = 0  # > 0: LoRA adapters on the base's attention projections (trained, shipped, mergeable)
     lora_alpha: float = 32.0
@@ -58,6 +62,8 @@ class HamburgerConfig:
         check_confidence(self.default_confidence)
         check_confidence(self.verify_confidence)
         check_mode(self.default_mode)
+        if isinstance(self.merge_window, bool) or not isinstance(self.merge_window, int) or self.merge_window < 0:
+            raise HamburgerError(f"merge_window must be an int >= 0, got {self.merge_window!r}")
 
     def resolve(self, num_base_layers: int, hidden_size: int) -> HamburgerConfig:
         """Fill the fields that depend on the base: evenly spaced feature layers ending at the final output."""

@@ -206,15 +206,18 @@ def forward_layout(base, merger: KVMerger | None, lay: Layout, merged: bool = Tr
 
 @torch.no_grad()
 def stepwise_forward(base, merger: KVMerger | None, ids: list[int], prompt_len: int, steps: list[int],
-                     merged: bool = True) -> torch.Tensor:
+                     merged: bool = True, window: int = 0) -> torch.Tensor:
     """The same logits (1, R, V) computed as a decoder would: the prompt prefilled, then each response token
     alone against a list cache [prompt entries, merged entries of earlier steps, own step so far]; a finished
-    step's entries are merged and appended. Plain and slow: the reference for `parallel_forward`."""
+    step's entries are merged and appended. Plain and slow: the reference for `parallel_forward`. With
+    `window` > 1, a finished step keeps its tokens' own entries until the next token's position is `window`
+    or more past its last token (checked when a step closes), as compress mode's `merge_window`."""
     model = base.base_model
     dev = next(base.parameters()).device
     heads = base.config.num_attention_heads
     cache: list[list[tuple]] = [[] for _ in model.layers]  # per layer: (keys, values, bias (1, H) or None)
     own: list[list[tuple]] = [[] for _ in model.layers]  # per layer: the current step's (keys, values)
+    recent: list[tuple[int, list[tuple]]] = []  # closed steps not merged yet: (last position, per-layer (k, v))
 
     def run(tokens: list[int], start: int) -> torch.Tensor:
         x = model.embed_tokens(torch.tensor([tokens], device=dev))
@@ -223,7 +226,8 @@ def stepwise_forward(base, merger: KVMerger | None, ids: list[int], prompt_len: 
         for i, layer in enumerate(model.layers):
             q, k, v = project(layer, x, rope)
             own[i].append((k, v))
-            entries = cache[i] + [(ek, ev, None) for ek, ev in own[i]]
+            entries = cache[i] + [(ek, ev, None) for _, layers in recent for ek, ev in [layers[i]]] + \
+                [(ek, ev, None) for ek, ev in own[i]]
             cols = [torch.zeros(1, heads, ek.shape[2], dtype=x.dtype, device=dev) if eb is None
                     else eb.to(x.dtype)[:, :, None] for ek, _, eb in entries]
             mask = torch.cat(cols, -1)[:, :, None].repeat(1, 1, n, 1)  # (1, H, n, all entries)
@@ -232,15 +236,25 @@ def stepwise_forward(base, merger: KVMerger | None, ids: list[int], prompt_len: 
         return base.get_output_embeddings()(model.norm(x[:, -1]))
 
     def close_step(merge: bool) -> None:
+        layers = [(torch.cat([e[0] for e in own[i]], 2), torch.cat([e[1] for e in own[i]], 2))
+                  for i in range(len(model.layers))]
         for i in range(len(model.layers)):
-            k, v = torch.cat([e[0] for e in own[i]], 2), torch.cat([e[1] for e in own[i]], 2)
+            own[i] = []
+        if merge and window > 1:
+            recent.append((pos - 1, layers))
+            while recent and pos - recent[0][0] >= window:
+                append(recent.pop(0)[1], True)
+        else:
+            append(layers, merge)
+
+    def append(layers: list[tuple], merge: bool) -> None:
+        for i, (k, v) in enumerate(layers):
             if merge:
                 n = torch.tensor([k.shape[2]], device=dev)
                 mk, mv = merger.merge(i, k, v, n)
                 cache[i].append((mk, mv, merger.bias(i, n)))
             else:
                 cache[i].append((k, v, None))
-            own[i] = []
 
     logits = [run(ids[:prompt_len], 0)]
     close_step(merge=False)  # the prompt's entries stay individual

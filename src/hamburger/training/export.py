@@ -53,6 +53,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         model.config.default_confidence = check_confidence(args.default_confidence)
     if args.verify_confidence is not None:
         model.config.verify_confidence = check_confidence(args.verify_confidence)
+    if args.merge_window is not None:
+        if args.merge_window < 0:
+            raise HamburgerError(f"--merge-window must be >= 0, got {args.merge_window}")
+        model.config.merge_window = args.merge_window
     if args.default_mode is not None:
         model.config.default_mode = check_mode(args.default_mode)
     if args.merge_lora:
