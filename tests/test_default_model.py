@@ -130,7 +130,9 @@ def test_verify_mode_on_the_shipped_default_is_the_base():
 
 def test_compress_mode_on_the_shipped_default_follows_the_mergers_reference():
     """Compress mode on the real model with the shipped merger, batched: every token is the argmax of the
-    merger's step-by-step reference over the steps the run closed, and the cache holds one entry per step."""
+    merger's step-by-step reference over the steps the run closed, and the cache holds one entry per step (with
+    a merge window, plus the latest steps' own entries; the shipped 32 would merge nothing in 24 tokens, so 0
+    and 8 here)."""
     from hamburger.inference.engine import Engine
     from hamburger.model.hamburger_model import load_model
     from hamburger.model.merger import stepwise_forward
@@ -139,8 +141,14 @@ def test_compress_mode_on_the_shipped_default_follows_the_mergers_reference():
     if not trained or model.merger is None:
         pytest.skip("no trained checkpoint with a KV merger ships in this build")
     prompts = [chat_ids(model.tokenizer, q) for q in QUESTIONS]
-    out = Engine(model).generate(prompts, max_new_tokens=24, confidence=0.1, mode="compress")
-    for prompt, tokens, steps in zip(prompts, out.tokens, out.steps):
-        logits = stepwise_forward(model.base, model.merger, prompt + tokens, len(prompt), steps[1:] + [1])[0]
-        assert logits.argmax(-1).tolist() == tokens
-    assert out.stats.kv_entries == out.stats.prompt_tokens + out.stats.macro_steps
+    assert model.config.merge_window == 32
+    for window in (0, 8):
+        model.config.merge_window = window
+        out = Engine(model).generate(prompts, max_new_tokens=24, confidence=0.1, mode="compress")
+        for prompt, tokens, steps in zip(prompts, out.tokens, out.steps):
+            logits = stepwise_forward(model.base, model.merger, prompt + tokens, len(prompt), steps[1:] + [1],
+                                      window=window)[0]
+            assert logits.argmax(-1).tolist() == tokens, window
+        stats = out.stats
+        assert stats.kv_entries == stats.prompt_tokens + stats.macro_steps + stats.window_entries
+        assert (stats.window_entries > 0) == (window > 0)

@@ -79,6 +79,25 @@ def test_parallel_form_equals_stepwise_decoding(arch):
             assert not torch.allclose(reference, base_logits(base, ids, p), atol=1e-2)
 
 
+@pytest.mark.parametrize("window", [2, 5, 1000])
+def test_parallel_form_with_a_merge_window_equals_stepwise_decoding(window):
+    """Compress mode's merge window in the training form: the steps that end within `window` positions before a
+    query's step are read as their own tokens. Equal to the stepwise reference; a window longer than the
+    reply is the plain base; a window changes the logits where steps were merged."""
+    base = tiny_base()
+    merger = random_merger(base)
+    batch = examples(4, seed=1)
+    together = parallel_forward(base, merger, *zip(*batch), window=window)
+    for b, (ids, p, steps) in enumerate(batch):
+        reference = stepwise_forward(base, merger, ids, p, steps, window=window)[0]
+        r = len(ids) - p
+        assert torch.allclose(together[b, :r], reference, atol=1e-4), (b, steps)
+        if window == 1000:
+            assert torch.allclose(reference, base_logits(base, ids, p), atol=1e-4)
+        elif max(steps) > 1 and r > sum(steps[:3]):
+            assert not torch.allclose(reference, stepwise_forward(base, merger, ids, p, steps)[0], atol=1e-3)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_merging_off_is_the_plain_base(arch):
     base = tiny_base(arch)
@@ -149,6 +168,19 @@ def test_train_merger_command(tmp_path, tiny_model_dir, capsys):
     steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
     assert steps[0] == 0 and steps[-1] == 3
     assert "resumed at step 2" in capsys.readouterr().err
+    # --init a fitted merger, --max-steps 0: only its held-out figures, here with a merge window of 3
+    evaluated = ["train-merger", "--model", str(tiny_model_dir), "--data", data, "--eval-fraction", "0.3",
+                 "--init", str(out / WEIGHTS), "--max-steps", "0"]
+    assert main(evaluated + ["--out", str(tmp_path / "eval0")]) == 0
+    assert main(evaluated + ["--out", str(tmp_path / "eval3"), "--merge-window", "3"]) == 0
+    first = [json.loads((tmp_path / d / "log.jsonl").read_text().splitlines()[0]) for d in ("eval0", "eval3")]
+    assert first[0]["heldout_kl"] > first[1]["heldout_kl"]  # the window's recent steps are read exactly
+    final = [json.loads(line)["heldout_kl"] for line in (out / "log.jsonl").read_text().splitlines()
+             if "heldout_kl" in json.loads(line)][-1]
+    assert abs(first[0]["heldout_kl"] - final) < 1e-6  # the fitted merger, not a fresh one
+    assert main(["train-merger", "--model", str(tiny_model_dir), "--data", data, "--out", str(tmp_path / "bad"),
+                 "--init", str(tmp_path / "missing.safetensors")]) == 2
+    assert "no such merger file" in capsys.readouterr().err
 
 
 def test_per_channel_weights_merge_each_channel_on_its_own():

@@ -158,16 +158,20 @@ class Layout:
         return Layout(*(getattr(self, f).to(device) for f in self.__dataclass_fields__))
 
 
-def parallel_forward(base, merger: KVMerger | None, ids, prompt_len, steps, merged: bool = True) -> torch.Tensor:
+def parallel_forward(base, merger: KVMerger | None, ids, prompt_len, steps, merged: bool = True,
+                     window: int = 0) -> torch.Tensor:
     """Logits (B, R, V) predicting each response token r (from position prompt_len - 1 + r), every query
     seeing the prompt's tokens, earlier steps as merged entries and its own step's earlier tokens. With
-    `merged=False` (merger unused), the plain base. One example or a right-padded batch (see `Layout.valid`)."""
+    `merged=False` (merger unused), the plain base. One example or a right-padded batch (see `Layout.valid`).
+    With `window` > 1 (compress mode's `merge_window`), a query sees an earlier step's own tokens instead of its
+    merged entry while that step ends fewer than `window` positions before the query's step begins."""
     if isinstance(prompt_len, int):  # one example
         ids, prompt_len, steps = [ids], [prompt_len], [steps]
-    return forward_layout(base, merger, Layout.build(ids, prompt_len, steps, next(base.parameters()).device), merged)
+    lay = Layout.build(ids, prompt_len, steps, next(base.parameters()).device)
+    return forward_layout(base, merger, lay, merged, window)
 
 
-def forward_layout(base, merger: KVMerger | None, lay: Layout, merged: bool = True) -> torch.Tensor:
+def forward_layout(base, merger: KVMerger | None, lay: Layout, merged: bool = True, window: int = 0) -> torch.Tensor:
     model = base.base_model
     b, t = lay.ids.shape
     if merged and int(lay.step_len.max()) > merger.max_step_tokens:  # checked once, not per layer (a host sync)
@@ -180,6 +184,13 @@ def forward_layout(base, merger: KVMerger | None, lay: Layout, merged: bool = Tr
         q_step, k_step = lay.step_of[:, :, None], lay.step_of[:, None, :]
         own = visible & ((k_step == -1) | (k_step == q_step))  # the prompt, and this step's earlier tokens
         past = torch.arange(s, device=pos.device) < q_step  # (B, T, S) merged entries of earlier steps
+        if window > 1:  # earlier steps ending within `window` positions before the query's step: their own tokens
+            step_of = lay.step_of.clamp(min=0)
+            q_start = lay.step_tokens[..., 0].gather(1, step_of)  # (B, T) where each query's step begins
+            recent = lay.step_tokens[..., -1][:, None, :] > q_start[:, :, None] - window  # (B, T, S)
+            raw = recent.gather(2, step_of[:, None, :].expand(-1, t, -1))  # (B, T, T): the key's step is recent
+            own = own | (visible & (k_step >= 0) & (k_step < q_step) & raw)
+            past = past & ~recent
         visible = torch.cat([own, past], -1)
     x = model.embed_tokens(lay.ids)
     mask = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill(~visible, float("-inf"))[:, None]

@@ -35,6 +35,8 @@ class MergerArgs:
     random_steps: bool = False  # cut responses into uniform random steps of 1..K instead of the data's
     gates: bool = False
     channels: bool = False  # softmax weights per channel, not per head
+    merge_window: int = 0  # compress mode's merge_window: steps this close stay unmerged (training and evaluation)
+    init: str = ""  # start from this merger (a merger.safetensors file); with --max-steps 0: evaluate it
     eval_fraction: float = 0.05  # the same held-out split as `hamburger train`
     eval_examples: int = 30
     eval_every: int = 100
@@ -67,13 +69,13 @@ def kl_per_position(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tenso
 
 @torch.no_grad()
 def evaluate_merger(base, merger: KVMerger, examples: list[tuple[list[int], int, list[int]]],
-                    batch_size: int = 1) -> dict[str, float]:
+                    batch_size: int = 1, window: int = 0) -> dict[str, float]:
     """Held-out agreement of the merged base's argmax with the base's own greedy token (unmerged) at each
     response position: at step starts (what a decoder's next step begins with) and over all tokens; and KL."""
     sums = torch.zeros(5, dtype=torch.float64)  # right at starts, starts, right, positions, KL
     for i in range(0, len(examples), batch_size):
         lay = Layout.build(*zip(*examples[i : i + batch_size]), next(base.parameters()).device)
-        teacher, student = forward_layout(base, None, lay, merged=False), forward_layout(base, merger, lay)
+        teacher, student = forward_layout(base, None, lay, merged=False), forward_layout(base, merger, lay, window=window)
         ok = student.argmax(-1) == teacher.argmax(-1)
         kl = kl_per_position(student, teacher)[lay.valid].sum()
         sums += torch.stack([ok[lay.starts].sum(), lay.starts.sum(), ok[lay.valid].sum(), lay.valid.sum(), kl]).cpu()
@@ -105,6 +107,17 @@ class MergerTrainer:
         base.requires_grad_(False)
         base.eval()
         self.merger = KVMerger.for_base(base.config, k, args.gates, args.channels).to(next(base.parameters()).device)
+        if args.init:
+            if not Path(args.init).is_file():
+                raise HamburgerError(f"--init {args.init}: no such merger file (a merger.safetensors)")
+            start = KVMerger.load(args.init)
+            if start.meta.get("base_fingerprint", "") not in ("", fingerprint(base)):
+                raise HamburgerError(f"{args.init} was fitted to another base")
+            try:
+                self.merger.load_state_dict(start.state_dict())
+            except RuntimeError as exc:
+                raise HamburgerError(f"{args.init} does not fit this merger's shape (--gates, --channels, "
+                                     f"--max-step-tokens): {str(exc).splitlines()[0]}") from None
         self.opt = torch.optim.Adam(self.merger.parameters(), lr=args.lr)
         total = max(1, args.max_steps)  # cosine from lr to lr/10: the late steps refine
         self.sched = torch.optim.lr_scheduler.LambdaLR(
@@ -135,7 +148,8 @@ class MergerTrainer:
         lay = self.batch()
         with torch.no_grad():
             teacher = forward_layout(self.base, None, lay, merged=False)
-        loss = kl_per_position(forward_layout(self.base, self.merger, lay), teacher)[lay.valid].mean()
+        student = forward_layout(self.base, self.merger, lay, window=self.args.merge_window)
+        loss = kl_per_position(student, teacher)[lay.valid].mean()
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.merger.parameters(), 1.0)
@@ -183,7 +197,7 @@ class MergerTrainer:
 
     def evaluate(self) -> dict[str, float]:
         return {f"heldout_{k}": v for k, v in evaluate_merger(self.base, self.merger, self.held,
-                                                               self.args.batch_size).items()}
+                                                               self.args.batch_size, self.args.merge_window).items()}
 
     def fit(self, log_every: int = 10) -> dict[str, float]:
         a = self.args
@@ -229,7 +243,7 @@ def cmd_train_merger(args: argparse.Namespace) -> int:
         print(f"resumed at step {trainer.step}", file=sys.stderr)
     metrics = trainer.fit()
     size = (out / WEIGHTS).stat().st_size if (out / WEIGHTS).is_file() else 0
-    print(json.dumps({"final": metrics, "merger": str(out / WEIGHTS), "bytes": size,
+    print(json.dumps({"final": metrics, "merger": str(out / WEIGHTS) if size else None, "bytes": size,
                       "parameters": sum(p.numel() for p in trainer.merger.parameters())}), file=sys.stderr)
     return 0
 
