@@ -2,11 +2,17 @@
 
 A shared machine has slow spells (seen here: the same base at 23 and at 29 tokens/s within minutes).
 `hamburger bench` interleaves its systems run by run (a run: every prompt, ~40 s here); this interleaves
-finer, prompt by prompt: it decodes each of the bench's prompts with the base and then in verify mode,
-alternating which goes first, `--rounds` times, and reports the summed decode time of each, the ratio per
-round and its median and spread. Greedy, batch 1.
+finer, prompt by prompt: it decodes each of the bench's prompts with the base and then with each verify
+variant, rotating which goes first, `--rounds` times, and reports each system's summed decode time, its ratio
+to the base per round (median and spread) and tokens per base forward. Greedy, batch 1. Every variant must
+give the base's tokens (verify mode is lossless), or the script stops.
 
-    python benchmarks/verify_ab.py runs/ctx-gate16-2400/export --quantize fp16 --confidence 0.4    # ~6 min
+Variants (`--variants`, a comma list): `micro` (drafts from the micro-step decoder only: lookup 0), `lookup`
+(drafts by lookup only: the micro-step decoder never runs, confidence 1.0), `both` (lookup drafts where a row's
+last tokens occurred before, micro-step drafts elsewhere); `--lookup N` is the shortest n-gram that lookup
+matches.
+
+    python benchmarks/verify_ab.py default --quantize fp16 --variants micro,lookup,both --lookup 2    # ~15 min
 """
 
 from __future__ import annotations
@@ -22,56 +28,85 @@ from hamburger.inference.quantize import DEFAULT_SKIP, quantize_model
 from hamburger.model.base import encode_chat
 from hamburger.model.hamburger_model import HamburgerModel, load_model
 
+VARIANTS = ("micro", "lookup", "both")
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("model", nargs="?", default="default")
     p.add_argument("--quantize", default="none", choices=["none", "fp16"])
     p.add_argument("--confidence", type=float, default=None, help="verify confidence (default: the checkpoint's)")
+    p.add_argument("--variants", default="micro", help=f"comma list from {', '.join(VARIANTS)}")
+    p.add_argument("--lookup", type=int, default=2, help="shortest n-gram lookup drafts match (lookup, both)")
+    p.add_argument("--sets", default=",".join(SETS), help=f"prompt sets, from {', '.join(SETS)}")
     p.add_argument("--prompts-per-set", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
     a = p.parse_args()
+    variants = [v.strip() for v in a.variants.split(",")]
+    if not variants or any(v not in VARIANTS for v in variants):
+        raise SystemExit(f"--variants: a comma list from {', '.join(VARIANTS)}, got {a.variants!r}")
     model, _ = load_model(a.model)
     model.eval()
     if a.quantize == "fp16":
         quantize_model(model, "fp16", skip=DEFAULT_SKIP)
     base = Engine(HamburgerModel.plain(model.base, model.tokenizer))
-    verify = Engine(model)
-    prompts = [encode_chat(model.tokenizer, m) for s in SETS for m in bench_messages(s, a.prompts_per_set)]
-    runs = {"base": lambda ids: base.generate([ids], max_new_tokens=a.max_new_tokens),
-            "verify": lambda ids: verify.generate([ids], max_new_tokens=a.max_new_tokens, mode="verify",
-                                                  confidence=a.confidence)}
-    ratios, totals = [], {name: [0.0, 0, 0] for name in runs}  # decode s, tokens and base forwards after the first
+    conf = a.confidence if a.confidence is not None else model.config.verify_confidence
+    settings = {"micro": (0, conf), "lookup": (a.lookup, 1.0), "both": (a.lookup, conf)}
+    engines = {v: Engine(model, lookup=settings[v][0]) for v in variants}
+    sets = [s.strip() for s in a.sets.split(",")]
+    prompts = [encode_chat(model.tokenizer, m) for s in sets for m in bench_messages(s, a.prompts_per_set)]
+    runs = {"base": lambda ids: base.generate([ids], max_new_tokens=a.max_new_tokens)}
+    for v in variants:
+        runs[f"verify ({v})"] = (lambda ids, v=v: engines[v].generate([ids], max_new_tokens=a.max_new_tokens,
+                                                                      mode="verify", confidence=settings[v][1]))
+    names = list(runs)
+    ratios = {name: [] for name in names[1:]}
+    # decode s, tokens after the first, base forwards after the prefill, drafts, drafts kept, lookup drafts, kept
+    totals = {name: [0.0, 0, 0, 0, 0, 0, 0] for name in names}
     with torch.inference_mode():
         for fn in runs.values():
             fn(prompts[0][:16])  # warm up
         for r in range(a.rounds):
-            spent = dict.fromkeys(runs, 0.0)
-            tokens = dict.fromkeys(runs, 0)
+            spent, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
             for i, ids in enumerate(prompts):
-                order = list(runs) if (i + r) % 2 == 0 else list(runs)[::-1]
-                for name in order:
-                    out = runs[name](ids)
-                    spent[name] += out.stats.decode_s
-                    tokens[name] += out.stats.generated_tokens - 1  # the first comes with the prefill
-                    totals[name][2] += out.stats.row_forwards - 1
-            if tokens["base"] != tokens["verify"]:
-                raise SystemExit(f"verify generated {tokens['verify']} tokens, the base {tokens['base']}: not lossless")
-            for name in runs:
+                shift = (i + r) % len(names)
+                outs = {}
+                for name in names[shift:] + names[:shift]:
+                    out = outs[name] = runs[name](ids)
+                    s = out.stats
+                    spent[name] += s.decode_s
+                    tokens[name] += s.generated_tokens - 1  # the first comes with the prefill
+                    t = totals[name]
+                    t[2] += s.row_forwards - 1
+                    t[3] += s.drafted_tokens
+                    t[4] += s.micro_steps
+                    t[5] += s.lookup_drafts
+                    t[6] += s.lookup_kept
+                for name in names[1:]:
+                    if outs[name].tokens != outs["base"].tokens:
+                        raise SystemExit(f"{name} differs from the base on prompt {i}: not lossless")
+            for name in names:
                 totals[name][0] += spent[name]
                 totals[name][1] += tokens[name]
-            ratios.append(spent["base"] / spent["verify"])
-            print(f"round {r + 1}: base {tokens['base'] / spent['base']:.1f} tok/s, verify "
-                  f"{tokens['verify'] / spent['verify']:.1f} tok/s, {ratios[-1]:.3f}x", flush=True)
-    conf = a.confidence if a.confidence is not None else model.config.verify_confidence
-    print(f"{a.model} ({a.quantize}), verify confidence {conf:g}, {len(prompts)} prompts x {a.rounds} rounds, "
-          f"{a.max_new_tokens} new tokens, batch 1, interleaved:")
-    print("| system | decode tok/s | tokens / base forward |\n| --- | --- | --- |")
-    for name, (s, n, fwd) in totals.items():
-        print(f"| {name} | {n / s:.1f} | {n / max(fwd, 1):.2f} |")
-    print(f"verify x base: median {statistics.median(ratios):.3f}x over rounds (min {min(ratios):.3f}, "
-          f"max {max(ratios):.3f})")
+            line = [f"round {r + 1}: base {tokens['base'] / spent['base']:.1f} tok/s"]
+            for name in names[1:]:
+                ratios[name].append(spent["base"] / spent[name])
+                line.append(f"{name} {tokens[name] / spent[name]:.1f} tok/s {ratios[name][-1]:.3f}x")
+            print(", ".join(line), flush=True)
+    print(f"\n{a.model} ({a.quantize}), verify confidence {conf:g}, lookup n-grams {a.lookup}..3, {len(prompts)} "
+          f"prompts ({','.join(sets)}) x {a.rounds} rounds, {a.max_new_tokens} new tokens, batch 1, interleaved:\n")
+    print("| system | decode tok/s | x base (median over rounds, min-max) | tokens / base forward | drafts kept "
+          "| of them by lookup (kept / drafted) |\n| --- | --- | --- | --- | --- | --- |")
+    for name, (s, n, fwd, drafted, kept, looked, looked_kept) in totals.items():
+        if name == "base":
+            ratio, share, by_lookup = "1.00x", "-", "-"
+        else:
+            rs = ratios[name]
+            ratio = f"**{statistics.median(rs):.2f}x** ({min(rs):.2f}-{max(rs):.2f})"
+            share = f"{kept / drafted:.2f}" if drafted else "-"
+            by_lookup = f"{looked_kept}/{looked}" if looked else "-"
+        print(f"| {name} | {n / s:.1f} | {ratio} | {n / max(fwd, 1):.2f} | {share} | {by_lookup} |")
 
 
 if __name__ == "__main__":

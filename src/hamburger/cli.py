@@ -38,6 +38,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         "draft, exactly the base's output; compress: verify against a base that keeps one merged KV "
                         "entry per step (needs a KV merger in the checkpoint); verify and compress run on the fast "
                         "engine only; default: the checkpoint's")
+    add_lookup_arg(parser)
+
+
+def add_lookup_arg(parser: argparse.ArgumentParser) -> None:
+    """--lookup: verify and compress mode's lookup drafts (the checkpoint's `lookup` unless given)."""
+    parser.add_argument("--lookup", type=int, default=None, metavar="N",
+                        help="verify and compress mode: where the last N..3 tokens occurred before in the prompt or "
+                        "the reply, draft what followed them there instead of running the micro-step decoder "
+                        "(the base checks them like any draft); 0: micro-step drafts only; default: the checkpoint's")
 
 
 def add_quantize_args(parser: argparse.ArgumentParser, many: bool = False) -> None:
@@ -182,7 +191,14 @@ def load_from_args(args: argparse.Namespace, quantize: bool = True):
             check_quantize(name, args.group_size, device, getattr(torch, args.dtype))
         if quantize:
             scheme, group_size = parse_schemes(args.quantize)[0], args.group_size
+    lookup = getattr(args, "lookup", None)
+    if lookup is not None:
+        from hamburger.model.config import check_lookup
+
+        check_lookup(lookup)
     model, trained = load_model(args.model, args.base, dtype=getattr(torch, args.dtype), device=str(device))
+    if lookup is not None:
+        model.config.lookup = lookup
     quantize_loaded(model, scheme, group_size)
     return model, trained
 
@@ -297,6 +313,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "default_mode": cfg.default_mode,
         "default_confidence": cfg.default_confidence,
         "verify_confidence": cfg.verify_confidence,
+        "lookup": cfg.lookup,
         "kv_merger": model.merger is not None,
         "parameters": counts,
         "weights_mb": round(weights / 2**20, 1),

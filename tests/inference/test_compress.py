@@ -56,7 +56,7 @@ def test_compress_decoding_equals_the_mergers_stepwise_reference(arch, window, m
     model.config.merge_window = window
     rng = random.Random(0)
 
-    def drafter(engine, states, t0, limit, *args):
+    def drafter(engine, states, t0, limit, *args, **kwargs):
         rows = []
         for b, prompt in enumerate(PROMPTS):
             toks, closed, drafts = list(gen.tokens[b]), gen.steps[b][1:], []
@@ -113,7 +113,7 @@ def test_with_drafts_that_are_always_right_every_step_is_k_tokens(monkeypatch):
     assert 1 not in expected  # no EOS: the run goes the whole way
     emitted = [1]  # tokens emitted before each draft: t0 from the prefill
 
-    def oracle(engine, states, t0, limit, *args):
+    def oracle(engine, states, t0, limit, *args, **kwargs):
         got = min(int(limit[0]), 3)
         drafts = expected[emitted[0] : emitted[0] + got]
         emitted[0] += got + 1  # all kept, and the base's own next token

@@ -36,8 +36,8 @@ def test_verify_drafts_with_context_are_the_trained_forwards(arch, window, monke
     calls = []
     real = verify_mod.draft
 
-    def record(engine, states, t0, *args):
-        drafts, n, q = real(engine, states, t0, *args)
+    def record(engine, states, t0, *args, **kwargs):
+        drafts, n, q = real(engine, states, t0, *args, **kwargs)
         calls.append((drafts.tolist(), n.tolist()))
         return drafts, n, q
 

@@ -312,7 +312,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def register(sub, add_model_args) -> None:
-    from hamburger.cli import add_quantize_args
+    from hamburger.cli import add_lookup_arg, add_quantize_args
 
     p = sub.add_parser("bench", help="decode speed, TTFT, KV entries and memory against HF generate, prompt lookup, "
                        "INT8 speculative decoding and the base in the same engine")
@@ -329,6 +329,7 @@ def register(sub, add_model_args) -> None:
                    help="hamburger_verify drafts only in batches of at most N rows; beyond, its steps are plain base "
                         f"steps. 'auto' (default): {DRAFT_ROWS} on a GPU and with fp16 weights on a CPU, 0 with float "
                         "weights on a CPU (measured on 2 cores); 'all': at every batch size")
+    add_lookup_arg(p)
     p.add_argument("--runs", type=int, default=3, help="timed runs per system (the median is reported)")
     p.add_argument("--compile", action="store_true", help="torch.compile the fast engine's base step")
     add_quantize_args(p, many=True)

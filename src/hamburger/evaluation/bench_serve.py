@@ -168,6 +168,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
 
 
 def register(sub, add_model_args) -> None:
+    from hamburger.cli import add_lookup_arg  # noqa: PLC0415 - the CLI imports this module
+
     p = sub.add_parser("bench-serve", help="load benchmark of the server: req/s, tokens/s, TTFT and TPOT percentiles")
     add_model_args(p)
     from hamburger.serving.server import add_decode_threads_arg
@@ -182,6 +184,7 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-len", type=int, default=1024, help="KV entries per batch row of the in-process server")
     p.add_argument("--confidence", type=float, default=None, help="sent with each request (default: the server's)")
+    add_lookup_arg(p)
     p.add_argument("--modes", default="trust", help="comma list of trust,verify,compress: each model served in each mode")
     p.add_argument("--sets", default="chat,code,math", help="built-in prompt sets (hamburger.evaluation.bench)")
     p.add_argument("--json", default=None, help="write the rows here")

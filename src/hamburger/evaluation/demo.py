@@ -106,9 +106,14 @@ def side_by_side(console: Console, prompt: str, messages: list[dict], engines: d
                                                                             confidence=1.0)),
                 tokenizer, len(ids), colour_steps=False)
     title = f"HAMburger{'' if mode == 'trust' else ' ' + mode} @ {confidence:g}"
+    lookup = getattr(ham_engine, "lookup", 0) if mode != "trust" else 0
+    if lookup:
+        title += " + lookup"
     legend = ("base: one token per forward. " + title + {
         "verify": " (exactly the base's text)", "compress": " (checked against a base whose past steps are merged)",
-    }.get(mode, "") + ": coloured runs of text came from one forward.")
+    }.get(mode, "") + ": coloured runs of text came from one forward."
+        + (" Drafts come from the micro-step decoder, or, where the last tokens occurred before, from what "
+           "followed them there." if lookup else ""))
     ham = Lane(title, iter(ham_engine.stream([ids], max_new_tokens=max_new_tokens, confidence=confidence, mode=mode)),
                tokenizer, len(ids), colour_steps=True, unmerged=mode == "verify")
     with Live(render(prompt, [base, ham], legend=legend), console=console, refresh_per_second=8) as live:

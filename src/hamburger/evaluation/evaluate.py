@@ -324,6 +324,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def register(sub, add_model_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """Add `hamburger eval` to the CLI's subparsers."""
+    from hamburger.cli import add_lookup_arg  # noqa: PLC0415 - the CLI imports this module
+
     parser = sub.add_parser("eval", help="task quality and fidelity to the base: HumanEval, GSM, chat, your prompts")
     add_model_args(parser)
     parser.add_argument("--tasks", default=None, help=f"comma list from {','.join(TASKS)} "
@@ -332,6 +334,7 @@ def register(sub, add_model_args: Callable[[argparse.ArgumentParser], None]) -> 
                         help="one confidence or a comma sweep, e.g. 0.5,0.6,0.7,0.8,0.9 (default: the checkpoint's)")
     parser.add_argument("--mode", default="trust", help="trust (the confidence sweep), verify (lossless drafts "
                         "checked by the base, at the checkpoint's verify confidence), or trust,verify")
+    add_lookup_arg(parser)
     parser.add_argument("--limit", type=int, default=None, help="items per task (a seeded random subset)")
     parser.add_argument("--max-new-tokens", type=int, default=None,
                         help="per reply; default " + ", ".join(f"{t} {n}" for t, n in MAX_NEW_TOKENS.items()))

@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 # pick(h, active, micro) -> (n,) token ids: `h` (n, d) the states that predict them, `active` (n,) the rows
 # whose token is used (samplers draw only for those), `micro` whether h comes from the micro-step decoder.
 Pick = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
+# lookup(tok, rows, room) -> (drafts (n, K-1), counts (n,)): after token 0 `tok` (n,), drafts from elsewhere than the
+# micro-step decoder (`lookup.py`) for the rows that may draft (`rows` (n,)), at most `room` (n,) each (0: none).
+LookupFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 @dataclass
@@ -104,14 +107,15 @@ class Limits:
 
 def macro_step(engine: Engine, states: list[torch.Tensor], live: torch.Tensor, gen_len: torch.Tensor, limits: Limits,
                pick: Pick, cache: KVCache | None, forced_len: torch.Tensor | None = None,
-               context: MicroContext | None = None):
+               context: MicroContext | None = None, lookup: LookupFn | None = None):
     """One macro-step over n rows: token 0 from the base's head, then micro-steps while any live row's step goes on.
 
     `states`: [final normed state, feature_1..feature_m] of the last base pass, each (n, d). `live` (n,): the
     rows that decode (the others are computed but emit nothing). `gen_len` (n,): tokens generated so far, updated
     in place. `cache`: the micro-step decoder's cache for the n rows. `forced_len` (n,): where > 0, the step
     takes that many tokens whatever the stop head says (EOS and the budget still end it). `context`: what a
-    micro-step decoder with context reads of the base (`micro_context`).
+    micro-step decoder with context reads of the base (`micro_context`). `lookup`: verify and compress rows'
+    lookup drafts; a row that gets some takes them as its micro tokens and runs no micro-step.
 
     Returns the step's tokens (n, K), their number (n,) (0 on rows not live) and the rows that ended.
     The one host sync per micro-step is `go_on.any()`; nothing per token.
@@ -127,6 +131,14 @@ def macro_step(engine: Engine, states: list[torch.Tensor], live: torch.Tensor, g
     go_on = live & ~ended
     if k == 1:
         return step_tok, step_len, ended
+    if lookup is not None:
+        room = (torch.as_tensor(limits.max_new, device=gen_len.device) - gen_len).clamp(0, k - 1) * go_on
+        drafts, n = lookup(tok, go_on, room)
+        n = torch.minimum(n, room)
+        step_tok[:, 1:] = torch.where(n[:, None] > torch.arange(k - 1, device=n.device), drafts, step_tok[:, 1:])
+        step_len += n
+        gen_len += n
+        go_on &= n == 0
     reach = torch.ones(h0.shape[0], device=h0.device)  # the stop head's P(every token of the step so far is right)
     go_on &= _goes_on(model.stop_logits(h0, limits.path), step_len, forced_len, limits, reach)
     run = MicroRun(engine, feats, cache, context)

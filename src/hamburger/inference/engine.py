@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from hamburger.errors import HamburgerError
 from hamburger.inference.core import Limits, MicroContext, macro_step, micro_context
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
+from hamburger.inference.lookup import check_lookup
 from hamburger.inference.qlinear import Fp16Linear, Fp16Weights
 from hamburger.inference.reference import (
     Generation,
@@ -110,12 +111,15 @@ class Engine:
     """Static-cache decoding of a `HamburgerModel` (or of its plain base with `max_step_tokens` 1)."""
 
     def __init__(self, model: HamburgerModel, compile: bool = False, shortlist: bool = True,
-                 draft_rows: int | str | None = "auto") -> None:
+                 draft_rows: int | str | None = "auto", lookup: int | None = None) -> None:
         """`draft_rows`: verify mode drafts only in batches of at most this many rows (None: always; 0: never;
         "auto": `config.DRAFT_ROWS` where a pass of a few positions costs about one of one position, else 0; see
-        `auto_draft_rows`). Compress mode always drafts: its steps are what it merges."""
+        `auto_draft_rows`). Compress mode always drafts: its steps are what it merges. `lookup`: verify and
+        compress mode also draft by lookup (`lookup.py`) where a row's last `lookup` or more tokens occurred
+        before (0: never; None: the checkpoint's `lookup`)."""
         check_supported(model)
         self.model = model
+        self.lookup = check_lookup(model.config.lookup if lookup is None else lookup)
         self.draft_rows = auto_draft_rows(model) if check_draft_rows(draft_rows) == "auto" else draft_rows
         # Micro-steps choose among the checkpoint's shortlist (if it has one): a head of |shortlist| rows
         # instead of the whole vocabulary. Token 0 of every step always uses the full head.
@@ -334,7 +338,7 @@ class ReferenceEngine:
 
 
 def make_engine(model: HamburgerModel, kind: str = "auto", compile: bool = False,
-                draft_rows: int | str | None = "auto") -> Engine | ReferenceEngine:
+                draft_rows: int | str | None = "auto", lookup: int | None = None) -> Engine | ReferenceEngine:
     """`fast` (static caches, Llama-style decoders), `reference` (any model), or `auto`: fast where supported.
     `draft_rows`: see `Engine`."""
     if kind not in ENGINES:
@@ -342,4 +346,4 @@ def make_engine(model: HamburgerModel, kind: str = "auto", compile: bool = False
     supported = getattr(model.base.config, "model_type", "") in SUPPORTED
     if kind == "reference" or (kind == "auto" and not supported):
         return ReferenceEngine(model)
-    return Engine(model, compile=compile, draft_rows=draft_rows)
+    return Engine(model, compile=compile, draft_rows=draft_rows, lookup=lookup)

@@ -33,6 +33,7 @@ from hamburger.errors import HamburgerError
 from hamburger.inference.core import Limits, macro_step, micro_context
 from hamburger.inference.engine import Engine, check_merger
 from hamburger.inference.kv import CacheView, KVCache, SlotWrites
+from hamburger.inference.lookup import Lookup, NgramIndex
 from hamburger.inference.reference import eos_ids
 from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
@@ -74,6 +75,7 @@ class Request:
     rng: torch.Generator | None = None
     warpers: object = None
     window_steps: list = field(default_factory=list)  # compress mode: its steps not merged yet (`verify.Window`)
+    index: NgramIndex | None = None  # verify and compress mode with lookup drafts: its prompt and output, indexed
 
 
 DECODE_THREADS_ROWS = 16  # decode passes of at most this many rows run on `decode_threads`
@@ -119,6 +121,7 @@ class Scheduler:
         # compress rows: tokens merged into each cache entry (0: an ordinary entry), for the merger's attention bias
         self.merged_len = torch.zeros(rows, self.max_len + self.k, dtype=torch.long, device=dev)
         self.n_drafts = zeros()  # verify rows: drafts step_tok[1 : 1 + n] wait for the next base pass to check them
+        self.n_lookup = zeros()  # of which from lookup (the row ran no micro-step)
         self.pending: list[list[int]] = [[] for _ in range(rows)]  # drafts a verify pass kept, reported this step
         self.ended_early = [False] * rows  # a kept draft ended the request (EOS) before this step's macro-step
         self.next_t0 = torch.full((rows,), -1, dtype=torch.long, device=dev)  # sampled verify: the accepted token 0
@@ -245,7 +248,7 @@ class Scheduler:
                 cache[:, free, :, :used] = cache[:, src, :, :used]
             for tensor in (self.states, self.step_tok, self.step_len, self.cache_len, self.gen_len, self.prompt_len,
                            self.max_new, self.confidence, self.live, self.verify, self.compress, self.n_drafts,
-                           self.next_t0, self.eos, self.merged_len, *([self.q] if self.q is not None else [])):
+                           self.n_lookup, self.next_t0, self.eos, self.merged_len, *([self.q] if self.q is not None else [])):
                 tensor[free] = tensor[src]
             self.rows[free], self.rows[src], req.row = req, None, free
             self.live[src] = False
@@ -326,17 +329,24 @@ class Scheduler:
                 if req is not None and req.mode == "compress":
                     req.stats.window_entries = sum(m - 1 for _, m, _ in req.window_steps)
         kept, tokens, rows_l = at.tolist(), self.step_tok[:n].tolist(), rows.tolist()
+        looked = self.n_lookup[:n].tolist()
         added = [0] * n
         for i in rows_l:
             req = self.rows[i]
+            if looked[i]:
+                req.stats.lookup_drafts += looked[i]
+                req.stats.lookup_kept += kept[i]
             new = tokens[i][1 : 1 + kept[i]]
             new = new[: next((j + 1 for j, t in enumerate(new) if t in req.eos), len(new))]  # cut after EOS
             self.pending[i], added[i] = new, len(new)
+            if req.index is not None:  # before this step's lookup, which follows them
+                req.index.extend(new)
             if new and new[-1] in req.eos:
                 self.ended_early[i] = True
         self.gen_len[:n] += torch.tensor(added, device=dev)
         self.live[:n] &= ~torch.tensor(self.ended_early[:n], device=dev)
         self.n_drafts[:n] = 0
+        self.n_lookup[:n] = 0
 
     def _admit(self) -> None:
         """Fill free rows from the queue, FIFO. By default every free row is filled now, the prompts prefilled
@@ -394,13 +404,16 @@ class Scheduler:
             for tensor, value in ((self.cache_len, p), (self.prompt_len, p), (self.gen_len, 0),
                                   (self.max_new, req.max_new_tokens), (self.confidence, req.confidence),
                                   (self.live, True), (self.verify, req.mode in CHECKED),
-                                  (self.compress, req.mode == "compress"), (self.n_drafts, 0), (self.next_t0, -1)):
+                                  (self.compress, req.mode == "compress"), (self.n_drafts, 0), (self.n_lookup, 0),
+                                  (self.next_t0, -1)):
                 tensor[row] = value
             self.merged_len[row] = 0
             self._set_eos(row, req.eos)
             req.stats = GenerationStats(sequences=1, prompt_tokens=p, base_forwards=1, row_forwards=1,
                                         unmerged=req.mode == "verify")
             req.rng, req.warpers = req.sampling.generator(dev), req.sampling.warpers()
+            if req.mode in CHECKED and self.engine.lookup:
+                req.index = NgramIndex(req.prompt, self.engine.lookup)
 
     def _set_eos(self, row: int, ids: set[int]) -> None:
         if len(ids) > self.eos.shape[1]:
@@ -436,11 +449,16 @@ class Scheduler:
         return self.engine.vocab[tok] if shortlist else tok
 
     def _keep_draft_distribution(self, row: int, probs: torch.Tensor) -> None:
+        """A micro draft's distribution (over the shortlist, where the engine has one)."""
+        vocab = self.model.base.config.vocab_size
+        full = probs if self.engine.vocab is None else torch.zeros(vocab, device=probs.device).index_copy_(
+            0, self.engine.vocab, probs)
+        self._keep_full_distribution(row, full)
+
+    def _keep_full_distribution(self, row: int, full: torch.Tensor) -> None:
         if self.q is None:
             vocab = self.model.base.config.vocab_size
-            self.q = torch.zeros(len(self.rows), max(self.k - 1, 1), vocab, device=probs.device)
-        full = probs if self.engine.vocab is None else torch.zeros_like(self.q[row, 0]).index_copy_(
-            0, self.engine.vocab, probs)
+            self.q = torch.zeros(len(self.rows), max(self.k - 1, 1), vocab, device=full.device)
         self.q[row, self._depth - 1] = full
 
     def _macro_step(self) -> list[RequestEvent]:
@@ -450,14 +468,19 @@ class Scheduler:
         n = self._span()
         live, verify = self.live[:n].clone(), self.verify[:n]
         confidence = self.confidence[:n]
-        if self.engine.draft_rows is not None and n > self.engine.draft_rows:  # too many rows for drafts to pay
+        few = self.engine.draft_rows is None or n <= self.engine.draft_rows
+        if not few:  # too many rows for drafts to pay
             confidence = torch.where(verify & ~self.compress[:n], 1.0, confidence)  # 1.0: no drafts
+        # Lookup drafts for the checked rows that draft now (compress rows always do), from their own histories.
+        indexes = [r.index if r is not None and (few or r.mode == "compress") else None for r in self.rows[:n]]
+        lookup = self._lookup(indexes) if any(i is not None for i in indexes) else None
         limits = Limits(self.eos[:n], self.max_new[:n] - verify.long(), confidence, path=verify)
         micro_cache = CacheView(self.micro_cache, slice(0, n)) if self.k > 1 else None
         ctx = micro_context(self.engine, CacheView(self.cache, slice(0, n)), self.cache_len[:n],
                             self.prompt_len[:n] + self.gen_len[:n] - 1)  # the state each row's step starts from
         step_tok, step_len, ended = macro_step(self.engine, list(self.states[:n].unbind(1)), live,
-                                               self.gen_len[:n], limits, self._pick, micro_cache, context=ctx)
+                                               self.gen_len[:n], limits, self._pick, micro_cache, context=ctx,
+                                               lookup=lookup)
         drafts = torch.zeros_like(step_len)
         if any(r is not None and r.mode in CHECKED for r in self.rows[:n]):
             v = verify & live
@@ -470,12 +493,35 @@ class Scheduler:
         self.step_tok[:n], self.step_len[:n] = step_tok, step_len
         return self._report(step_tok.tolist(), step_len.tolist(), ended.tolist(), drafts.tolist())  # one transfer
 
+    def _lookup(self, indexes: list[NgramIndex | None]):
+        """`macro_step`'s lookup over the running rows; a sampled row's lookup drafts are draws from point masses
+        (kept as its draft distributions for the next acceptance)."""
+        find = Lookup(indexes, self.k - 1, indexed_token0=False)
+
+        def fn(tok: torch.Tensor, rows: torch.Tensor, room: torch.Tensor):
+            drafts, counts = find(tok, rows, room)
+            self.n_lookup[: len(counts)] = counts
+            for i, (c, d) in enumerate(zip(counts.tolist(), drafts.tolist())):
+                req = self.rows[i]
+                if c and not req.sampling.greedy:
+                    for j in range(c):
+                        self._depth = j + 1
+                        point = torch.zeros(self.model.base.config.vocab_size, device=tok.device)
+                        point[d[j]] = 1.0
+                        self._keep_full_distribution(i, point)
+            self._depth = 0
+            return drafts, counts
+
+        return fn
+
     def _report(self, rows: list[list[int]], lens: list[int], ended: list[bool], drafts: list[int]) -> list[RequestEvent]:
         now, events = time.perf_counter(), []
         for i, req in enumerate(self.rows[: len(rows)]):
             if req is None:
                 continue
             new = self.pending[i] + rows[i][: lens[i]]  # a verify row: the drafts its pass kept, then token 0
+            if req.index is not None:  # (the kept drafts went in when the pass kept them)
+                req.index.extend(rows[i][: lens[i]])
             done = ended[i] or self.ended_early[i]
             self.pending[i], self.ended_early[i] = [], False
             req.tokens += new

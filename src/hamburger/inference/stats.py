@@ -14,7 +14,9 @@ class GenerationStats:
       mode a step is what one base forward emitted (its accepted drafts and the base's own next token), and
       every token keeps its own KV entry (`unmerged`).
     - micro_steps: tokens produced by the micro-step decoder and kept (= generated_tokens - macro_steps).
-    - drafted_tokens: verify mode: tokens the micro-step decoder proposed to the base (kept or not).
+    - drafted_tokens: verify mode: tokens proposed to the base (kept or not).
+    - lookup_drafts, lookup_kept: verify and compress mode: the drafted tokens that came from lookup (`lookup.py`)
+      instead of the micro-step decoder, and how many of them the base kept (both part of the above).
     - base_forwards: forward passes of the base model (the prefill counts as one; a batch counts once).
     - row_forwards: the same summed over the sequences each pass computed for (a batch pass counts once per
       sequence still generating), so tokens per forward is a per-sequence figure at any batch size.
@@ -31,6 +33,8 @@ class GenerationStats:
     macro_steps: int = 0
     micro_steps: int = 0
     drafted_tokens: int = 0
+    lookup_drafts: int = 0
+    lookup_kept: int = 0
     base_forwards: int = 0
     row_forwards: int = 0
     prefill_s: float = 0.0

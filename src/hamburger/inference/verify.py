@@ -25,6 +25,7 @@ import torch
 
 from hamburger.inference.core import Limits, MicroContext, macro_step, micro_context
 from hamburger.inference.kv import KVCache, RowSlots
+from hamburger.inference.lookup import Lookup, NgramIndex
 from hamburger.inference.reference import StepEvent
 from hamburger.inference.sampling import SamplingParams
 
@@ -66,14 +67,18 @@ def accept_sampled(drafts: torch.Tensor, n_drafts: torch.Tensor, q: torch.Tensor
 
 
 def draft(engine: Engine, states: list[torch.Tensor], t0: torch.Tensor, limit: torch.Tensor, confidence: float,
-          sampling: SamplingParams, rng, warpers, cache: KVCache, context: MicroContext | None = None):
+          sampling: SamplingParams, rng, warpers, cache: KVCache, context: MicroContext | None = None,
+          lookup: Lookup | None = None):
     """Up to min(K-1, limit) drafts per row from the micro-step decoder: `core.macro_step` with token 0 given
-    (the base's own) and the micro tokens read as drafts (no EOS ends a draft; the base decides).
+    (the base's own) and the micro tokens read as drafts (no EOS ends a draft; the base decides). With `lookup`,
+    a row whose history offers lookup drafts takes those instead (no micro-step for it).
 
     Returns drafts (B, D), their number (B,) and, when sampling, the distributions they were drawn from
-    (B, D, V) (None when greedy). D is the most any row drafted (0 when none did).
+    (B, D, V) (None when greedy; a lookup draft's is a point mass). D is the most any row drafted (0 when none did).
     """
     qs = []
+    if lookup is not None:
+        lookup.counts = None
 
     def pick(h: torch.Tensor, active: torch.Tensor, micro: bool) -> torch.Tensor:
         if not micro:
@@ -88,10 +93,22 @@ def draft(engine: Engine, states: list[torch.Tensor], t0: torch.Tensor, limit: t
     gen_len = torch.zeros(bsz, dtype=torch.long, device=t0.device)
     # t0 + at most `limit` drafts, each only while P(every draft so far is kept) > confidence
     limits = Limits(torch.full((1, 1), -1, device=t0.device), limit + 1, confidence, path=True)
-    step_tok, step_len, _ = macro_step(engine, states, live, gen_len, limits, pick, cache, context=context)
+    step_tok, step_len, _ = macro_step(engine, states, live, gen_len, limits, pick, cache, context=context,
+                                       lookup=lookup)
     n = step_len - 1
     d = int(n.max()) if bsz else 0
-    return step_tok[:, 1 : 1 + d], n, torch.stack(qs, 1)[:, :d] if qs else None
+    drafts = step_tok[:, 1 : 1 + d]
+    if sampling.greedy or d == 0:
+        return drafts, n, None
+    vocab = engine.model.base.config.vocab_size
+    q = torch.zeros(bsz, d, vocab, device=t0.device)
+    if qs:
+        q[:, : len(qs)] = torch.stack(qs, 1)[:, :d]
+    if lookup is not None and lookup.counts is not None:  # a lookup draft is a draw from a point mass on it
+        from_lookup = (lookup.counts > 0)[:, None] & (torch.arange(d, device=t0.device)[None] < n[:, None])
+        point = torch.zeros_like(q).scatter_(2, drafts[..., None], 1.0)
+        q = torch.where(from_lookup[..., None], point, q)
+    return drafts, n, q
 
 
 def draw(engine: Engine, h: torch.Tensor, sampling: SamplingParams, rng, warpers):
@@ -135,11 +152,16 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
     gen.stats.prefill_s = time.perf_counter() - start_t
     done = [False] * bsz
     new = [[t] for t in t0.tolist()]
+    # Lookup drafts (the checkpoint's `lookup`, or the engine's): each row's prompt and output so far, indexed.
+    indexes = [NgramIndex(p, engine.lookup) for p in gen.prompts] if engine.lookup else None
+    lookup = Lookup(indexes, k - 1) if indexes is not None else None
     cache_len = torch.full((bsz,), width, device=dev)  # entries in use per row: t0 of the coming pass goes here
     next_pos = lengths.clone()  # position id of t0
     for step in range(gen.max_new_tokens):
         for b, toks in enumerate(new):
             done[b] = done[b] or record(gen, b, toks, eos)
+            if indexes is not None:
+                indexes[b].extend(toks)
         gen.stats.macro_steps = sum(map(len, gen.steps))
         gen.stats.generated_tokens = sum(map(len, gen.tokens))
         gen.stats.micro_steps = gen.stats.generated_tokens - gen.stats.macro_steps
@@ -154,10 +176,13 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
         if k > 1 and (merger is not None or engine.draft_rows is None or bsz <= engine.draft_rows):
             ctx = micro_context(engine, cache, cache_len, next_pos - 1, valid)  # next_pos - 1: t0's state
             drafts, n_drafts, q = draft(engine, states, t0, left, gen.confidence, gen.sampling, rng, warpers,
-                                        micro_cache, ctx)
+                                        micro_cache, ctx, lookup=lookup)
         else:
             drafts, n_drafts, q = torch.zeros(bsz, 0, dtype=torch.long, device=dev), left * 0, None
         gen.stats.drafted_tokens += int(n_drafts.sum())
+        looked = lookup.counts if lookup is not None and lookup.counts is not None and drafts.shape[1] else None
+        if looked is not None:
+            lookup.counts = None
         tokens = torch.cat([t0[:, None], drafts], 1)
         compress = alive if merger is not None else torch.zeros_like(alive)
         states = check_pass(engine, model.embed(tokens), next_pos, cache_len, cache, visible=valid,
@@ -170,6 +195,9 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
         else:
             p = torch.softmax(warpers(None, logits.flatten(0, 1).float()), -1).view(*logits.shape[:2], -1)
             kept, t0 = accept_sampled(drafts, n_drafts, q if q is not None else p[:, :0], p, rng)
+        if looked is not None:
+            gen.stats.lookup_drafts += int(looked.sum())
+            gen.stats.lookup_kept += int(torch.where(looked > 0, kept, 0).sum())
         # A row that ended before this pass stays where it is: it is still computed (the batch is rectangular)
         # but writes over its own unused slots, so the cache never grows past its last live entry.
         if window is not None:

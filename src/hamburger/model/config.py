@@ -43,6 +43,10 @@ class HamburgerConfig:
     # behind the newest token, then becomes one merged entry (0 or 1: merged at once). The base then reads its
     # recent past exactly and only the older past compressed.
     merge_window: int = 0
+    # Verify and compress mode: where a row's last `lookup` or more tokens (up to 3) occurred before in its prompt
+    # or output, the tokens that followed them there are its drafts, instead of the micro-step decoder's (no
+    # micro-step spent; the base checks them like any draft). 0: micro-step drafts only.
+    lookup: int = 0
     base_in_checkpoint: bool = False  # the checkpoint also carries (fine-tuned) base weights
     lora_rank: int = 0  # > 0: LoRA adapters on the base's attention projections (trained, shipped, mergeable)
     lora_alpha: float = 32.0
@@ -64,6 +68,7 @@ class HamburgerConfig:
         check_mode(self.default_mode)
         if isinstance(self.merge_window, bool) or not isinstance(self.merge_window, int) or self.merge_window < 0:
             raise HamburgerError(f"merge_window must be an int >= 0, got {self.merge_window!r}")
+        check_lookup(self.lookup)
 
     def resolve(self, num_base_layers: int, hidden_size: int) -> HamburgerConfig:
         """Fill the fields that depend on the base: evenly spaced feature layers ending at the final output."""
@@ -128,6 +133,18 @@ def check_draft_rows(rows: int | str | None) -> int | str | None:
     if rows != "auto" and rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 0):
         raise HamburgerError(f"draft_rows must be an int >= 0, 'auto' or None (draft at any batch size), got {rows!r}")
     return rows
+
+
+# Lookup drafts match n-grams of at most this many tokens (the longest first); `lookup` is the shortest.
+LOOKUP_MAX_NGRAM = 3
+
+
+def check_lookup(ngram: int) -> int:
+    """`lookup` setting: 0 (off) or the shortest n-gram a lookup draft needs (1..LOOKUP_MAX_NGRAM)."""
+    if isinstance(ngram, bool) or not isinstance(ngram, int) or not 0 <= ngram <= LOOKUP_MAX_NGRAM:
+        raise HamburgerError(f"lookup must be 0 (off) or the shortest n-gram to match, 1..{LOOKUP_MAX_NGRAM}; "
+                             f"got {ngram!r}")
+    return ngram
 
 
 def check_mode(mode: str) -> str:

@@ -268,6 +268,8 @@ def add_decode_threads_arg(p) -> None:
 
 
 def register(sub, add_model_args) -> None:
+    from hamburger.cli import add_lookup_arg  # noqa: PLC0415 - the CLI imports this module
+
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming and continuous batching")
     add_model_args(p)
     p.add_argument("--host", default="127.0.0.1")
@@ -283,6 +285,7 @@ def register(sub, add_model_args) -> None:
                    help="prefill one pass of waiting prompts per step (oldest first) between macro-steps, so running "
                         "requests never wait for a whole burst's prefill")
     add_decode_threads_arg(p)
+    add_lookup_arg(p)
     p.add_argument("--draft-rows", type=parse_draft_rows, default="auto", metavar="N",
                    help="verify-mode requests draft only while at most N requests run; beyond, their steps are plain "
                         f"base steps, their output the same. 'auto' (default): {DRAFT_ROWS} on a GPU and with fp16 "

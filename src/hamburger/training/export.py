@@ -13,7 +13,7 @@ import torch
 
 from hamburger.errors import HamburgerError
 from hamburger.inference.reference import eos_ids
-from hamburger.model.config import check_confidence, check_mode
+from hamburger.model.config import check_confidence, check_lookup, check_mode
 from hamburger.model.hamburger_model import (
     HamburgerModel,
 )
@@ -53,6 +53,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         model.config.default_confidence = check_confidence(args.default_confidence)
     if args.verify_confidence is not None:
         model.config.verify_confidence = check_confidence(args.verify_confidence)
+    if args.lookup is not None:
+        model.config.lookup = check_lookup(args.lookup)
     if args.merge_window is not None:
         if args.merge_window < 0:
             raise HamburgerError(f"--merge-window must be >= 0, got {args.merge_window}")

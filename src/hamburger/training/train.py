@@ -364,6 +364,8 @@ def register(sub, add_model_args) -> None:
                    "of `benchmarks/verify_ab.py`)")
     e.add_argument("--merge-window", type=int, default=None, metavar="W",
                    help="compress mode keeps the latest W positions' steps unmerged (0: merge each step at once)")
+    e.add_argument("--lookup", type=int, default=None, metavar="N",
+                   help="verify and compress mode draft by lookup where the last N..3 tokens occurred before (0: off)")
     e.add_argument("--default-mode", choices=("trust", "verify", "compress"), default=None,
                    help="the mode generate, demo and the server use when none is asked for (bench and eval: "
                    "the rule in docs/RESULTS.md, the fastest mode within the quality bar)")

@@ -1,0 +1,207 @@
+"""Lookup drafts: verify and compress rows draft what followed their last tokens earlier, without a micro-step;
+the base still checks every draft, so verify mode stays exactly the base's output."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from conftest import PAD, base_greedy, exact_marginals, hamburger, random_merger, tv
+from hamburger import HamburgerError, SamplingParams
+from hamburger.cli import main
+from hamburger.inference import verify as verify_mod
+from hamburger.inference.core import Limits, macro_step
+from hamburger.inference.engine import Engine
+from hamburger.inference.kv import KVCache
+from hamburger.inference.lookup import Lookup, NgramIndex
+from hamburger.inference.scheduler import Scheduler
+from hamburger.model.config import HamburgerConfig
+
+# Prompts that repeat themselves, so lookups find matches; and one that does not.
+PROMPTS = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [40, 41, 42, 40, 41], [7, 90, 23, 23, 51]]
+
+
+# --- the index, no model ---------------------------------------------------------------------------------------
+
+def test_the_index_drafts_what_followed_the_latest_longest_match():
+    index = NgramIndex([1, 2, 3, 9, 1, 2, 4, 7, 3, 1, 2], min_ngram=1, max_ngram=3)
+    assert index.draft(3) == [4, 7, 3]  # "1 2" last followed by 4 (the latest occurrence, not the first)
+    index.extend([3])
+    assert index.draft(2) == [9, 1]  # "1 2 3" (3 tokens) beats "2 3"/"3" that follow elsewhere
+    assert index.draft(0) == []
+    assert NgramIndex([1, 2, 3], min_ngram=2).draft(3) == []  # nothing repeats
+    assert NgramIndex([1, 2, 3, 1], min_ngram=2).draft(3) == []  # one token matches, two needed
+    assert NgramIndex([1, 2, 3, 1], min_ngram=1).draft(5) == [2, 3, 1]  # runs up to the end of the history
+
+
+def test_a_tail_is_matched_as_if_it_were_appended():
+    """The scheduler looks up after token 0 before it is reported: the tail counts as the history's end."""
+    rng = random.Random(0)
+    for _ in range(2000):  # few symbols, so repeats and overlapping matches ("7 7 7") are common
+        tokens = [rng.randint(0, 3) for _ in range(rng.randint(0, 12))]
+        tail = [rng.randint(0, 3) for _ in range(rng.randint(0, 2))]
+        low = rng.randint(1, 3)
+        assert NgramIndex(tokens, low).draft(3, tail=tail) == NgramIndex(tokens + tail, low).draft(3), (tokens, tail)
+
+
+def test_bad_settings_are_refused():
+    for bad in (-1, 4, 1.5, True, "2"):
+        with pytest.raises(HamburgerError, match="lookup"):
+            HamburgerConfig(lookup=bad)
+        with pytest.raises(HamburgerError, match="lookup"):
+            Engine(hamburger("llama", k=4), lookup=bad)
+    with pytest.raises(HamburgerError, match="n-gram"):
+        NgramIndex([1], min_ngram=3, max_ngram=2)
+
+
+def test_lookup_rows_take_the_lookup_drafts_and_run_no_micro_step(monkeypatch):
+    """`macro_step` with a lookup: a row with lookup drafts takes them (capped by its room) and only the other
+    rows run micro-steps; when every row has some, the micro-step decoder never runs."""
+    model = hamburger("llama", k=4)
+    engine = Engine(model, draft_rows=None)
+    states = [torch.randn(2, model.base.config.hidden_size) for _ in range(1 + model.micro.num_features)]
+    micro_cache = KVCache.for_layers(model.micro.layers, model.base.config, 2, model.micro.num_features + 4,
+                                     engine.dtype, engine.device)
+    calls = []
+    real = engine._micro
+    monkeypatch.setattr(engine, "_micro", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+    def pick(h, active, micro):
+        return torch.full((h.shape[0],), 3) if not micro else h.argmax(-1) % 90
+
+    for found, micro_runs in (([[11, 12, 13], []], True), ([[11, 12, 13], [21, 22]], False)):
+        calls.clear()
+        drafts = torch.tensor([f + [0] * (3 - len(f)) for f in found])
+
+        def lookup(tok, rows, room, drafts=drafts, found=found):
+            return drafts, torch.tensor([len(f) for f in found])
+
+        limits = Limits(torch.full((1, 1), -1), torch.tensor([3, 10]), 0.0001, path=True)  # row 0: room for 2
+        gen_len = torch.zeros(2, dtype=torch.long)
+        tok, n, _ = macro_step(engine, states, torch.ones(2, dtype=torch.bool), gen_len, limits, pick,
+                               micro_cache, lookup=lookup)
+        assert tok[0, :3].tolist() == [3, 11, 12] and n[0] == 3  # the lookup's drafts, cut to the room
+        if micro_runs:
+            assert len(calls) == 3 and n[1] == 4  # row 1 drafted by micro-steps (confidence ~0: every one)
+        else:
+            assert not calls and tok[1, :3].tolist() == [3, 21, 22] and n[1] == 3
+
+
+# --- verify and compress mode on tiny models ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("lookup", [1, 2])
+def test_verify_with_lookup_equals_the_base_greedy_output(arch, lookup):
+    model = hamburger(arch, k=4)
+    engine = Engine(model, draft_rows=None, lookup=lookup)
+    for confidence in (0.05, 1.0):  # 1.0: lookup drafts only
+        out = engine.generate(PROMPTS, max_new_tokens=24, confidence=confidence, mode="verify")
+        for i, prompt in enumerate(PROMPTS):
+            assert out.tokens[i] == base_greedy(model, prompt, 24), (arch, lookup, confidence, i)
+            alone = engine.generate([prompt], max_new_tokens=24, confidence=confidence, mode="verify")
+            assert alone.tokens[0] == out.tokens[i]
+        s = out.stats
+        assert 0 <= s.lookup_kept <= s.lookup_drafts <= s.drafted_tokens
+        assert s.lookup_drafts > 0 or lookup > 1  # (a random model's outputs rarely repeat two tokens of a prompt)
+        if confidence == 1.0:
+            assert s.lookup_drafts == s.drafted_tokens  # no micro drafts at 1.0
+    off = Engine(model, draft_rows=None, lookup=0).generate(PROMPTS, max_new_tokens=24, confidence=1.0, mode="verify")
+    assert off.stats.drafted_tokens == 0 and off.stats.lookup_drafts == 0
+
+
+def test_the_checkpoints_lookup_is_the_engines_default(tmp_path):
+    model = hamburger("llama", k=4)
+    model.config.lookup = 2
+    assert Engine(model).lookup == 2 and Engine(model, lookup=0).lookup == 0
+
+
+def test_lookup_drafts_are_point_masses_when_sampling(monkeypatch):
+    """A sampled lookup draft is a draw from a point mass: `draft` returns that distribution for acceptance."""
+    model = hamburger("llama", k=4)
+    seen = []
+    real = verify_mod.draft
+
+    def record(*args, **kwargs):
+        drafts, n, q = real(*args, **kwargs)
+        look = kwargs["lookup"]
+        if look is not None and look.counts is not None and int(look.counts.sum()):
+            seen.append((drafts, n, q, look.counts.clone()))
+        return drafts, n, q
+
+    monkeypatch.setattr(verify_mod, "draft", record)
+    Engine(model, draft_rows=None, lookup=1).generate([PROMPTS[0]], max_new_tokens=12, confidence=0.05,
+                                                      sampling=SamplingParams(temperature=1.0, seed=3), mode="verify")
+    assert seen
+    for drafts, n, q, counts in seen:
+        for b in range(drafts.shape[0]):
+            for j in range(int(counts[b])):
+                assert q[b, j, drafts[b, j]] == 1.0 and q[b, j].sum() == 1.0
+
+
+def test_sampled_verify_with_lookup_follows_the_base_distribution():
+    """Seeded: sampled continuations in verify mode with lookup drafts have the base's exact marginals."""
+    torch.manual_seed(0)
+    model = hamburger("llama", k=4)
+    prompt, n = list(range(3, 90, 2)) + list(range(3, 90, 2)), 2000  # most tokens 0 may take have a match
+    exact = exact_marginals(model, prompt, 1.0)
+    engine = Engine(model, draft_rows=None, lookup=1)
+    out = engine.generate([prompt] * n, max_new_tokens=3, confidence=1.0, sampling=SamplingParams(temperature=1.0, seed=5),
+                          mode="verify")
+    assert out.stats.lookup_drafts > 0.5 * n
+    toks = torch.tensor([t + [PAD] * (3 - len(t)) for t in out.tokens])
+    for i, p in enumerate(exact):
+        got = torch.bincount(toks[:, i], minlength=p.numel()).float()
+        noise = 0.5 * sum(math.sqrt(2 * x * (1 - x) / (math.pi * n)) for x in p.tolist())
+        assert tv(got, p) < 2.0 * noise + 0.01, (i, tv(got, p), noise)
+
+
+def test_compress_with_lookup_keeps_one_entry_per_step_and_a_long_window_is_the_base():
+    model = hamburger("llama", k=4)
+    model.attach_merger(random_merger(model.base))
+    engine = Engine(model, lookup=1)
+    out = engine.generate(PROMPTS, max_new_tokens=20, confidence=1.0, mode="compress")
+    s = out.stats
+    assert s.lookup_drafts > 0 and s.kv_entries == s.prompt_tokens + s.macro_steps <= s.kv_entries_base
+    model.config.merge_window = 1000  # nothing merged: compress is verify, exactly the base
+    out = engine.generate(PROMPTS, max_new_tokens=20, confidence=1.0, mode="compress")
+    assert out.tokens == [base_greedy(model, p, 20) for p in PROMPTS] and out.stats.lookup_kept >= 0
+
+
+# --- the scheduler --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["verify", "compress"])
+def test_scheduler_lookup_rows_equal_the_engine_alone(mode):
+    """Verify and compress requests with lookup drafts, staggered beside trust requests, get what the engine gives
+    each alone: the same tokens, the same steps, the same lookup counts."""
+    model = hamburger("llama", k=4)
+    model.attach_merger(random_merger(model.base))
+    model.config.lookup = 1
+    engine, sched = Engine(model, draft_rows=None), Scheduler(model, max_batch_size=2, max_len=64, draft_rows=None)
+    jobs = [(0, PROMPTS[0], 20, mode), (1, PROMPTS[2], 9, "trust"), (2, PROMPTS[1], 16, mode)]
+    ids, out, step = {}, {}, 0
+    while len(ids) < len(jobs) or sched.has_work():
+        for j, (at, prompt, limit, m) in enumerate(jobs):
+            if at == step:
+                ids[sched.submit(prompt, limit, confidence=0.3, mode=m)] = j
+        for ev in sched.step():
+            out.setdefault(ids[ev.id], []).append(ev)
+        step += 1
+    looked = 0
+    for j, (_, prompt, limit, m) in enumerate(jobs):
+        alone = engine.generate([prompt], max_new_tokens=limit, confidence=0.3, mode=m)
+        assert [t for e in out[j] for t in e.tokens] == alone.tokens[0], j
+        assert [len(e.tokens) for e in out[j]] == alone.steps[0], j
+        stats = out[j][-1].stats
+        assert (stats.lookup_drafts, stats.lookup_kept) == (alone.stats.lookup_drafts, alone.stats.lookup_kept)
+        looked += stats.lookup_drafts
+    assert looked > 0
+
+
+def test_cli_refuses_a_bad_lookup(checkpoint, capsys):
+    assert main(["generate", "w5", "--model", str(checkpoint), "--raw", "--lookup", "7"]) == 2
+    err = capsys.readouterr().err
+    assert "lookup" in err and "Traceback" not in err
+    assert main(["generate", "w5", "--model", str(checkpoint), "--raw", "--lookup", "1", "--mode", "verify",
+                 "--max-new-tokens", "6"]) == 0
