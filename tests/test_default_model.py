@@ -120,12 +120,16 @@ def test_verify_mode_on_the_shipped_default_is_the_base():
     if not trained:
         pytest.skip("no trained checkpoint ships in this build")
     prompts = [chat_ids(model.tokenizer, q) for q in QUESTIONS]
-    out = Engine(model, draft_rows=None).generate(prompts, max_new_tokens=40, confidence=0.1, mode="verify")
-    for prompt, tokens in zip(prompts, out.tokens):
-        ids = torch.tensor([prompt])
-        ref = model.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
-        assert tokens == ref[0, len(prompt):].tolist()
-    assert out.stats.drafted_tokens > 0 and out.stats.tokens_per_forward > 1.0
+    assert model.config.lookup == 2  # the shipped default drafts by lookup where it can
+    for lookup in (2, 0):
+        out = Engine(model, draft_rows=None, lookup=lookup).generate(prompts, max_new_tokens=40, confidence=0.1,
+                                                                     mode="verify")
+        for prompt, tokens in zip(prompts, out.tokens):
+            ids = torch.tensor([prompt])
+            ref = model.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+            assert tokens == ref[0, len(prompt):].tolist()
+        assert out.stats.drafted_tokens > 0 and out.stats.tokens_per_forward > 1.0
+        assert (out.stats.lookup_drafts > 0) == (lookup > 0)
 
 
 def test_compress_mode_on_the_shipped_default_follows_the_mergers_reference():
