@@ -135,7 +135,7 @@ def test_verify_mode_on_the_shipped_default_is_the_base():
 def test_compress_mode_on_the_shipped_default_follows_the_mergers_reference():
     """Compress mode on the real model with the shipped merger, batched: every token is the argmax of the
     merger's step-by-step reference over the steps the run closed, and the cache holds one entry per step (with
-    a merge window, plus the latest steps' own entries; the shipped 32 would merge nothing in 24 tokens, so 0
+    a merge window, plus the latest steps' own entries; the shipped 48 would merge nothing in 24 tokens, so 0
     and 8 here)."""
     from hamburger.inference.engine import Engine
     from hamburger.model.hamburger_model import load_model
@@ -145,7 +145,7 @@ def test_compress_mode_on_the_shipped_default_follows_the_mergers_reference():
     if not trained or model.merger is None:
         pytest.skip("no trained checkpoint with a KV merger ships in this build")
     prompts = [chat_ids(model.tokenizer, q) for q in QUESTIONS]
-    assert model.config.merge_window == 32
+    assert model.config.merge_window == 48
     for window in (0, 8):
         model.config.merge_window = window
         out = Engine(model).generate(prompts, max_new_tokens=24, confidence=0.1, mode="compress")
