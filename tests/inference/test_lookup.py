@@ -111,7 +111,7 @@ def test_verify_with_lookup_equals_the_base_greedy_output(arch, lookup):
     assert off.stats.drafted_tokens == 0 and off.stats.lookup_drafts == 0
 
 
-def test_the_checkpoints_lookup_is_the_engines_default(tmp_path):
+def test_the_checkpoints_lookup_is_the_engines_default():
     model = hamburger("llama", k=4)
     model.config.lookup = 2
     assert Engine(model).lookup == 2 and Engine(model, lookup=0).lookup == 0
@@ -166,7 +166,7 @@ def test_compress_with_lookup_keeps_one_entry_per_step_and_a_long_window_is_the_
     assert s.lookup_drafts > 0 and s.kv_entries == s.prompt_tokens + s.macro_steps <= s.kv_entries_base
     model.config.merge_window = 1000  # nothing merged: compress is verify, exactly the base
     out = engine.generate(PROMPTS, max_new_tokens=20, confidence=1.0, mode="compress")
-    assert out.tokens == [base_greedy(model, p, 20) for p in PROMPTS] and out.stats.lookup_kept >= 0
+    assert out.tokens == [base_greedy(model, p, 20) for p in PROMPTS] and out.stats.lookup_drafts > 0
 
 
 # --- the scheduler --------------------------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from hamburger.errors import HamburgerError
 from hamburger.inference.core import Limits, MicroContext, macro_step, micro_context
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
-from hamburger.inference.lookup import check_lookup
 from hamburger.inference.qlinear import Fp16Linear, Fp16Weights
 from hamburger.inference.reference import (
     Generation,
@@ -38,7 +37,7 @@ from hamburger.inference.reference import (
 from hamburger.inference.reference import stream as reference_stream
 from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
-from hamburger.model.config import DRAFT_ROWS, check_confidence, check_draft_rows, check_mode
+from hamburger.model.config import DRAFT_ROWS, check_confidence, check_draft_rows, check_lookup, check_mode
 from hamburger.model.hamburger_model import HamburgerModel
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")

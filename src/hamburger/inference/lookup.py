@@ -20,9 +20,6 @@ import torch
 
 from hamburger.errors import HamburgerError
 from hamburger.model.config import LOOKUP_MAX_NGRAM as MAX_NGRAM
-from hamburger.model.config import check_lookup
-
-__all__ = ["MAX_NGRAM", "Lookup", "NgramIndex", "check_lookup"]
 
 
 class NgramIndex:
@@ -73,7 +70,7 @@ class NgramIndex:
 
 class Lookup:
     """`core.macro_step`'s `lookup` over rows with these indexes (None: a row that never looks up): up to `width`
-    drafts per row. `indexed_token0`: the histories already end with the step's token 0 (the engine records it
+    drafts per row (one index per row of the batch). `indexed_token0`: the histories already end with the step's token 0 (the engine records it
     before drafting); else it is looked up as their tail (the scheduler reports it after the macro-step).
     `counts` (n,): the lookup drafts each row took at the last call (None before one). The one host transfer is
     of token 0, the rows and their room."""
@@ -86,7 +83,7 @@ class Lookup:
         n, width = tok.shape[0], self.width
         drafts, counts = torch.zeros(n, width, dtype=torch.long), torch.zeros(n, dtype=torch.long)
         for b, (t0, on, r) in enumerate(zip(tok.tolist(), rows.tolist(), room.tolist())):
-            index = self.indexes[b] if b < len(self.indexes) else None
+            index = self.indexes[b]
             if index is None or not on or r <= 0:
                 continue
             found = index.draft(min(r, width), tail=() if self.indexed_token0 else (t0,))

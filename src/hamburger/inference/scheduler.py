@@ -76,6 +76,7 @@ class Request:
     warpers: object = None
     window_steps: list = field(default_factory=list)  # compress mode: its steps not merged yet (`verify.Window`)
     index: NgramIndex | None = None  # verify and compress mode with lookup drafts: its prompt and output, indexed
+    looked: int = 0  # lookup drafts of its last macro-step, waiting for the pass that checks them
 
 
 DECODE_THREADS_ROWS = 16  # decode passes of at most this many rows run on `decode_threads`
@@ -121,7 +122,6 @@ class Scheduler:
         # compress rows: tokens merged into each cache entry (0: an ordinary entry), for the merger's attention bias
         self.merged_len = torch.zeros(rows, self.max_len + self.k, dtype=torch.long, device=dev)
         self.n_drafts = zeros()  # verify rows: drafts step_tok[1 : 1 + n] wait for the next base pass to check them
-        self.n_lookup = zeros()  # of which from lookup (the row ran no micro-step)
         self.pending: list[list[int]] = [[] for _ in range(rows)]  # drafts a verify pass kept, reported this step
         self.ended_early = [False] * rows  # a kept draft ended the request (EOS) before this step's macro-step
         self.next_t0 = torch.full((rows,), -1, dtype=torch.long, device=dev)  # sampled verify: the accepted token 0
@@ -248,7 +248,7 @@ class Scheduler:
                 cache[:, free, :, :used] = cache[:, src, :, :used]
             for tensor in (self.states, self.step_tok, self.step_len, self.cache_len, self.gen_len, self.prompt_len,
                            self.max_new, self.confidence, self.live, self.verify, self.compress, self.n_drafts,
-                           self.n_lookup, self.next_t0, self.eos, self.merged_len, *([self.q] if self.q is not None else [])):
+                           self.next_t0, self.eos, self.merged_len, *([self.q] if self.q is not None else [])):
                 tensor[free] = tensor[src]
             self.rows[free], self.rows[src], req.row = req, None, free
             self.live[src] = False
@@ -329,13 +329,13 @@ class Scheduler:
                 if req is not None and req.mode == "compress":
                     req.stats.window_entries = sum(m - 1 for _, m, _ in req.window_steps)
         kept, tokens, rows_l = at.tolist(), self.step_tok[:n].tolist(), rows.tolist()
-        looked = self.n_lookup[:n].tolist()
         added = [0] * n
         for i in rows_l:
             req = self.rows[i]
-            if looked[i]:
-                req.stats.lookup_drafts += looked[i]
+            if req.looked:
+                req.stats.lookup_drafts += req.looked
                 req.stats.lookup_kept += kept[i]
+                req.looked = 0
             new = tokens[i][1 : 1 + kept[i]]
             new = new[: next((j + 1 for j, t in enumerate(new) if t in req.eos), len(new))]  # cut after EOS
             self.pending[i], added[i] = new, len(new)
@@ -346,7 +346,6 @@ class Scheduler:
         self.gen_len[:n] += torch.tensor(added, device=dev)
         self.live[:n] &= ~torch.tensor(self.ended_early[:n], device=dev)
         self.n_drafts[:n] = 0
-        self.n_lookup[:n] = 0
 
     def _admit(self) -> None:
         """Fill free rows from the queue, FIFO. By default every free row is filled now, the prompts prefilled
@@ -404,8 +403,7 @@ class Scheduler:
             for tensor, value in ((self.cache_len, p), (self.prompt_len, p), (self.gen_len, 0),
                                   (self.max_new, req.max_new_tokens), (self.confidence, req.confidence),
                                   (self.live, True), (self.verify, req.mode in CHECKED),
-                                  (self.compress, req.mode == "compress"), (self.n_drafts, 0), (self.n_lookup, 0),
-                                  (self.next_t0, -1)):
+                                  (self.compress, req.mode == "compress"), (self.n_drafts, 0), (self.next_t0, -1)):
                 tensor[row] = value
             self.merged_len[row] = 0
             self._set_eos(row, req.eos)
@@ -500,15 +498,15 @@ class Scheduler:
 
         def fn(tok: torch.Tensor, rows: torch.Tensor, room: torch.Tensor):
             drafts, counts = find(tok, rows, room)
-            self.n_lookup[: len(counts)] = counts
+            vocab = self.model.base.config.vocab_size
             for i, (c, d) in enumerate(zip(counts.tolist(), drafts.tolist())):
                 req = self.rows[i]
+                if c:
+                    req.looked = c
                 if c and not req.sampling.greedy:
                     for j in range(c):
                         self._depth = j + 1
-                        point = torch.zeros(self.model.base.config.vocab_size, device=tok.device)
-                        point[d[j]] = 1.0
-                        self._keep_full_distribution(i, point)
+                        self._keep_full_distribution(i, torch.nn.functional.one_hot(drafts[i, j], vocab).float())
             self._depth = 0
             return drafts, counts
 

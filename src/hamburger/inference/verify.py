@@ -177,12 +177,11 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
             ctx = micro_context(engine, cache, cache_len, next_pos - 1, valid)  # next_pos - 1: t0's state
             drafts, n_drafts, q = draft(engine, states, t0, left, gen.confidence, gen.sampling, rng, warpers,
                                         micro_cache, ctx, lookup=lookup)
+            looked = lookup.counts if lookup is not None else None  # lookup drafts per row (set by this draft)
         else:
             drafts, n_drafts, q = torch.zeros(bsz, 0, dtype=torch.long, device=dev), left * 0, None
+            looked = None
         gen.stats.drafted_tokens += int(n_drafts.sum())
-        looked = lookup.counts if lookup is not None and lookup.counts is not None and drafts.shape[1] else None
-        if looked is not None:
-            lookup.counts = None
         tokens = torch.cat([t0[:, None], drafts], 1)
         compress = alive if merger is not None else torch.zeros_like(alive)
         states = check_pass(engine, model.embed(tokens), next_pos, cache_len, cache, visible=valid,
