@@ -4,12 +4,13 @@ Submits the same N chat prompts (the built-in held-out sets of `hamburger bench-
 `Scheduler` with N rows and steps it until every request has its first token, recording each request's time
 to first token. Two admission policies: "all at once" (every prompt prefilled in the first step, shortest
 first, in passes of at most `prefill_tokens` padded tokens, then one macro-step gives all their first tokens)
-and "interleaved" (the default: one such pass per step, oldest first, each followed by a macro-step over the
-rows running so far). `prefill_tokens=1` prefills each prompt alone. Configurations run interleaved (A, B,
-C, then again); the medians over the repeats are printed, with the prompt tokens the passes computed
-(padding included) against the real ones.
+and "interleaved" (the scheduler's default: one such pass per step, of the shortest waiting prompts, each
+followed by a macro-step over the rows running so far). `prefill_tokens=1` prefills each prompt alone.
+Configurations run interleaved (A, B, C, then again); the medians over the repeats are printed, with the
+prompt tokens the passes computed (padding included) against the real ones. `--quantize fp16`: the weights
+`serve --quantize fp16` decodes with.
 
-    python benchmarks/scheduler_prefill.py --model default --requests 32 --budgets 1,512 --repeats 3
+    python benchmarks/scheduler_prefill.py --model default --requests 32 --budgets 128,256,512 --repeats 3 --quantize fp16
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 import torch
 
 from hamburger.evaluation.bench_systems import bench_messages
+from hamburger.inference.quantize import DEFAULT_SKIP, quantize_model
 from hamburger.inference.scheduler import Scheduler
 from hamburger.model.base import encode_chat
 from hamburger.model.hamburger_model import load_model
@@ -41,12 +43,16 @@ def main() -> None:
     p.add_argument("--sets", default="code,math,chat")
     p.add_argument("--budgets", default="1,1024,4096", help="prefill_tokens values (1 = each prompt alone)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quantize", default="none", choices=["none", "fp16"], help="the server's --quantize")
     args = p.parse_args()
     budgets = [int(b) for b in args.budgets.split(",")]
     if args.requests < 1 or args.repeats < 1 or min(budgets) < 1:
         raise SystemExit("error: --requests, --repeats and every budget must be >= 1")
 
     model, _ = load_model(args.model)
+    model.eval()
+    if args.quantize == "fp16":
+        quantize_model(model, "fp16", skip=DEFAULT_SKIP)
     tok = model.tokenizer
     pool = [m for name in args.sets.split(",") for m in bench_messages(name.strip(), args.requests)]
     prompts = [encode_chat(tok, pool[i % len(pool)]) for i in range(args.requests)]
@@ -70,7 +76,7 @@ def main() -> None:
             ttfts[interleave, budget].append(sorted(first.values()))
             computed[interleave, budget] = sum(widths)
     print(f"{len(prompts)} requests at once, {real} prompt tokens, {args.repeats} repeats, "
-          f"{torch.get_num_threads()} threads, model {args.model}")
+          f"{torch.get_num_threads()} threads, model {args.model} ({args.quantize})")
     print("| admission | prefill_tokens | passes' prompt tokens (padding included) | TTFT p50 (s) | p90 | last |")
     print("| --- | --- | --- | --- | --- | --- |")
     for interleave, budget in configs:

@@ -11,7 +11,7 @@ from conftest import PAD, base_greedy, exact_marginals, greedy_no_eos, hamburger
 from hamburger import HamburgerError, HamburgerModel, SamplingParams
 from hamburger.inference import scheduler as scheduler_module
 from hamburger.inference.engine import Engine
-from hamburger.inference.scheduler import Scheduler
+from hamburger.inference.scheduler import MAX_PASSED, Scheduler
 from hamburger.model.merger import stepwise_forward
 
 PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51], [11], [64, 3, 70, 22], [30, 31, 32, 33, 34, 35]]
@@ -60,8 +60,8 @@ def test_hamburger_multi_token_steps_equal_alone(arch, rows):
 @pytest.mark.parametrize("prefill_tokens", [4096, 12, 1])
 def test_requests_prefilled_together_equal_alone(arch, prefill_tokens, interleave):
     # Six prompts of 7, 2, 5, 1, 4, 6 tokens arrive at once: prefilled right-padded in one pass (4096), in
-    # passes of at most 12 padded tokens, or one by one (1: each alone). Interleaved: one pass per step, oldest
-    # first (7 | 2+5 | 1+4 | 6); otherwise all in the first step, shortest first (1+2+4 | 5+6 | 7).
+    # passes of at most 12 padded tokens, or one by one (1: each alone), shortest first (1+2+4 | 5+6 | 7): all in
+    # the first step, or interleaved, one pass per step.
     model = hamburger(arch, k=4)
     torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
     engine = Engine(model, draft_rows=None)
@@ -70,15 +70,30 @@ def test_requests_prefilled_together_equal_alone(arch, prefill_tokens, interleav
     prefill = sched._prefill
     sched._prefill = lambda reqs, rows: (calls.append(len(reqs)), prefill(reqs, rows))
     out = run_staggered(sched, [(0, p, n) for p, n in zip(PROMPTS, LIMITS)], confidence=0.3)
-    assert sum(calls) == 6 and len(calls) == {4096: 1, 12: 4 if interleave else 3, 1: 6}[prefill_tokens]
-    if interleave and prefill_tokens == 12:
-        assert calls == [1, 2, 2, 1]
+    assert sum(calls) == 6 and len(calls) == {4096: 1, 12: 3, 1: 6}[prefill_tokens]
+    if prefill_tokens == 12:
+        assert calls == [3, 2, 1]
     for j, (prompt, limit) in enumerate(zip(PROMPTS, LIMITS)):
         alone = engine.generate([prompt], max_new_tokens=limit, confidence=0.3)
         assert [t for e in out[j] for t in e.tokens] == alone.tokens[0]
         assert [len(e.tokens) for e in out[j]] == alone.steps[0]
     with pytest.raises(HamburgerError, match="prefill_tokens"):
         Scheduler(model, prefill_tokens=0)
+
+
+def test_interleaved_admission_takes_the_shortest_but_lets_no_prompt_wait_forever():
+    """Interleaved admission, one row and one pass per step: the shortest waiting prompt goes first, but a long
+    one passed over MAX_PASSED times goes next although shorter ones keep arriving."""
+    model = hamburger("llama", k=4)
+    sched = Scheduler(model, max_batch_size=1, max_len=64, draft_rows=None, interleave_prefill=True)
+    order = []
+    prefill = sched._prefill
+    sched._prefill = lambda reqs, rows: (order.extend(len(r.prompt) for r in reqs), prefill(reqs, rows))
+    sched.submit(list(range(2, 12)), 1)  # 10 tokens
+    for _ in range(MAX_PASSED + 3):  # a 2-token prompt arrives every step, each done in its first step
+        sched.submit([3, 4], 1)
+        sched.step()
+    assert order[:MAX_PASSED] == [2] * MAX_PASSED and order[MAX_PASSED] == 10 and order[MAX_PASSED + 1] == 2
 
 
 def test_decode_threads_switch_for_decode_passes_only(monkeypatch):

@@ -470,3 +470,25 @@ def test_decode_threads_default_leaves_the_http_side_a_core():
     assert decode_threads(None, "cuda") is None and decode_threads(None, "meta") is None
     with pytest.raises(HamburgerError, match="--decode-threads must be >= 0"):
         decode_threads(-1, "cpu")
+
+
+@pytest.mark.parametrize("flags, interleave", [([], True), (["--interleave-prefill"], True),
+                                               (["--no-interleave-prefill"], False)])
+def test_serve_interleaves_the_prefill_unless_told_not_to(flags, interleave, monkeypatch):
+    import hamburger.serving.server as server
+    from hamburger.cli import main
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def service(*args, **kwargs):
+        seen["interleave"] = args[8]  # Service(model, name, rows, queue, len, confidence, key, budget, interleave, ..)
+        raise Stop
+
+    monkeypatch.setattr(server, "Service", service)
+    monkeypatch.setattr("hamburger.cli.load_from_args", lambda args: (None, True))
+    with pytest.raises(Stop):
+        main(["serve", *flags])
+    assert seen["interleave"] is interleave

@@ -8,10 +8,10 @@ row adds exactly one KV entry per macro-step. One `step()` call:
 1. feeds the previous macro-step's tokens of the rows still running to the base (one slot each, at the
    RoPE position of the step's last token; a verify or compress row's token 0 and drafts as positions of their
    own, after which a compress row's decided step becomes one merged entry),
-2. prefills newly admitted requests into free rows (right-padded, prompt positions 0..P-1): all of them,
-   shortest first, in passes of at most `prefill_tokens` padded tokens; or, with `interleave_prefill`, only
-   the oldest that fit in one such pass (the rest wait for the next step), 3. runs one macro-step over
-   every live row and reports its tokens.
+2. prefills newly admitted requests into free rows (right-padded, prompt positions 0..P-1): with
+   `interleave_prefill` (the default) one pass of at most `prefill_tokens` padded tokens, of the shortest waiting
+   prompts (the rest wait for the next step); otherwise all of them, shortest first, in such passes,
+3. runs one macro-step over every live row and reports its tokens.
 
 When a request leaves, the highest running ones move down into the freed rows (`_compact`), so every pass
 computes exactly the running rows.
@@ -43,7 +43,7 @@ from hamburger.model.hamburger_model import HamburgerModel
 
 # Padded prompt tokens per prefill pass. Measured on 2 CPU cores, 32 chat prompts at once
 # (benchmarks/scheduler_prefill.py): 256-1024 -> 1.5x faster than one by one; 4096 pads 62 % and is slower.
-PREFILL_TOKENS = 512
+PREFILL_TOKENS = 256
 MODES = ("trust", "verify", "compress")
 CHECKED = ("verify", "compress")  # modes whose micro tokens are drafts that the next base pass checks
 
@@ -77,19 +77,24 @@ class Request:
     window_steps: list = field(default_factory=list)  # compress mode: its steps not merged yet (`verify.Window`)
     index: NgramIndex | None = None  # verify and compress mode with lookup drafts: its prompt and output, indexed
     looked: int = 0  # lookup drafts of its last macro-step, waiting for the pass that checks them
+    passed: int = 0  # interleaved admission: prefill passes it waited through
 
 
+# Interleaved admission takes the shortest waiting prompts first, but a request passed over this many times goes
+# first (no prompt waits forever behind a stream of shorter ones).
+MAX_PASSED = 8
 DECODE_THREADS_ROWS = 16  # decode passes of at most this many rows run on `decode_threads`
 
 
 class Scheduler:
-    """`max_batch_size` rows of `max_len` KV entries each; requests wait in FIFO order for a free row.
+    """`max_batch_size` rows of `max_len` KV entries each; requests wait for a free row.
 
-    Newly admitted requests are prefilled in one base pass per step of at most `prefill_tokens` padded prompt
-    tokens (a longer prompt goes alone), which bounds the pass's memory and the running requests' wait."""
+    Waiting requests are prefilled in one base pass per step of at most `prefill_tokens` padded prompt tokens (a
+    longer prompt goes alone), shortest first, which bounds the pass's memory and the running requests' wait
+    (`interleave_prefill`, the default; measured in docs/server.md)."""
 
     def __init__(self, model: HamburgerModel, max_batch_size: int = 8, max_len: int | None = None,
-                 prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = False,
+                 prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = True,
                  decode_threads: int | None = None, draft_rows: int | str | None = "auto") -> None:
         # checks the architecture; owns the shortlist head and `draft_rows`: verify rows draft only while at most
         # that many requests run (compress rows always draft)
@@ -348,21 +353,28 @@ class Scheduler:
         self.n_drafts[:n] = 0
 
     def _admit(self) -> None:
-        """Fill free rows from the queue, FIFO. By default every free row is filled now, the prompts prefilled
-        shortest first in passes of at most `prefill_tokens` padded tokens, and all get their first token in
-        this step. Interleaved: one pass per step, of the oldest waiting requests that fit in `prefill_tokens`
-        padded tokens (at least one), so running requests wait for one pass per step, not for a whole burst's
-        (measured on 2 cores, benchmarks/scheduler_prefill.py: a burst's TTFT p50 3.8 s against 4.0 s, but p90
-        5.8 s against 4.0 s, from more padding in first-come groups: not the default)."""
+        """Fill free rows from the queue. Interleaved (the default): one pass of at most `prefill_tokens` padded
+        tokens per step, of the shortest waiting prompts (a request passed over `MAX_PASSED` times goes first,
+        oldest first), so each pass's requests get their first token in its step and running requests wait for
+        one pass per step, not for a whole burst (a burst of 32 on 2 cores: TTFT p50 1.44 s against 2.07 s, p90
+        2.33 s against 2.07 s). Otherwise every free row is filled now, FIFO, the prompts prefilled shortest first
+        in such passes, and all get their first token in this step."""
         free = [i for i, r in enumerate(self.rows) if r is None]
         if self.interleave_prefill:
-            group: list[Request] = []
             with self._lock:
-                while self._waiting and len(group) < len(free):
-                    widest = max([len(self._waiting[0].prompt)] + [len(r.prompt) for r in group])
+                overdue = [r for r in self._waiting if r.passed >= MAX_PASSED]
+                order = overdue + sorted((r for r in self._waiting if r.passed < MAX_PASSED),
+                                         key=lambda r: len(r.prompt))
+                group: list[Request] = []
+                for req in order[: len(free)]:
+                    widest = max([len(req.prompt)] + [len(r.prompt) for r in group])
                     if group and widest * (len(group) + 1) > self.prefill_tokens:
                         break
-                    group.append(self._waiting.popleft())
+                    group.append(req)
+                for req in group:
+                    self._waiting.remove(req)
+                for req in self._waiting if group else ():
+                    req.passed += 1
             if group:
                 group.sort(key=lambda r: len(r.prompt))
                 self._prefill(group, free[: len(group)])

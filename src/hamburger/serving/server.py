@@ -279,11 +279,12 @@ def register(sub, add_model_args) -> None:
     p.add_argument("--max-len", type=int, default=None,
                    help=f"KV entries per row (prompt + max_tokens); default: the model's context, at most {DEFAULT_MAX_LEN}")
     p.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
-                   help="newly admitted prompts are prefilled together, shortest first, in passes of at most this many "
-                        "padded tokens (1: each alone)")
-    p.add_argument("--interleave-prefill", action="store_true",
-                   help="prefill one pass of waiting prompts per step (oldest first) between macro-steps, so running "
-                        "requests never wait for a whole burst's prefill")
+                   help="waiting prompts are prefilled together, shortest first, in passes of at most this many padded "
+                        "tokens (1: each alone)")
+    p.add_argument("--interleave-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="one prefill pass per step between macro-steps (default), so a burst's shortest prompts get "
+                        "their first tokens early and running requests never wait for a whole burst's prefill; "
+                        "--no-interleave-prefill: prefill every waiting prompt that has a free row in one step")
     add_decode_threads_arg(p)
     add_lookup_arg(p)
     p.add_argument("--draft-rows", type=parse_draft_rows, default="auto", metavar="N",

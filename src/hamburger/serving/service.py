@@ -81,7 +81,7 @@ class Service:
 
     def __init__(self, model: HamburgerModel, name: str, max_batch_size: int = 8, max_queue: int = 64,
                  max_len: int | None = None, default_confidence: float | None = None, api_key: str | None = None,
-                 prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = False,
+                 prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = True,
                  decode_threads: int | None = None, draft_rows: int | str | None = "auto") -> None:
         self.model, self.tokenizer = model, model.tokenizer
         self.names = list(dict.fromkeys([name, "default"]))
