@@ -4,8 +4,9 @@ A shared machine has slow spells (seen here: the same base at 23 and at 29 token
 `hamburger bench` interleaves its systems run by run (a run: every prompt, ~40 s here); this interleaves
 finer, prompt by prompt: it decodes each of the bench's prompts with the base and then with each verify
 variant, rotating which goes first, `--rounds` times, and reports each system's summed decode time, its ratio
-to the base per round (median and spread) and tokens per base forward. Greedy, batch 1. Every variant must
-give the base's tokens (verify mode is lossless), or the script stops.
+to the base per round (median and spread) and tokens per base forward (per row). Greedy, batch 1 (or
+`--batch-size B`: batches of B prompts take the turns). Every variant must give the base's tokens (verify mode
+is lossless), or the script stops.
 
 Variants (`--variants`, a comma list): `micro` (drafts from the micro-step decoder only: lookup 0), `lookup`
 (drafts by lookup only: the micro-step decoder never runs, confidence 1.0), `both` (lookup drafts where a row's
@@ -13,6 +14,7 @@ last tokens occurred before, micro-step drafts elsewhere); `--lookup N` is the s
 matches.
 
     python benchmarks/verify_ab.py default --quantize fp16 --variants micro,lookup,both --lookup 2    # ~15 min
+    python benchmarks/verify_ab.py default --quantize fp16 --variants micro,lookup --batch-size 16 --rounds 2
 """
 
 from __future__ import annotations
@@ -42,7 +44,11 @@ def main() -> None:
     p.add_argument("--prompts-per-set", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="decode the prompts in batches of this many (cycled to fill the last), a batch per turn")
     a = p.parse_args()
+    if a.batch_size < 1:
+        raise SystemExit("--batch-size must be >= 1")
     variants = [v.strip() for v in a.variants.split(",")]
     if not variants or any(v not in VARIANTS for v in variants):
         raise SystemExit(f"--variants: a comma list from {', '.join(VARIANTS)}, got {a.variants!r}")
@@ -56,36 +62,39 @@ def main() -> None:
     engines = {v: Engine(model, lookup=settings[v][0]) for v in variants}
     sets = [s.strip() for s in a.sets.split(",")]
     prompts = [encode_chat(model.tokenizer, m) for s in sets for m in bench_messages(s, a.prompts_per_set)]
-    runs = {"base": lambda ids: base.generate([ids], max_new_tokens=a.max_new_tokens)}
+    b = a.batch_size
+    cycled = [prompts[i % len(prompts)] for i in range(-(-len(prompts) // b) * b)]
+    units = [cycled[i : i + b] for i in range(0, len(cycled), b)]  # what one turn decodes
+    runs = {"base": lambda batch: base.generate(batch, max_new_tokens=a.max_new_tokens)}
     for v in variants:
-        runs[f"verify ({v})"] = (lambda ids, v=v: engines[v].generate([ids], max_new_tokens=a.max_new_tokens,
-                                                                      mode="verify", confidence=settings[v][1]))
+        runs[f"verify ({v})"] = (lambda batch, v=v: engines[v].generate(batch, max_new_tokens=a.max_new_tokens,
+                                                                        mode="verify", confidence=settings[v][1]))
     names = list(runs)
     ratios = {name: [] for name in names[1:]}
     # decode s, tokens after the first, base forwards after the prefill, drafts, drafts kept, lookup drafts, kept
     totals = {name: [0.0, 0, 0, 0, 0, 0, 0] for name in names}
     with torch.inference_mode():
         for fn in runs.values():
-            fn(prompts[0][:16])  # warm up
+            fn([p[:16] for p in units[0]])  # warm up
         for r in range(a.rounds):
             spent, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
-            for i, ids in enumerate(prompts):
+            for i, batch in enumerate(units):
                 shift = (i + r) % len(names)
                 outs = {}
                 for name in names[shift:] + names[:shift]:
-                    out = outs[name] = runs[name](ids)
+                    out = outs[name] = runs[name](batch)
                     s = out.stats
                     spent[name] += s.decode_s
-                    tokens[name] += s.generated_tokens - 1  # the first comes with the prefill
+                    tokens[name] += s.generated_tokens - len(batch)  # the first comes with the prefill
                     t = totals[name]
-                    t[2] += s.row_forwards - 1
+                    t[2] += s.row_forwards - len(batch)
                     t[3] += s.drafted_tokens
                     t[4] += s.micro_steps
                     t[5] += s.lookup_drafts
                     t[6] += s.lookup_kept
                 for name in names[1:]:
                     if outs[name].tokens != outs["base"].tokens:
-                        raise SystemExit(f"{name} differs from the base on prompt {i}: not lossless")
+                        raise SystemExit(f"{name} differs from the base on batch {i}: not lossless")
             for name in names:
                 totals[name][0] += spent[name]
                 totals[name][1] += tokens[name]
@@ -95,7 +104,7 @@ def main() -> None:
                 line.append(f"{name} {tokens[name] / spent[name]:.1f} tok/s {ratios[name][-1]:.3f}x")
             print(", ".join(line), flush=True)
     print(f"\n{a.model} ({a.quantize}), verify confidence {conf:g}, lookup n-grams {a.lookup}..3, {len(prompts)} "
-          f"prompts ({','.join(sets)}) x {a.rounds} rounds, {a.max_new_tokens} new tokens, batch 1, interleaved:\n")
+          f"prompts ({','.join(sets)}) x {a.rounds} rounds, {a.max_new_tokens} new tokens, batch {b}, interleaved:\n")
     print("| system | decode tok/s | x base (median over rounds, min-max) | tokens / base forward | drafts kept "
           "| of them by lookup (kept / drafted) |\n| --- | --- | --- | --- | --- | --- |")
     for name, (s, n, fwd, drafted, kept, looked, looked_kept) in totals.items():
