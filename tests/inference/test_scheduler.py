@@ -10,8 +10,9 @@ import torch
 from conftest import PAD, base_greedy, exact_marginals, greedy_no_eos, hamburger, random_merger, tv
 from hamburger import HamburgerError, HamburgerModel, SamplingParams
 from hamburger.inference import scheduler as scheduler_module
+from hamburger.inference.admission import MAX_PASSED
 from hamburger.inference.engine import Engine
-from hamburger.inference.scheduler import MAX_PASSED, Scheduler
+from hamburger.inference.scheduler import Scheduler
 from hamburger.model.merger import stepwise_forward
 
 PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51], [11], [64, 3, 70, 22], [30, 31, 32, 33, 34, 35]]
@@ -454,7 +455,7 @@ def test_sampled_verify_requests_follow_the_base_distribution():
 def test_sampled_verify_takes_token_0_from_the_acceptance(monkeypatch):
     """After a pass, a sampled verify row's next token is the one speculative-sampling acceptance drew (from the
     residual where a draft was rejected), not a fresh draw from the base at that position."""
-    from hamburger.inference import scheduler as scheduler_mod
+    from hamburger.inference import checked_rows as scheduler_mod  # where the scheduler checks drafts
 
     calls = []
 

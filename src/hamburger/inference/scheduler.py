@@ -25,68 +25,34 @@ import itertools
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from hamburger.errors import HamburgerError
+from hamburger.inference.admission import (
+    CHECKED,
+    MODES,
+    PREFILL_TOKENS,
+    Request,
+    RequestEvent,
+    prefill_groups,
+    take_shortest,
+)
+from hamburger.inference.checked_rows import CheckedRows
 from hamburger.inference.core import Limits, macro_step, micro_context
 from hamburger.inference.engine import Engine, check_merger
 from hamburger.inference.kv import CacheView, KVCache, SlotWrites
-from hamburger.inference.lookup import Lookup, NgramIndex
+from hamburger.inference.lookup import NgramIndex
 from hamburger.inference.reference import eos_ids
 from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
-from hamburger.inference.verify import Window, accept_greedy, accept_sampled, check_pass, settle
 from hamburger.model.config import check_confidence
 from hamburger.model.hamburger_model import HamburgerModel
 
-# Padded prompt tokens per prefill pass. Measured on 2 CPU cores, 32 chat prompts at once
-# (benchmarks/scheduler_prefill.py): 256-1024 -> 1.5x faster than one by one; 4096 pads 62 % and is slower.
-PREFILL_TOKENS = 256
-MODES = ("trust", "verify", "compress")
-CHECKED = ("verify", "compress")  # modes whose micro tokens are drafts that the next base pass checks
-
-@dataclass
-class RequestEvent:
-    """What one macro-step gave a request. finish_reason: "stop" (EOS), "length" or "cancelled"."""
-
-    id: int
-    tokens: list[int]
-    finished: bool
-    finish_reason: str | None
-    stats: GenerationStats
-
-
-@dataclass
-class Request:
-    id: int
-    prompt: list[int]
-    max_new_tokens: int
-    confidence: float
-    sampling: SamplingParams
-    eos: set[int]
-    mode: str = "trust"
-    row: int = -1
-    tokens: list[int] = field(default_factory=list)
-    steps: list[int] = field(default_factory=list)
-    stats: GenerationStats = field(default_factory=GenerationStats)
-    started: float = 0.0  # when its prefill began
-    rng: torch.Generator | None = None
-    warpers: object = None
-    window_steps: list = field(default_factory=list)  # compress mode: its steps not merged yet (`verify.Window`)
-    index: NgramIndex | None = None  # verify and compress mode with lookup drafts: its prompt and output, indexed
-    looked: int = 0  # lookup drafts of its last macro-step, waiting for the pass that checks them
-    passed: int = 0  # interleaved admission: prefill passes it waited through
-
-
-# Interleaved admission takes the shortest waiting prompts first, but a request passed over this many times goes
-# first (no prompt waits forever behind a stream of shorter ones).
-MAX_PASSED = 8
 DECODE_THREADS_ROWS = 16  # decode passes of at most this many rows run on `decode_threads`
 
 
-class Scheduler:
+class Scheduler(CheckedRows):
     """`max_batch_size` rows of `max_len` KV entries each; requests wait for a free row.
 
     Waiting requests are prefilled in one base pass per step of at most `prefill_tokens` padded prompt tokens (a
@@ -286,72 +252,6 @@ class Scheduler:
                 req.stats.base_forwards += 1
                 req.stats.row_forwards += 1
 
-    def _feed_verify(self, n: int) -> None:
-        """A pass of 1 + most drafts positions per row, each row at its own slots (`RowSlots`). Trust rows use
-        position 0 (their smashed step); a verify row feeds [t0, d1..dn] and keeps the longest prefix of drafts
-        that the base's argmax agrees with (`accept_greedy`): those are reported with this step, the next
-        token is the base's own (this step's macro-step picks it greedily from the state after them), and the
-        entries of rejected drafts lie past the row's cache length, where the next pass overwrites them. A
-        compress row is checked the same way, under the merger's bias on its merged entries; then its decided
-        step [t0, kept drafts] becomes one entry at the step's first slot (`verify.merge_step`)."""
-        dev, live, verify = self.states.device, self.live[:n], self.verify[:n] & self.live[:n]
-        width = 1 + int(self.n_drafts[:n].max())
-        step_len = self.step_len[:n]
-        embeds = self.model.embed(self.step_tok[:n, :width])
-        smashed = self.model.smash(self.step_tok[:n], step_len.clamp(min=1))
-        embeds[:, 0] = torch.where(verify[:, None], embeds[:, 0], smashed)
-        positions = (self.prompt_len[:n] + self.gen_len[:n] - 1).clamp(min=0)
-        compress = self.compress[:n] & live
-        merged = torch.zeros(n, width, dtype=torch.bool, device=dev)
-        merged[:, 0] = ~verify & (step_len > 1)
-        states = check_pass(self.engine, embeds, positions, torch.where(live, self.cache_len[:n], 0),
-                            CacheView(self.cache, slice(0, n)), merged,
-                            merged_len=self.merged_len[:n] if bool(compress.any()) else None)
-        at = torch.zeros(n, dtype=torch.long, device=dev)
-        rows = verify.nonzero().squeeze(1)
-        logits = self.model.lm_head(states[0][rows])  # (rows, width, V): the base's choice after t0, d1, ..
-        at[rows] = accept_greedy(self.step_tok[rows, 1:width], self.n_drafts[rows], logits)[0]
-        for j, i in enumerate(rows.tolist()):  # sampled rows: speculative-sampling acceptance, each its own draws
-            req = self.rows[i]
-            if req.sampling.greedy:
-                continue
-            # Only the row's own drafts: the random numbers it draws must not depend on its neighbours' drafts.
-            nd = int(self.n_drafts[i])
-            probs = torch.softmax(req.warpers(None, logits[j, : nd + 1].float()), -1)[None]  # (1, nd + 1, V)
-            q = self.q[i : i + 1, :nd] if self.q is not None else probs.new_zeros(1, nd, probs.shape[-1])
-            kept_i, t0 = accept_sampled(self.step_tok[i : i + 1, 1 : 1 + nd], self.n_drafts[i : i + 1], q, probs,
-                                        req.rng)
-            at[i], self.next_t0[i] = kept_i[0], t0[0]
-        window = None
-        if self.model.config.merge_window > 1 and bool(compress.any()):
-            window = Window(self.model.config.merge_window, n)
-            window.steps = [r.window_steps if r is not None else [] for r in self.rows[:n]]  # the requests' own lists
-            window.first_pos = positions
-        self.states[:n] = torch.stack(settle(self.model.merger, states, at, self.cache, self.cache_len[:n], live,
-                                             compress, self.merged_len, window), 1)
-        if window is not None:
-            for req in self.rows[:n]:
-                if req is not None and req.mode == "compress":
-                    req.stats.window_entries = sum(m - 1 for _, m, _ in req.window_steps)
-        kept, tokens, rows_l = at.tolist(), self.step_tok[:n].tolist(), rows.tolist()
-        added = [0] * n
-        for i in rows_l:
-            req = self.rows[i]
-            if req.looked:
-                req.stats.lookup_drafts += req.looked
-                req.stats.lookup_kept += kept[i]
-                req.looked = 0
-            new = tokens[i][1 : 1 + kept[i]]
-            new = new[: next((j + 1 for j, t in enumerate(new) if t in req.eos), len(new))]  # cut after EOS
-            self.pending[i], added[i] = new, len(new)
-            if req.index is not None:  # before this step's lookup, which follows them
-                req.index.extend(new)
-            if new and new[-1] in req.eos:
-                self.ended_early[i] = True
-        self.gen_len[:n] += torch.tensor(added, device=dev)
-        self.live[:n] &= ~torch.tensor(self.ended_early[:n], device=dev)
-        self.n_drafts[:n] = 0
-
     def _admit(self) -> None:
         """Fill free rows from the queue. Interleaved (the default): one pass of at most `prefill_tokens` padded
         tokens per step, of the shortest waiting prompts (a request passed over `MAX_PASSED` times goes first,
@@ -360,36 +260,16 @@ class Scheduler:
         2.33 s against 2.07 s). Otherwise every free row is filled now, FIFO, the prompts prefilled shortest first
         in such passes, and all get their first token in this step."""
         free = [i for i, r in enumerate(self.rows) if r is None]
-        if self.interleave_prefill:
-            with self._lock:
-                overdue = [r for r in self._waiting if r.passed >= MAX_PASSED]
-                order = overdue + sorted((r for r in self._waiting if r.passed < MAX_PASSED),
-                                         key=lambda r: len(r.prompt))
-                group: list[Request] = []
-                for req in order[: len(free)]:
-                    widest = max([len(req.prompt)] + [len(r.prompt) for r in group])
-                    if group and widest * (len(group) + 1) > self.prefill_tokens:
-                        break
-                    group.append(req)
-                for req in group:
-                    self._waiting.remove(req)
-                for req in self._waiting if group else ():
-                    req.passed += 1
-            if group:
-                group.sort(key=lambda r: len(r.prompt))
-                self._prefill(group, free[: len(group)])
-            return
         with self._lock:
-            admitted = [self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))]
-        admitted.sort(key=lambda r: len(r.prompt))
-        group = []
-        for req in admitted:
-            if group and len(req.prompt) * (len(group) + 1) > self.prefill_tokens:  # sorted: req is the widest
+            if self.interleave_prefill:
+                groups = [take_shortest(self._waiting, len(free), self.prefill_tokens)]
+            else:
+                groups = prefill_groups([self._waiting.popleft() for _ in range(min(len(free), len(self._waiting)))],
+                                        self.prefill_tokens)
+        for group in groups:
+            if group:
                 self._prefill(group, free[: len(group)])
-                free, group = free[len(group):], []
-            group.append(req)
-        if group:
-            self._prefill(group, free[: len(group)])
+                free = free[len(group):]
 
     def _prefill(self, reqs: list[Request], rows: list[int]) -> None:
         """The prompts, unmerged and right-padded, in one pass at positions 0..P-1 into slots 0..P-1 of their
@@ -458,19 +338,6 @@ class Scheduler:
                     tok[i] = sample(logits[i : i + 1], req.sampling, req.rng, req.warpers)[0]
         return self.engine.vocab[tok] if shortlist else tok
 
-    def _keep_draft_distribution(self, row: int, probs: torch.Tensor) -> None:
-        """A micro draft's distribution (over the shortlist, where the engine has one)."""
-        vocab = self.model.base.config.vocab_size
-        full = probs if self.engine.vocab is None else torch.zeros(vocab, device=probs.device).index_copy_(
-            0, self.engine.vocab, probs)
-        self._keep_full_distribution(row, full)
-
-    def _keep_full_distribution(self, row: int, full: torch.Tensor) -> None:
-        if self.q is None:
-            vocab = self.model.base.config.vocab_size
-            self.q = torch.zeros(len(self.rows), max(self.k - 1, 1), vocab, device=full.device)
-        self.q[row, self._depth - 1] = full
-
     def _macro_step(self) -> list[RequestEvent]:
         """`core.macro_step` over the running rows, each with its own limits and sampler. A verify row emits
         token 0 now; its micro tokens are drafts for the next pass (room is left for the base's token after
@@ -502,27 +369,6 @@ class Scheduler:
             self.n_drafts[:n] = drafts
         self.step_tok[:n], self.step_len[:n] = step_tok, step_len
         return self._report(step_tok.tolist(), step_len.tolist(), ended.tolist(), drafts.tolist())  # one transfer
-
-    def _lookup(self, indexes: list[NgramIndex | None]):
-        """`macro_step`'s lookup over the running rows; a sampled row's lookup drafts are draws from point masses
-        (kept as its draft distributions for the next acceptance)."""
-        find = Lookup(indexes, self.k - 1, indexed_token0=False)
-
-        def fn(tok: torch.Tensor, rows: torch.Tensor, room: torch.Tensor):
-            drafts, counts = find(tok, rows, room)
-            vocab = self.model.base.config.vocab_size
-            for i, (c, d) in enumerate(zip(counts.tolist(), drafts.tolist())):
-                req = self.rows[i]
-                if c:
-                    req.looked = c
-                if c and not req.sampling.greedy:
-                    for j in range(c):
-                        self._depth = j + 1
-                        self._keep_full_distribution(i, torch.nn.functional.one_hot(drafts[i, j], vocab).float())
-            self._depth = 0
-            return drafts, counts
-
-        return fn
 
     def _report(self, rows: list[list[int]], lens: list[int], ended: list[bool], drafts: list[int]) -> list[RequestEvent]:
         now, events = time.perf_counter(), []

@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from hamburger.errors import HamburgerError
-from hamburger.inference.scheduler import PREFILL_TOKENS, RequestEvent
+from hamburger.inference.admission import PREFILL_TOKENS, RequestEvent
 from hamburger.model.config import DRAFT_ROWS, check_confidence, parse_draft_rows
 from hamburger.serving.openai_api import (
     ApiError,

@@ -15,9 +15,10 @@ import torch
 from fastapi import Request
 
 from hamburger.errors import HamburgerError
+from hamburger.inference.admission import PREFILL_TOKENS, RequestEvent
 from hamburger.inference.engine import check_merger
 from hamburger.inference.sampling import SamplingParams
-from hamburger.inference.scheduler import PREFILL_TOKENS, RequestEvent, Scheduler
+from hamburger.inference.scheduler import Scheduler
 from hamburger.model.base import encode_chat
 from hamburger.model.config import check_confidence
 from hamburger.model.hamburger_model import HamburgerModel
