@@ -154,6 +154,18 @@ def test_eval_on_a_base_model(capsys, tmp_path, tiny_model_dir, prompts_file):
     assert "base" in captured.out and "evaluating the base only" in captured.err
 
 
+def test_eval_prints_progress_lines_into_a_log(monkeypatch, capsys, tmp_path, tiny_model_dir, prompts_file):
+    """stderr is not a terminal here (as in a log file): besides each system's result line, a plain progress line
+    at most every PROGRESS_EVERY_S seconds (0 here: after every batch but the last)."""
+    from hamburger.evaluation import evaluate
+
+    monkeypatch.setattr(evaluate, "PROGRESS_EVERY_S", 0.0)
+    run_eval(tmp_path, "--model", str(tiny_model_dir), "--tasks", "prompts", "--prompts", str(prompts_file),
+             "--limit", "3", "--max-new-tokens", "4", "--batch-size", "1")
+    err = capsys.readouterr().err
+    assert "eval: prompts base: 1/3" in err and "eval: prompts base: 2/3" in err and "3/3" not in err
+
+
 def test_eval_on_a_checkpoint_with_a_confidence_sweep(tmp_path, checkpoint, prompts_file):
     result = run_eval(tmp_path, "--model", str(checkpoint), "--prompts", str(prompts_file), "--max-new-tokens", "12",
                       "--confidence", "0.3,1", "--batch-size", "2")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import fields
@@ -45,6 +46,7 @@ TASKS = ("humaneval", "gsm", "chat", "prompts")
 DEFAULT_TASKS = ("humaneval", "gsm", "chat")
 MAX_NEW_TOKENS = {"humaneval": 384, "gsm": 320, "chat": 256, "prompts": 256}
 QUALITY = {"humaneval": "pass@1", "gsm": "accuracy"}
+PROGRESS_EVERY_S = 30.0  # stderr not a terminal (a log file): a plain progress line at most this often
 
 # --- running systems --------------------------------------------------------------------------------------
 
@@ -107,6 +109,23 @@ def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
 
+def _progress(progress: Progress, label: str, total: int) -> Callable[[int], None]:
+    """The callback that advances a system's progress bar; where stderr is not a terminal (the bars draw only
+    there), it also prints `eval: <label>: done/total` at most every PROGRESS_EVERY_S seconds, so a log file
+    shows a long run's progress."""
+    bar, done, last = progress.add_task(label, total=total), [0], [time.monotonic()]
+    plain = not sys.stderr.isatty()
+
+    def step(n: int) -> None:
+        progress.advance(bar, n)
+        done[0] += n
+        if plain and done[0] < total and time.monotonic() - last[0] >= PROGRESS_EVERY_S:
+            last[0] = time.monotonic()
+            print(f"eval: {label}: {done[0]}/{total}", file=sys.stderr, flush=True)
+
+    return step
+
+
 def evaluate_task(task: str, items: list[Prompt], model: HamburgerModel, base_system: HamburgerModel,
                   systems: list[tuple[str, float, str]], args: argparse.Namespace, progress: Progress,
                   ) -> tuple[list[dict], list[dict]]:
@@ -118,8 +137,8 @@ def evaluate_task(task: str, items: list[Prompt], model: HamburgerModel, base_sy
     per_item: list[dict] = []
     base_tokens: list[list[int]] = []
     for name, confidence, mode in systems:
-        bar = progress.add_task(f"{task} {name}", total=len(items) * (2 if task == "humaneval" else 1))
-        step = lambda n, bar=bar: progress.advance(bar, n)  # noqa: E731
+        total = len(items) * (2 if task == "humaneval" else 1)
+        step = _progress(progress, f"{task} {name}", total)
         system = base_system if name == "base" else model
         tokens, steps, stats = run_system(system, prompts, max_new, confidence, args.batch_size, step,
                                           getattr(args, "engine", "auto"), mode)
