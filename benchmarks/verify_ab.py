@@ -28,6 +28,7 @@ from hamburger.evaluation.bench_systems import SETS, bench_messages
 from hamburger.inference.engine import Engine
 from hamburger.inference.quantize import DEFAULT_SKIP, quantize_model
 from hamburger.model.base import encode_chat
+from hamburger.model.config import parse_draft_rows
 from hamburger.model.hamburger_model import HamburgerModel, load_model
 
 VARIANTS = ("micro", "lookup", "both")
@@ -44,6 +45,8 @@ def main() -> None:
     p.add_argument("--prompts-per-set", type=int, default=2)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--draft-rows", type=parse_draft_rows, default="auto", metavar="N",
+                   help="the variants' engines draft only in batches of at most N rows ('all': always; default auto)")
     p.add_argument("--batch-size", type=int, default=1,
                    help="decode the prompts in batches of this many (cycled to fill the last), a batch per turn")
     a = p.parse_args()
@@ -59,7 +62,7 @@ def main() -> None:
     base = Engine(HamburgerModel.plain(model.base, model.tokenizer))
     conf = a.confidence if a.confidence is not None else model.config.verify_confidence
     settings = {"micro": (0, conf), "lookup": (a.lookup, 1.0), "both": (a.lookup, conf)}
-    engines = {v: Engine(model, lookup=settings[v][0]) for v in variants}
+    engines = {v: Engine(model, lookup=settings[v][0], draft_rows=a.draft_rows) for v in variants}
     sets = [s.strip() for s in a.sets.split(",")]
     prompts = [encode_chat(model.tokenizer, m) for s in sets for m in bench_messages(s, a.prompts_per_set)]
     b = a.batch_size
@@ -104,7 +107,8 @@ def main() -> None:
                 line.append(f"{name} {tokens[name] / spent[name]:.1f} tok/s {ratios[name][-1]:.3f}x")
             print(", ".join(line), flush=True)
     print(f"\n{a.model} ({a.quantize}), verify confidence {conf:g}, lookup n-grams {a.lookup}..3, {len(prompts)} "
-          f"prompts ({','.join(sets)}) x {a.rounds} rounds, {a.max_new_tokens} new tokens, batch {b}, interleaved:\n")
+          f"prompts ({','.join(sets)}) x {a.rounds} rounds, {a.max_new_tokens} new tokens, batch {b}, draft_rows "
+          f"{a.draft_rows}, interleaved:\n")
     print("| system | decode tok/s | x base (median over rounds, min-max) | tokens / base forward | drafts kept "
           "| of them by lookup (kept / drafted) |\n| --- | --- | --- | --- | --- | --- |")
     for name, (s, n, fwd, drafted, kept, looked, looked_kept) in totals.items():
