@@ -16,7 +16,7 @@ from hamburger.inference import verify as verify_mod
 from hamburger.inference.core import Limits, macro_step
 from hamburger.inference.engine import Engine
 from hamburger.inference.kv import KVCache
-from hamburger.inference.lookup import Lookup, NgramIndex
+from hamburger.inference.lookup import NgramIndex
 from hamburger.inference.scheduler import Scheduler
 from hamburger.model.config import HamburgerConfig
 
