@@ -148,3 +148,18 @@ def exact_marginals(model, prompt, temperature):
 
 def tv(counts: torch.Tensor, p: torch.Tensor) -> float:
     return 0.5 * (counts / counts.sum() - p).abs().sum().item()
+
+
+def run_staggered(sched, jobs: list[tuple], **kw) -> dict[int, list]:
+    """Step a `Scheduler` through jobs (step at which to submit, prompt, max_new_tokens[, mode]); `kw` goes to every
+    `submit` (a job's own mode first). Returns {job index: the events it got}."""
+    ids, out, step = {}, {}, 0
+    while len(ids) < len(jobs) or sched.has_work():
+        for j, (at, prompt, limit, *mode) in enumerate(jobs):
+            if at == step:
+                ids[sched.submit(prompt, limit, **({"mode": mode[0]} if mode else {}), **kw)] = j
+        for ev in sched.step():
+            out.setdefault(ids[ev.id], []).append(ev)
+        step += 1
+        assert step < 500
+    return out

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import PAD, base_greedy, exact_marginals, hamburger, random_merger, tv
+from conftest import PAD, base_greedy, exact_marginals, hamburger, random_merger, run_staggered, tv
 from hamburger import HamburgerError, SamplingParams
 from hamburger.cli import main
 from hamburger.inference import verify as verify_mod
@@ -180,14 +180,7 @@ def test_scheduler_lookup_rows_equal_the_engine_alone(mode):
     model.config.lookup = 1
     engine, sched = Engine(model, draft_rows=None), Scheduler(model, max_batch_size=2, max_len=64, draft_rows=None)
     jobs = [(0, PROMPTS[0], 20, mode), (1, PROMPTS[2], 9, "trust"), (2, PROMPTS[1], 16, mode)]
-    ids, out, step = {}, {}, 0
-    while len(ids) < len(jobs) or sched.has_work():
-        for j, (at, prompt, limit, m) in enumerate(jobs):
-            if at == step:
-                ids[sched.submit(prompt, limit, confidence=0.3, mode=m)] = j
-        for ev in sched.step():
-            out.setdefault(ids[ev.id], []).append(ev)
-        step += 1
+    out = run_staggered(sched, jobs, confidence=0.3)
     looked = 0
     for j, (_, prompt, limit, m) in enumerate(jobs):
         alone = engine.generate([prompt], max_new_tokens=limit, confidence=0.3, mode=m)

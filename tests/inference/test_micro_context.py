@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import base_greedy, hamburger
+from conftest import base_greedy, hamburger, run_staggered
 from hamburger.inference import verify as verify_mod
 from hamburger.inference.engine import Engine, ReferenceEngine
 from hamburger.inference.scheduler import Scheduler
@@ -72,15 +72,7 @@ def test_scheduler_with_context_equals_the_engine_alone(arch):
     torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
     engine, sched = Engine(model, draft_rows=None), Scheduler(model, max_batch_size=2, max_len=64, draft_rows=None)
     jobs = [(0, PROMPTS[0], 14, "trust"), (1, PROMPTS[1], 12, "verify"), (2, PROMPTS[2], 10, "trust")]
-    ids, out, step = {}, {}, 0
-    while len(ids) < len(jobs) or sched.has_work():
-        for j, (at, prompt, limit, mode) in enumerate(jobs):
-            if at == step:
-                ids[sched.submit(prompt, limit, confidence=0.3, mode=mode)] = j
-        for ev in sched.step():
-            out.setdefault(ids[ev.id], []).append(ev)
-        step += 1
-        assert step < 200
+    out = run_staggered(sched, jobs, confidence=0.3)
     for j, (_, prompt, limit, mode) in enumerate(jobs):
         alone = engine.generate([prompt], max_new_tokens=limit, confidence=0.3, mode=mode)
         assert [t for e in out[j] for t in e.tokens] == alone.tokens[0], (arch, mode)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from conftest import PAD, base_greedy, exact_marginals, greedy_no_eos, hamburger, random_merger, tv
+from conftest import PAD, base_greedy, exact_marginals, greedy_no_eos, hamburger, random_merger, run_staggered, tv
 from hamburger import HamburgerError, HamburgerModel, SamplingParams
 from hamburger.inference import scheduler as scheduler_module
 from hamburger.inference.admission import MAX_PASSED
@@ -17,20 +17,6 @@ from hamburger.model.merger import stepwise_forward
 
 PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51], [11], [64, 3, 70, 22], [30, 31, 32, 33, 34, 35]]
 LIMITS = [20, 7, 16, 12, 3, 18]
-
-
-def run_staggered(sched: Scheduler, jobs: list[tuple[int, list[int], int]], **kw) -> dict[int, list]:
-    """jobs: (step at which to submit, prompt, max_new_tokens). Returns {job index: events of it}."""
-    ids, out, step = {}, {}, 0
-    while len(ids) < len(jobs) or sched.has_work():
-        for j, (at, prompt, limit) in enumerate(jobs):
-            if at == step:
-                ids[sched.submit(prompt, limit, **kw)] = j
-        for ev in sched.step():
-            out.setdefault(ids[ev.id], []).append(ev)
-        step += 1
-        assert step < 500
-    return out
 
 
 def check_equals_alone(model, confidence: float, rows: int) -> None:

@@ -484,7 +484,7 @@ def test_serve_interleaves_the_prefill_unless_told_not_to(flags, interleave, mon
         pass
 
     def service(*args, **kwargs):
-        seen["interleave"] = args[8]  # Service(model, name, rows, queue, len, confidence, key, budget, interleave, ..)
+        seen["interleave"] = kwargs["interleave_prefill"]
         raise Stop
 
     monkeypatch.setattr(server, "Service", service)

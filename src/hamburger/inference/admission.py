@@ -69,6 +69,13 @@ class Request:
     passed: int = 0  # interleaved admission: prefill passes it waited through
 
 
+def fits(group: list[Request], req: Request, budget: int) -> bool:
+    """Whether `req` may join a prefill pass of `group`: the pass, right-padded to its widest prompt, stays within
+    `budget` tokens (a pass of one always fits)."""
+    widest = max([len(req.prompt)] + [len(r.prompt) for r in group])
+    return not group or widest * (len(group) + 1) <= budget
+
+
 def take_shortest(waiting: deque[Request], free: int, budget: int) -> list[Request]:
     """Interleaved admission: removes from `waiting` and returns (shortest first) the requests of one prefill pass
     for at most `free` rows: the shortest waiting prompts whose padded pass fits in `budget` tokens (at least one;
@@ -77,8 +84,7 @@ def take_shortest(waiting: deque[Request], free: int, budget: int) -> list[Reque
     order = overdue + sorted((r for r in waiting if r.passed < MAX_PASSED), key=lambda r: len(r.prompt))
     group: list[Request] = []
     for req in order[:free]:
-        widest = max([len(req.prompt)] + [len(r.prompt) for r in group])
-        if group and widest * (len(group) + 1) > budget:
+        if not fits(group, req, budget):
             break
         group.append(req)
     for req in group:
@@ -94,7 +100,7 @@ def prefill_groups(admitted: list[Request], budget: int) -> list[list[Request]]:
     groups: list[list[Request]] = []
     group: list[Request] = []
     for req in sorted(admitted, key=lambda r: len(r.prompt)):
-        if group and len(req.prompt) * (len(group) + 1) > budget:  # sorted: req is the widest
+        if not fits(group, req, budget):
             groups.append(group)
             group = []
         group.append(req)

@@ -246,8 +246,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     threads = decode_threads(args.decode_threads, args.device)
     model, trained = load_from_args(args)
     service = Service(model, args.model, args.max_batch_size, args.max_queue, args.max_len or DEFAULT_MAX_LEN,
-                      args.default_confidence, args.api_key, args.prefill_tokens, args.interleave_prefill, threads,
-                      args.draft_rows)
+                      args.default_confidence, args.api_key, prefill_tokens=args.prefill_tokens,
+                      interleave_prefill=args.interleave_prefill, decode_threads=threads, draft_rows=args.draft_rows)
     config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     # uvicorn re-raises the SIGTERM it handled after its graceful shutdown; a no-op handler makes that a clean exit 0.
