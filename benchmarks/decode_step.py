@@ -12,6 +12,10 @@ grows by one slot per step, as in decoding: that is what makes a compiled step r
 
     python benchmarks/decode_step.py --settings float32,bfloat16,fp16 --compile     # about 8 min on 2 cores
     python benchmarks/decode_step.py --settings fp16-unfused,fp16 --rounds 60      # what fusing gives
+    python benchmarks/decode_step.py --settings fp16 --merged --rounds 30          # what a smashed slot adds
+
+`--merged` adds, for each setting, the same step where the new slot is a smashed step (the checkpoint's slot
+adapters act on it, as on every multi-token step of trust mode at batch 1).
 """
 
 from __future__ import annotations
@@ -34,13 +38,15 @@ SETTINGS = {"float32": (torch.float32, "none"), "bfloat16": (torch.bfloat16, "no
 class Setting:
     """One setting's model, engine and growing cache, ready to run steps."""
 
-    def __init__(self, model_ref: str, setting: str, compile: bool, cached: int, total_steps: int) -> None:
+    def __init__(self, model_ref: str, setting: str, compile: bool, cached: int, total_steps: int,
+                 merged: bool = False) -> None:
         dtype, scheme = SETTINGS[setting]
         model, _ = load_model(model_ref, dtype=dtype)
         model.eval()
         if scheme != "none":
             quantize_model(model, scheme, skip=DEFAULT_SKIP, fuse=not setting.endswith("-unfused"))
-        self.name, self.compile = setting, compile
+        self.name, self.compile = setting + (" merged" if merged else ""), compile
+        self.merged = torch.ones(1, 1, dtype=torch.bool) if merged else None
         self.engine = Engine(model, compile=compile)
         self.cache = KVCache.for_layers(self.engine.base.layers, model.base.config, 1, cached + total_steps + 8,
                                         dtype, "cpu")
@@ -57,7 +63,7 @@ class Setting:
     def step(self) -> None:
         mask = torch.ones(1, 1, 1, self.slot + 1, dtype=torch.bool)
         with torch.inference_mode():
-            states = self.engine.step_fn(self.x, torch.tensor([[self.slot]]), self.cache, self.slot, mask)
+            states = self.engine.step_fn(self.x, torch.tensor([[self.slot]]), self.cache, self.slot, mask, self.merged)
             self.head(states[0])
         self.slot += 1
 
@@ -73,6 +79,7 @@ def main() -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--settings", default="float32,bfloat16,fp16", help=f"comma list from {','.join(SETTINGS)}")
     p.add_argument("--compile", action="store_true", help="also each setting compiled")
+    p.add_argument("--merged", action="store_true", help="also each setting with the new slot a smashed step")
     p.add_argument("--cached", type=int, default=300, help="cached slots before the first timed step")
     p.add_argument("--steps", type=int, default=5, help="steps per setting per round")
     p.add_argument("--rounds", type=int, default=20)
@@ -83,8 +90,8 @@ def main() -> None:
     if args.steps < 1 or args.rounds < 1:
         p.error("--steps and --rounds must be >= 1")
     total = args.steps * args.rounds + 8
-    rows = [Setting(args.model, s, c, args.cached, total) for s in settings
-            for c in ([False, True] if args.compile else [False])]
+    rows = [Setting(args.model, s, c, args.cached, total, merged=m) for s in settings
+            for c in ([False, True] if args.compile else [False]) for m in ([False, True] if args.merged else [False])]
     print(f"loaded {len(rows)} settings; {args.rounds} rounds of {args.steps} steps each", flush=True)
     for r in range(args.rounds):
         for row in rows:
@@ -95,11 +102,11 @@ def main() -> None:
     ref = rows[0]
     print(f"\none base decode step at batch 1 ({args.cached} cached slots, growing), {torch.get_num_threads()} threads, "
           f"{args.rounds} rounds of {args.steps} steps, settings taking turns")
-    print(f"{'setting':<13} {'mode':<9} {'first call s':>12} {'ms / step':>10} {'x ' + ref.name:>14}")
+    print(f"{'setting':<20} {'mode':<9} {'first call s':>12} {'ms / step':>10} {'x ' + ref.name:>14}")
     for row in rows:
         mode = "compiled" if row.engine.compiled else ("eager" if not row.compile else "fell back")
         ratio = statistics.median(a / b for a, b in zip(ref.times, row.times))
-        print(f"{row.name:<13} {mode:<9} {row.first_call_s:>12.2f} {statistics.median(row.times):>10.1f} "
+        print(f"{row.name:<20} {mode:<9} {row.first_call_s:>12.2f} {statistics.median(row.times):>10.1f} "
               f"{ratio:>13.2f}x")
 
 

@@ -379,7 +379,7 @@ def test_bfloat16_model():
 
 def test_hamburger_model_engine_equals_reference_path_when_quantized():
     """Base, micro-step decoder and head quantized; both decoding paths run the same quantized modules, and
-    the slot adapters' hooks move to the swapped layers."""
+    the slot adapters hook the swapped layers (during gated passes only)."""
     model = hamburger("llama", k=4, slot_adapter_rank=4)
     torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
     summary = quantize_model(model, "int4")
@@ -387,14 +387,18 @@ def test_hamburger_model_engine_equals_reference_path_when_quantized():
     assert summary["quantized"] == n_base + n_micro + 1
     assert all(type(m) is nn.Linear for m in model.stop_head.modules() if isinstance(m, nn.Linear))
     q_proj = model.base.model.layers[0].self_attn.q_proj
-    assert isinstance(q_proj, Int4Linear) and len(q_proj._forward_hooks) == 1
+    assert isinstance(q_proj, Int4Linear) and len(q_proj._forward_hooks) == 0
+    with model.slot_adapters.gated(torch.ones(1, 1, dtype=torch.bool)):
+        assert len(q_proj._forward_hooks) == 1
+    assert len(q_proj._forward_hooks) == 0
     prompts = [[5, 17, 33, 8, 60, 12, 9], [40, 41]]
     for confidence in (0.3, 1.0):
         ref = generate(model, prompts, max_new_tokens=16, confidence=confidence)
         fast = Engine(model).generate(prompts, max_new_tokens=16, confidence=confidence)
         assert fast.tokens == ref.tokens and fast.steps == ref.steps
     model.slot_adapters.remove()
-    assert len(q_proj._forward_hooks) == 0
+    with model.slot_adapters.gated(torch.ones(1, 1, dtype=torch.bool)):
+        assert len(q_proj._forward_hooks) == 0  # detached: no pass hooks the base any more
 
 
 def test_engine_shortlist_reads_the_quantized_head():

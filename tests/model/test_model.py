@@ -280,3 +280,55 @@ def test_dense_losses_vanish_when_nothing_is_smashed():
     assert out.kd_loss.item() == pytest.approx(0.0, abs=1e-5)
     assert out.merged_slots == 0 and out.state_loss.item() == 0.0
     torch.testing.assert_close(out.loss, model(collate(ones, 4, PAD)).loss)  # dense_metrics alone adds nothing
+
+
+def _hooked(model) -> int:
+    """Forward hooks on the base's linear layers (transformers may hook its decoder layers for its own outputs)."""
+    return sum(len(m._forward_hooks) for m in model.base.modules() if isinstance(m, torch.nn.Linear))
+
+
+@pytest.mark.parametrize("pattern", ["every", "some"])
+def test_slot_adapters_inference_path_equals_training_path(arch, pattern):
+    """Without gradients, sibling adapters share one down GEMM and the scale is folded into the up weights
+    (`_Fused`); with gradients each adapter is its own module. Same hidden states, both where every position is
+    merged (batch-1 decoding) and where some are; no hook stays on the base outside a gated pass."""
+    model = hamburger(arch, k=4, slot_adapter_rank=4)
+    for p in model.slot_adapters.up.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(2, 6, model.base.config.hidden_size, generator=g)
+    mask, pos = torch.ones(2, 6, dtype=torch.long), torch.arange(6).expand(2, -1)
+    merged = torch.ones(2, 6, dtype=torch.bool) if pattern == "every" else torch.rand(2, 6, generator=g) > 0.5
+    assert _hooked(model) == 0
+    with torch.no_grad():
+        fast = model.base_forward(embeds, mask, pos, merged=merged)
+        plain = model.base_forward(embeds, mask, pos)
+    assert _hooked(model) == 0
+    with torch.enable_grad():
+        slow = model.base_forward(embeds, mask, pos, merged=merged)
+    assert _hooked(model) == 0
+    for a, b in zip(fast, slow):
+        torch.testing.assert_close(a, b.detach(), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(fast[-1], plain[-1], atol=1e-3)  # the adapters did act
+
+
+def test_slot_adapters_inference_copies_follow_weight_changes(tmp_path):
+    """A state dict loaded in place, or a move to another dtype, after a pass without gradients: the next pass
+    reads the new weights, not the inference copies made before."""
+    model = hamburger("llama", k=4, slot_adapter_rank=4)
+    embeds = torch.randn(1, 3, model.base.config.hidden_size)
+    mask, pos, merged = torch.ones(1, 3, dtype=torch.long), torch.arange(3)[None], torch.ones(1, 3, dtype=torch.bool)
+    with torch.no_grad():
+        before = model.base_forward(embeds, mask, pos, merged=merged)[-1]
+    state = {k: torch.randn_like(v) for k, v in model.slot_adapters.state_dict().items()}
+    model.slot_adapters.load_state_dict(state)
+    with torch.no_grad():
+        after = model.base_forward(embeds, mask, pos, merged=merged)[-1]
+    with torch.enable_grad():
+        expected = model.base_forward(embeds, mask, pos, merged=merged)[-1].detach()
+    assert not torch.allclose(before, after, atol=1e-3)
+    torch.testing.assert_close(after, expected, atol=1e-5, rtol=1e-5)
+    model.to(torch.float64)
+    with torch.no_grad():
+        wide = model.base_forward(embeds.double(), mask, pos, merged=merged)[-1]
+    torch.testing.assert_close(wide.float(), expected, atol=1e-4, rtol=1e-4)
