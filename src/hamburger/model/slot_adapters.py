@@ -39,7 +39,8 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 class _Fused:
     """Inference copies of a group of sibling adapters: their down weights stacked into one (n·rank, in) matrix
-    and each up weight transposed to (rank, out) with the scale folded in (`SlotAdapters` rebuilds them when a weight changed).
+    and each up weight transposed to (rank, out) with the scale folded in (`SlotAdapters` rebuilds them when a
+    weight changed).
 
     The first sibling called with an input computes the shared down-projection; the others called with the same
     tensor object take their slice, each once (as `qlinear.Fp16Group` serves the base's fused GEMM)."""
@@ -75,6 +76,10 @@ class _Fused:
         return h
 
 
+def _regroup(module: SlotAdapters, incompatible_keys) -> None:
+    module._group_siblings()
+
+
 class SlotAdapters(nn.Module):
     def __init__(self, base: nn.Module, rank: int, alpha: float, targets: list[str] | tuple[str, ...]) -> None:
         super().__init__()
@@ -88,6 +93,9 @@ class SlotAdapters(nn.Module):
         self._fused: dict[str, tuple[_Fused, int]] = {}  # key -> (its sibling group, its index there)
         self._hook_fns: dict[str, object] = {}  # key -> its forward hook (reads the pass's state below)
         self._signature: tuple = ()  # the weights' versions and storages when the inference copies were made
+        self._groups: list[_Fused] = []
+        # A state dict loaded with assign=True puts new parameter objects in place: group them again.
+        self.register_load_state_dict_post_hook(_regroup)
         self._every = self._fast = False
         if not rank:
             return
