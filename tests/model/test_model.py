@@ -312,29 +312,28 @@ def test_slot_adapters_inference_path_equals_training_path(arch, pattern):
     assert not torch.allclose(fast[-1], plain[-1], atol=1e-3)  # the adapters did act
 
 
-def test_slot_adapters_inference_copies_follow_weight_changes(tmp_path):
+def test_slot_adapters_inference_copies_follow_weight_changes():
     """A state dict loaded (in place, or assigning new parameters), or a move to another dtype, after a pass
     without gradients: the next pass reads the new weights, not the inference copies made before."""
     model = hamburger("llama", k=4, slot_adapter_rank=4)
     embeds = torch.randn(1, 3, model.base.config.hidden_size)
     mask, pos, merged = torch.ones(1, 3, dtype=torch.long), torch.arange(3)[None], torch.ones(1, 3, dtype=torch.bool)
-    with torch.no_grad():
-        before = model.base_forward(embeds, mask, pos, merged=merged)[-1]
+
+    def passes() -> tuple[torch.Tensor, torch.Tensor]:
+        """The final state without gradients (the inference copies) and with them (the adapters' own modules)."""
+        with torch.no_grad():
+            fast = model.base_forward(embeds, mask, pos, merged=merged)[-1]
+        with torch.enable_grad():
+            return fast, model.base_forward(embeds, mask, pos, merged=merged)[-1].detach()
+
+    before, _ = passes()
     state = {k: torch.randn_like(v) for k, v in model.slot_adapters.state_dict().items()}
-    model.slot_adapters.load_state_dict(state)
-    with torch.no_grad():
-        after = model.base_forward(embeds, mask, pos, merged=merged)[-1]
-    with torch.enable_grad():
-        expected = model.base_forward(embeds, mask, pos, merged=merged)[-1].detach()
-    assert not torch.allclose(before, after, atol=1e-3)
-    torch.testing.assert_close(after, expected, atol=1e-5, rtol=1e-5)
-    model.slot_adapters.load_state_dict({k: v * 2 for k, v in state.items()}, assign=True)
-    with torch.no_grad():
-        assigned = model.base_forward(embeds, mask, pos, merged=merged)[-1]
-    with torch.enable_grad():
-        expected = model.base_forward(embeds, mask, pos, merged=merged)[-1].detach()
-    assert not torch.allclose(assigned, after, atol=1e-3)
-    torch.testing.assert_close(assigned, expected, atol=1e-5, rtol=1e-5)
+    for loaded, assign in ((state, False), ({k: v * 2 for k, v in state.items()}, True)):
+        model.slot_adapters.load_state_dict(loaded, assign=assign)
+        after, expected = passes()
+        assert not torch.allclose(before, after, atol=1e-3)
+        torch.testing.assert_close(after, expected, atol=1e-5, rtol=1e-5)
+        before = after
     model.to(torch.float64)
     with torch.no_grad():
         wide = model.base_forward(embeds.double(), mask, pos, merged=merged)[-1]
