@@ -15,12 +15,17 @@ matches.
 
     python benchmarks/verify_ab.py default --quantize fp16 --variants micro,lookup,both --lookup 2    # ~15 min
     python benchmarks/verify_ab.py default --quantize fp16 --variants micro,lookup --batch-size 16 --rounds 2
+    python benchmarks/verify_ab.py default --quantize fp16 --variants both --compile     # eager against --compile
+
+`--compile` adds each system again on an engine with `compile=True` (the base and every variant), timed in the
+same turns; the first call of each compiles (reported), the warm-up absorbs it.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import time
 
 import torch
 
@@ -49,6 +54,7 @@ def main() -> None:
                    help="the variants' engines draft only in batches of at most N rows ('all': always; default auto)")
     p.add_argument("--batch-size", type=int, default=1,
                    help="decode the prompts in batches of this many (cycled to fill the last), a batch per turn")
+    p.add_argument("--compile", action="store_true", help="also every system compiled (Engine(compile=True))")
     a = p.parse_args()
     if a.batch_size < 1:
         raise SystemExit("--batch-size must be >= 1")
@@ -59,26 +65,33 @@ def main() -> None:
     model.eval()
     if a.quantize == "fp16":
         quantize_model(model, "fp16", skip=DEFAULT_SKIP)
-    base = Engine(HamburgerModel.plain(model.base, model.tokenizer))
+    plain = HamburgerModel.plain(model.base, model.tokenizer)
     conf = a.confidence if a.confidence is not None else model.config.verify_confidence
     settings = {"micro": (0, conf), "lookup": (a.lookup, 1.0), "both": (a.lookup, conf)}
-    engines = {v: Engine(model, lookup=settings[v][0], draft_rows=a.draft_rows) for v in variants}
+    kinds = {"": False, ", compiled": True} if a.compile else {"": False}
+    bases = {c: Engine(plain, compile=on) for c, on in kinds.items()}
+    engines = {(v, c): Engine(model, lookup=settings[v][0], draft_rows=a.draft_rows, compile=on)
+               for v in variants for c, on in kinds.items()}
     sets = [s.strip() for s in a.sets.split(",")]
     prompts = [encode_chat(model.tokenizer, m) for s in sets for m in bench_messages(s, a.prompts_per_set)]
     b = a.batch_size
     cycled = [prompts[i % len(prompts)] for i in range(-(-len(prompts) // b) * b)]
     units = [cycled[i : i + b] for i in range(0, len(cycled), b)]  # what one turn decodes
-    runs = {"base": lambda batch: base.generate(batch, max_new_tokens=a.max_new_tokens)}
-    for v in variants:
-        runs[f"verify ({v})"] = (lambda batch, v=v: engines[v].generate(batch, max_new_tokens=a.max_new_tokens,
-                                                                        mode="verify", confidence=settings[v][1]))
+    runs = {}
+    for c in kinds:
+        runs[f"base{c}"] = lambda batch, c=c: bases[c].generate(batch, max_new_tokens=a.max_new_tokens)
+        for v in variants:
+            runs[f"verify ({v}{c})"] = (lambda batch, v=v, c=c: engines[v, c].generate(
+                batch, max_new_tokens=a.max_new_tokens, mode="verify", confidence=settings[v][1]))
     names = list(runs)
     ratios = {name: [] for name in names[1:]}
     # decode s, tokens after the first, base forwards after the prefill, drafts, drafts kept, lookup drafts, kept
     totals = {name: [0.0, 0, 0, 0, 0, 0, 0] for name in names}
     with torch.inference_mode():
-        for fn in runs.values():
-            fn([p[:16] for p in units[0]])  # warm up
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn([p[:16] for p in units[0]])  # warm up (and compile)
+            print(f"warm-up {name}: {time.perf_counter() - start:.1f} s", flush=True)
         for r in range(a.rounds):
             spent, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
             for i, batch in enumerate(units):
@@ -108,7 +121,7 @@ def main() -> None:
             print(", ".join(line), flush=True)
     print(f"\n{a.model} ({a.quantize}), verify confidence {conf:g}, lookup n-grams {a.lookup}..3, {len(prompts)} "
           f"prompts ({','.join(sets)}) x {a.rounds} rounds, {a.max_new_tokens} new tokens, batch {b}, draft_rows "
-          f"{a.draft_rows}, interleaved:\n")
+          f"{a.draft_rows}, interleaved{'; ratios to the eager base' if a.compile else ''}:\n")
     print("| system | decode tok/s | x base (median over rounds, min-max) | tokens / base forward | drafts kept "
           "| of them by lookup (kept / drafted) |\n| --- | --- | --- | --- | --- | --- |")
     for name, (s, n, fwd, drafted, kept, looked, looked_kept) in totals.items():

@@ -48,7 +48,7 @@ def step_costs(model, context: int = 256, repeats: int = 20) -> dict:
         pos = torch.tensor([[context]], device=dev)
 
         def base_step() -> None:
-            states = engine.step_fn(model.embed(ids[:, context:]), pos, cache, context, mask[:, :, -1:], None)
+            states = engine._base(model.embed(ids[:, context:]), pos, cache, context, mask[:, :, -1:], None)
             model.lm_head(states[0]).argmax(-1)
             model.stop_head(states[0])
 

@@ -134,17 +134,24 @@ class Engine:
         self.k = model.config.max_step_tokens
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
-        self.step_fn = self._base  # the decode step's base pass (compiled with --compile)
         self.compiled = False
-        if compile:
-            self.step_fn = self._compile(self._base)
+        # What --compile compiles: every base pass (without the slot adapters' gate) and every micro-step.
+        self._layers_fn = self._compile(self._layers) if compile else self._layers
+        self._micro_fn = self._compile(self._micro_layers) if compile else self._micro_layers
 
     def _compile(self, fn):
         """`fn` compiled (dynamic shapes: the cache grows each step), falling back to eager if compiling fails.
 
-        torch.compile is lazy, so failures (no C++ compiler, an unsupported op) show at the first call.
+        torch.compile is lazy, so failures (no C++ compiler, an unsupported op) show at the first call. Each kind
+        of pass compiles once (about a minute each on 2 CPU cores): the prefill, a step, a step with a smashed
+        slot (the slot adapters' hooks), verify mode's multi-position passes.
         """
         try:
+            # One graph per kind of pass (prefill, step, smashed step at every or some rows, verify passes...).
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+            # The slot adapters' hooks come and go between passes: a graph must be chosen by whether they are on
+            # (by default dynamo does not guard on hooks, and a graph made without them would run with them on).
+            torch._dynamo.config.skip_nnmodule_hook_guards = False
             compiled = torch.compile(fn, dynamic=True)
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager
             warnings.warn(f"torch.compile is unavailable ({exc}); running eagerly", stacklevel=2)
@@ -172,18 +179,23 @@ class Engine:
               last: bool = True) -> list[torch.Tensor]:
         """Base pass over (B, T, d) at cache slots start.. -> [final normed state, feature_1 .. feature_m] at the
         last position, each (B, d); with `last=False` at every position, each (B, T, d). `mask`: one for every
-        layer, or a function of the layer index (compress mode's merged entries carry a per-layer bias)."""
+        layer, or a function of the layer index (compress mode's merged entries carry a per-layer bias).
+        `merged` (B, T): the slot adapters act there (their hooks exist only during such a pass)."""
+        with self.model.slot_adapters.gated(merged):
+            return self._layers_fn(embeds, positions, cache, start, mask, last)
+
+    def _layers(self, embeds, positions, cache: KVCache, start: int | RowSlots, mask, last: bool) -> list[torch.Tensor]:
+        """The base's layers and final norm: `_base` within the slot adapters' gate (what --compile compiles)."""
         model, base = self.model, self.base
         wanted = model.micro.feature_layers if self.k > 1 else []
         depth = len(base.layers)
         rope = base.rotary_emb(embeds, positions)
         feats: dict[int, torch.Tensor] = {}
         x = embeds
-        with model.slot_adapters.gated(merged):
-            for i, layer in enumerate(base.layers):
-                x = layer_forward(layer, x, rope, cache, i, start, mask(i) if callable(mask) else mask)
-                if i + 1 in wanted and i + 1 < depth:
-                    feats[i + 1] = x[:, -1] if last else x
+        for i, layer in enumerate(base.layers):
+            x = layer_forward(layer, x, rope, cache, i, start, mask(i) if callable(mask) else mask)
+            if i + 1 in wanted and i + 1 < depth:
+                feats[i + 1] = x[:, -1] if last else x
         final = base.norm(x[:, -1] if last else x)
         return [final] + [feats[i] if i < depth else final for i in wanted]
 
@@ -192,6 +204,9 @@ class Engine:
 
         With a `context`, each micro layer also attends to the base's entries of the layer it was copied from
         (`MicroContext.visible` of them), and the inputs take the positions after the features' state."""
+        return self._micro_fn(x, cache, start, context)
+
+    def _micro_layers(self, x: torch.Tensor, cache: KVCache, start: int, context: MicroContext | None) -> torch.Tensor:
         micro = self.model.micro
         b, t, _ = x.shape
         offsets = torch.arange(start, start + t, device=x.device)[None]
@@ -288,7 +303,7 @@ class Engine:
             embeds = model.smash(step_tok, step_len.clamp(min=1))[:, None]
             pos = (lengths + gen_len - 1)[:, None]
             step_mask = valid[:, None, None, : slot + 1]
-            states = self.step_fn(embeds, pos, cache, slot, step_mask, (step_len > 1)[:, None])
+            states = self._base(embeds, pos, cache, slot, step_mask, (step_len > 1)[:, None])
             gen.stats.base_forwards += 1
             gen.stats.row_forwards += dn.count(False)
             slot += 1

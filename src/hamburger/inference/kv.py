@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hamburger.inference import compiled_ops
 from hamburger.model.layers import attend, project
 
 
@@ -39,11 +40,18 @@ class KVCache:
     def update(self, layer: int, start: int | RowSlots, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write (B, h, T, hd) at slots start.. (the same for every row, or each row's own `RowSlots`) and
         return the keys and values of slots 0..end-1."""
-        if isinstance(start, RowSlots):  # rows at different cache lengths (verify mode)
+        compiling = torch.compiler.is_compiling()  # in-place writes as operators (compiled_ops.py says why)
+        if isinstance(start, RowSlots) and compiling:
+            compiled_ops.kv_scatter(self.k, self.v, layer, start.slots, k, v)
+            end = start.end
+        elif isinstance(start, RowSlots):  # rows at different cache lengths (verify mode)
             rows = torch.arange(k.shape[0], device=k.device)[:, None]
             self.k[layer, rows, :, start.slots] = k.transpose(1, 2)
             self.v[layer, rows, :, start.slots] = v.transpose(1, 2)
             end = start.end
+        elif compiling:
+            compiled_ops.kv_write(self.k, self.v, layer, start, k, v)
+            end = start + k.shape[2]
         else:
             end = start + k.shape[2]
             self.k[layer, :, :, start:end] = k
@@ -67,6 +75,9 @@ class SlotWrites(CacheView):
         self.width = int(slots.max()) + 1
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling():
+            compiled_ops.kv_scatter(self.k, self.v, layer, self.slots[:, None], k, v)
+            return self.k[layer, :, :, : self.width], self.v[layer, :, :, : self.width]
         self.k[layer][self.rows, :, self.slots] = k[:, :, 0]
         self.v[layer][self.rows, :, self.slots] = v[:, :, 0]
         return self.k[layer, :, :, : self.width], self.v[layer, :, :, : self.width]

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hamburger.inference import compiled_ops
+
 _PROBE = {"cpu": torch.float32, "cuda": torch.bfloat16}  # dtype of the identity used to read int4 codes back
 
 
@@ -270,12 +272,15 @@ class Fp16Linear(Fp16Weights):
             raise ValueError(why)
         b = None if bias is None else bias.detach().float().contiguous()  # added inside the kernel: exact
         self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), b)
+        self.key = compiled_ops.register_fp16(self)  # names the packed weights inside a compiled pass
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 0) -> Fp16Linear:
         return cls(linear.weight, linear.bias)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():  # the packed weights are opaque to the compiler: an operator by key
+            return compiled_ops.fp16_linear(x, self.key)
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # any leading dims, the bias inside: no extra ops

@@ -28,8 +28,9 @@ def project(layer, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, t
 
 def attention(layer, q, keys, values, mask: torch.Tensor) -> torch.Tensor:
     """The layer's attention (its scale, grouped query heads) under a mask -> (B, heads, T, hd)."""
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=layer.self_attn.scaling,
-                                          enable_gqa=keys.shape[1] != q.shape[1])
+    attn = layer.self_attn  # grouped query heads from the module (a compiled pass's head counts are symbolic)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
+                                          enable_gqa=getattr(attn, "num_key_value_groups", 1) != 1)
 
 
 def finish(layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
