@@ -135,8 +135,12 @@ class Engine:
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         self.compiled = False
-        # What --compile compiles: every base pass (without the slot adapters' gate) and every micro-step.
-        self._layers_fn = self._compile(self._layers) if compile else self._layers
+        # What --compile compiles: every base pass (within the slot adapters' gate) and every micro-step. Passes
+        # with the adapters' hooks on run through a function of their own: dynamo does not guard on hooks, so a
+        # graph made without them must never be chosen for a pass with them (nor the other way round).
+        self._layers_fn = {False: self._layers, True: self._adapted_layers}
+        if compile:
+            self._layers_fn = {hooked: self._compile(fn) for hooked, fn in self._layers_fn.items()}
         self._micro_fn = self._compile(self._micro_layers) if compile else self._micro_layers
 
     def _compile(self, fn):
@@ -149,9 +153,6 @@ class Engine:
         try:
             # One graph per kind of pass (prefill, step, smashed step at every or some rows, verify passes...).
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-            # The slot adapters' hooks come and go between passes: a graph must be chosen by whether they are on
-            # (by default dynamo does not guard on hooks, and a graph made without them would run with them on).
-            torch._dynamo.config.skip_nnmodule_hook_guards = False
             compiled = torch.compile(fn, dynamic=True)
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager
             warnings.warn(f"torch.compile is unavailable ({exc}); running eagerly", stacklevel=2)
@@ -181,8 +182,12 @@ class Engine:
         last position, each (B, d); with `last=False` at every position, each (B, T, d). `mask`: one for every
         layer, or a function of the layer index (compress mode's merged entries carry a per-layer bias).
         `merged` (B, T): the slot adapters act there (their hooks exist only during such a pass)."""
-        with self.model.slot_adapters.gated(merged):
-            return self._layers_fn(embeds, positions, cache, start, mask, last)
+        with self.model.slot_adapters.gated(merged) as hooked:
+            return self._layers_fn[hooked](embeds, positions, cache, start, mask, last)
+
+    def _adapted_layers(self, *args) -> list[torch.Tensor]:
+        """`_layers` while the slot adapters' hooks are on (compiled apart from it, see `__init__`)."""
+        return self._layers(*args)
 
     def _layers(self, embeds, positions, cache: KVCache, start: int | RowSlots, mask, last: bool) -> list[torch.Tensor]:
         """The base's layers and final norm: `_base` within the slot adapters' gate (what --compile compiles)."""

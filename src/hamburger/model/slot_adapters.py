@@ -167,11 +167,11 @@ class SlotAdapters(nn.Module):
         return hook
 
     @contextmanager
-    def gated(self, merged: torch.Tensor | None) -> Iterator[None]:
+    def gated(self, merged: torch.Tensor | None) -> Iterator[bool]:
         """Adapters act where `merged` (B, S) is true during the block; nothing changes if none is (no hook is
-        installed then)."""
+        installed then). Yields whether the hooks are on."""
         if not self.rank or not self._sites or merged is None or not bool(merged.any()):
-            yield
+            yield False
             return
         self.rows = merged.reshape(-1).nonzero().squeeze(1)  # flat (batch x sequence) indices of merged slots
         self._every = self.rows.numel() == merged.numel()
@@ -181,7 +181,7 @@ class SlotAdapters(nn.Module):
         hooks = self._hook_fns
         handles = [getattr(parent, leaf).register_forward_hook(hooks[key]) for key, (parent, leaf) in self._sites.items()]
         try:
-            yield
+            yield True
         finally:
             for handle in handles:
                 handle.remove()
