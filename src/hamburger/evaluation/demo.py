@@ -151,8 +151,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
         check_merger(model)
     confidence = default if args.confidence is None else args.confidence
-    engines = {"base": make_engine(HamburgerModel.plain(model.base, model.tokenizer), args.engine),
-               "hamburger": make_engine(model, args.engine)}
+    engines = {"base": make_engine(HamburgerModel.plain(model.base, model.tokenizer), args.engine, args.compile),
+               "hamburger": make_engine(model, args.engine, args.compile)}
     console = Console()
     if not args.chat:
         for prompt in args.prompt or PROMPTS:
