@@ -30,24 +30,40 @@ def _cache(seed: int) -> KVCache:
     return cache
 
 
-def test_kv_operators_write_what_the_cache_writes():
+def _written(seed: int, layer: int, slots: list[list[int]], k: torch.Tensor, v: torch.Tensor) -> KVCache:
+    """The reference: entry by entry, row b's t-th new key and value into slot slots[b][t] of `layer`."""
+    cache = _cache(seed)
+    for b, row in enumerate(slots):
+        for t, slot in enumerate(row):
+            cache.k[layer, b, :, slot] = k[b, :, t]
+            cache.v[layer, b, :, slot] = v[b, :, t]
+    return cache
+
+
+def test_cache_writes_eager_and_as_operators():
+    """The same slots for every row, each row's own (verify), one slot a row (the scheduler): the cache's writes
+    and the operators a compiled pass calls both write exactly the reference's entries."""
     k, v = torch.randn(2, 2, 3, 4), torch.randn(2, 2, 3, 4)
-    ref, mine = _cache(0), _cache(0)
-    ref.update(1, 4, k, v)
-    compiled_ops.kv_write(mine.k, mine.v, 1, 4, k, v)
-    assert torch.equal(ref.k, mine.k) and torch.equal(ref.v, mine.v)
+    want = _written(0, 1, [[4, 5, 6], [4, 5, 6]], k, v)
+    eager, op = _cache(0), _cache(0)
+    eager.update(1, 4, k, v)
+    compiled_ops.kv_write(op.k, op.v, 1, 4, k, v)
+    for got in (eager, op):
+        assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
 
-    slots = torch.tensor([[2, 3, 4], [6, 7, 8]])
-    ref, mine = _cache(1), _cache(1)
-    ref.update(2, RowSlots(slots, 9), k, v)
-    compiled_ops.kv_scatter(mine.k, mine.v, 2, slots, k, v)
-    assert torch.equal(ref.k, mine.k) and torch.equal(ref.v, mine.v)
+    slots = [[2, 3, 4], [6, 7, 8]]
+    want = _written(1, 2, slots, k, v)
+    eager, op = _cache(1), _cache(1)
+    eager.update(2, RowSlots(torch.tensor(slots), 9), k, v)
+    compiled_ops.kv_scatter(op.k, op.v, 2, torch.tensor(slots), k, v)
+    for got in (eager, op):
+        assert torch.equal(got.k, want.k) and torch.equal(got.v, want.v)
 
-    one_k, one_v = k[:, :, :1], v[:, :, :1]  # the scheduler's rows: one entry each at its own slot
-    ref, mine = _cache(2), _cache(2)
-    SlotWrites(ref, torch.tensor([5, 1])).update(0, 0, one_k, one_v)
-    compiled_ops.kv_scatter(mine.k, mine.v, 0, torch.tensor([[5], [1]]), one_k, one_v)
-    assert torch.equal(ref.k, mine.k) and torch.equal(ref.v, mine.v)
+    one_k, one_v = k[:, :, :1], v[:, :, :1]
+    want = _written(2, 0, [[5], [1]], one_k, one_v)
+    eager = _cache(2)
+    keys, _ = SlotWrites(eager, torch.tensor([5, 1])).update(0, 0, one_k, one_v)
+    assert torch.equal(eager.k, want.k) and torch.equal(eager.v, want.v) and keys.shape[2] == 6
 
 
 @needs_fbgemm

@@ -6,11 +6,12 @@ Two things in a pass defeat the compiler when written as plain PyTorch:
   around every call. `fp16_linear` names the packed weights by an integer key instead.
 * A KV cache write is an in-place write into a slice of the stacked cache. Traced as indexing, the compiler turns
   it into a functional update followed by a copy back, i.e. a copy of the whole cache at every layer (measured:
-  a compiled step 1.7x slower than eager). `kv_write` (slots `start..` for every row) and `kv_scatter` (each row's
+  a compiled step 1.6x slower than eager). `kv_write` (slots `start..` for every row) and `kv_scatter` (each row's
   own slots) are opaque in-place writes instead.
 
-Eager code does not use them (a Python-defined operator costs a few microseconds a call): `Fp16Linear` and
-`KVCache` switch to them only while `torch.compiler.is_compiling()`.
+Eager code does not use the operators (a Python-defined operator costs a few microseconds a call): `Fp16Linear`
+and `KVCache` switch to them only while `torch.compiler.is_compiling()`, and otherwise call the same writes
+(`write_slots`, `scatter_slots`) as plain functions.
 """
 
 from __future__ import annotations
@@ -51,15 +52,17 @@ def _fp16_linear_fake(x: torch.Tensor, key: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], _out_features[key])
 
 
-def _kv_write(k_cache, v_cache, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-    """k, v (B, h, T, hd) into slots start..start+T-1 of every row of layer `layer` of the caches."""
+def write_slots(k_cache, v_cache, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v (B, h, T, hd) into slots start..start+T-1 of every row of layer `layer` of the caches (eager code calls
+    this directly; compiled code through `kv_write`)."""
     end = start + k.shape[2]
     k_cache[layer, :, :, start:end] = k
     v_cache[layer, :, :, start:end] = v
 
 
-def _kv_scatter(k_cache, v_cache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """k, v (B, h, T, hd) into each row's own slots (B, T) of layer `layer` of the caches (rows 0..B-1)."""
+def scatter_slots(k_cache, v_cache, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """k, v (B, h, T, hd) into each row's own slots (B, T) of layer `layer` of the caches (rows 0..B-1; compiled
+    code calls it through `kv_scatter`)."""
     rows = torch.arange(k.shape[0], device=k.device)[:, None]
     k_cache[layer, rows, :, slots] = k.transpose(1, 2)
     v_cache[layer, rows, :, slots] = v.transpose(1, 2)
@@ -71,8 +74,8 @@ def _no_output(*args) -> None:
 
 for _device in ("CPU", "CUDA"):
     LIB.impl("fp16_linear", _fp16_linear, _device)
-    LIB.impl("kv_write", _kv_write, _device)
-    LIB.impl("kv_scatter", _kv_scatter, _device)
+    LIB.impl("kv_write", write_slots, _device)
+    LIB.impl("kv_scatter", scatter_slots, _device)
 torch.library.register_fake("hamburger::fp16_linear", _fp16_linear_fake, lib=LIB)
 torch.library.register_fake("hamburger::kv_write", _no_output, lib=LIB)
 torch.library.register_fake("hamburger::kv_scatter", _no_output, lib=LIB)

@@ -40,22 +40,14 @@ class KVCache:
     def update(self, layer: int, start: int | RowSlots, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write (B, h, T, hd) at slots start.. (the same for every row, or each row's own `RowSlots`) and
         return the keys and values of slots 0..end-1."""
-        compiling = torch.compiler.is_compiling()  # in-place writes as operators (compiled_ops.py says why)
-        if isinstance(start, RowSlots) and compiling:
-            compiled_ops.kv_scatter(self.k, self.v, layer, start.slots, k, v)
+        compiling = torch.compiler.is_compiling()  # in-place writes as operators then (compiled_ops.py says why)
+        if isinstance(start, RowSlots):  # rows at different cache lengths (verify mode)
+            (compiled_ops.kv_scatter if compiling else compiled_ops.scatter_slots)(self.k, self.v, layer,
+                                                                                 start.slots, k, v)
             end = start.end
-        elif isinstance(start, RowSlots):  # rows at different cache lengths (verify mode)
-            rows = torch.arange(k.shape[0], device=k.device)[:, None]
-            self.k[layer, rows, :, start.slots] = k.transpose(1, 2)
-            self.v[layer, rows, :, start.slots] = v.transpose(1, 2)
-            end = start.end
-        elif compiling:
-            compiled_ops.kv_write(self.k, self.v, layer, start, k, v)
-            end = start + k.shape[2]
         else:
+            (compiled_ops.kv_write if compiling else compiled_ops.write_slots)(self.k, self.v, layer, start, k, v)
             end = start + k.shape[2]
-            self.k[layer, :, :, start:end] = k
-            self.v[layer, :, :, start:end] = v
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
@@ -71,16 +63,11 @@ class SlotWrites(CacheView):
 
     def __init__(self, parent: KVCache, slots: torch.Tensor) -> None:
         super().__init__(parent, slice(0, len(slots)))
-        self.slots, self.rows = slots, torch.arange(len(slots), device=slots.device)
+        self.slots = slots[:, None]  # (B, 1): RowSlots' layout, one slot a row
         self.width = int(slots.max()) + 1
 
     def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if torch.compiler.is_compiling():
-            compiled_ops.kv_scatter(self.k, self.v, layer, self.slots[:, None], k, v)
-            return self.k[layer, :, :, : self.width], self.v[layer, :, :, : self.width]
-        self.k[layer][self.rows, :, self.slots] = k[:, :, 0]
-        self.v[layer][self.rows, :, self.slots] = v[:, :, 0]
-        return self.k[layer, :, :, : self.width], self.v[layer, :, :, : self.width]
+        return super().update(layer, RowSlots(self.slots, self.width), k, v)
 
 
 def layer_forward(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, index: int,
