@@ -32,7 +32,8 @@ from hamburger.inference.quantize import DEFAULT_SKIP, quantize_model
 from hamburger.model.hamburger_model import load_model
 
 SETTINGS = {"float32": (torch.float32, "none"), "bfloat16": (torch.bfloat16, "none"), "fp16": (torch.float32, "fp16"),
-            "fp16-unfused": (torch.float32, "fp16")}  # fp16 with q/k/v and gate/up as separate GEMMs
+            "fp16-unfused": (torch.float32, "fp16"),  # fp16 with q/k/v and gate/up as separate GEMMs
+            "int8": (torch.float32, "int8"), "int4": (torch.float32, "int4")}  # bfloat16 activations on CPU
 
 
 class Setting:

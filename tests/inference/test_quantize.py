@@ -54,8 +54,9 @@ def linear_from(w: torch.Tensor, bias: bool = False) -> nn.Linear:
 
 
 def test_int4_represents_q4_1_blocks_exactly():
+    """With float32 scales (and activations: the kernel's slow path on CPU, `act_dtype=torch.float32`)."""
     w, q, d, m = q4_1_blocks(64, 256)
-    layer = Int4Linear.from_linear(linear_from(w), 32)
+    layer = Int4Linear.from_linear(linear_from(w), 32, torch.float32)
     codes, scales, mins = layer.unpack()
     assert torch.equal(codes.long(), q)  # every 4-bit code comes back as GGUF stored it
     # The scale is (max - min) / 15 in float32: d up to its rounding; the min is the block's min.
@@ -70,12 +71,15 @@ def test_int4_represents_q4_1_blocks_exactly():
     assert (out - ref).abs().max() < 1e-4 * ref.abs().max()
 
 
-def test_int4_q4_1_blocks_in_bfloat16_up_to_rounding():
-    """A bfloat16 model: the cast already rounds the weights (so each block's min and max), and the scale and
-    zero (= min + 8·scale) are kept in bfloat16. The codes still come back exactly; scale and weights up to
-    those roundings (unit roundoff u = 2^-8 each: the scale inherits the min's and max's, over 15)."""
+@pytest.mark.parametrize("model_dtype", [torch.float32, torch.bfloat16])
+def test_int4_q4_1_blocks_in_bfloat16_up_to_rounding(model_dtype):
+    """The default on CPU: scale and zero (= min + 8·scale) kept in bfloat16, the kernel's fast path, for a float32
+    model too. A bfloat16 model's cast also rounds the weights (so each block's min and max). The codes still
+    come back exactly; scale and weights up to those roundings (unit roundoff u = 2^-8 each: the scale inherits
+    the min's and max's, over 15). The layer takes and returns the model's dtype."""
     w, q, d, m = q4_1_blocks(32, 128, seed=1)
-    layer = Int4Linear.from_linear(linear_from(w).to(torch.bfloat16), 32)
+    layer = Int4Linear.from_linear(linear_from(w).to(model_dtype), 32)
+    assert layer(torch.randn(2, 128, dtype=model_dtype)).dtype == model_dtype
     codes, scales, _ = layer.unpack()
     assert scales.dtype == torch.bfloat16 and torch.equal(codes.long(), q)
     u, top, zero = 2**-8, (m + 15 * d).abs(), (m + 8 * d).abs()
@@ -86,28 +90,51 @@ def test_int4_q4_1_blocks_in_bfloat16_up_to_rounding():
     assert (err <= tol.repeat_interleave(32, 1)).all()
 
 
-def test_int4_general_weights_within_half_a_step():
+def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What a layer with bfloat16 activations computes: x rounded to bfloat16, float32 sums, output rounded."""
+    y = F.linear(x.bfloat16().float(), w.float()).bfloat16().float()
+    return y if bias is None else y + bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, None])
+def test_int4_general_weights_within_half_a_step(dtype):
+    """Both activation dtypes (None: the default, bfloat16 on CPU): the weights within half a quantisation
+    step (plus the scale's own rounding), the forward = those weights times the input in that dtype."""
     w = torch.randn(48, 128)
-    layer = Int4Linear.from_linear(linear_from(w, bias=True), 64)
-    _, scales, _ = layer.unpack()
-    err = (layer.dequantize() - w).abs()
-    assert (err <= scales.repeat_interleave(64, 1) * 0.5 + 1e-5).all()
+    layer = Int4Linear.from_linear(linear_from(w, bias=True), 64, dtype)
+    codes, scales, mins = layer.unpack()
+    assert scales.dtype == (dtype or torch.bfloat16)
+    deq = codes.float() * scales.float().repeat_interleave(64, 1) + mins.float().repeat_interleave(64, 1)
+    u = torch.finfo(scales.dtype).eps
+    assert ((deq - w).abs() <= scales.float().repeat_interleave(64, 1) * (0.5 + 16 * u) + 8 * u).all()
     x = torch.randn(2, 3, 128)  # leading dims and a bias, as nn.Linear takes them
     lin = linear_from(w, bias=True)
     layer.bias.data.copy_(lin.bias)
-    assert torch.allclose(layer(x), F.linear(x, layer.dequantize(), lin.bias), atol=1e-4)
+    ref = F.linear(x, deq, lin.bias) if dtype else bf16_linear(x, deq, lin.bias)
+    assert torch.allclose(layer(x), ref, atol=1e-4) if dtype else \
+        torch.allclose(layer(x), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())  # bfloat16 output
 
 
 def test_int8_per_channel():
     w = torch.randn(40, 72) * torch.linspace(0.1, 3, 40)[:, None]
     lin = linear_from(w, bias=True)
-    layer = Int8Linear.from_linear(lin)
-    assert layer.weight_int8.dtype == torch.int8 and layer.scales.shape == (40,)
-    assert torch.allclose(layer.scales, w.abs().amax(1) / 127)
-    assert ((layer.weight - w).abs() <= layer.scales[:, None] * 0.5 + 1e-6).all()
+    exact = Int8Linear.from_linear(lin, dtype=torch.float32)
+    assert exact.weight_int8.dtype == torch.int8 and exact.scales.shape == (40,)
+    assert torch.allclose(exact.scales, w.abs().amax(1) / 127)
+    assert ((exact.weight - w).abs() <= exact.scales[:, None] * 0.5 + 1e-6).all()
     x = torch.randn(3, 72)
-    assert torch.allclose(layer(x), F.linear(x, layer.weight, lin.bias), atol=1e-4)
-    assert torch.allclose(layer(x), lin(x), rtol=0, atol=0.02 * lin(x).abs().max().item())
+    assert torch.allclose(exact(x), F.linear(x, exact.weight, lin.bias), atol=1e-4)
+    assert torch.allclose(exact(x), lin(x), rtol=0, atol=0.02 * lin(x).abs().max().item())
+    with pytest.raises(ValueError, match="not a multiple of 16"):  # the bfloat16 kernel would read garbage
+        Int8Linear.from_linear(lin)
+    lin = linear_from(torch.randn(40, 80), bias=True)
+    fast = Int8Linear.from_linear(lin)  # the default on CPU: bfloat16 scales and activations
+    x = torch.randn(3, 80)
+    assert fast.scales.dtype == torch.bfloat16 and fast(x).dtype == torch.float32
+    deq = fast.weight_int8.float() * fast.scales.float()[:, None]
+    assert ((deq - lin.weight).abs() <= fast.scales.float()[:, None] * 0.51).all()
+    ref = bf16_linear(x, deq, lin.bias)
+    assert torch.allclose(fast(x), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())
 
 
 needs_fbgemm = pytest.mark.skipif(fp16_unavailable("cpu") is not None, reason=str(fp16_unavailable("cpu")))
@@ -406,7 +433,9 @@ def test_engine_shortlist_reads_the_quantized_head():
     quantize_model(model, "int8")
     model.micro_vocab = torch.arange(2, 50)
     engine = Engine(model)
-    assert torch.equal(engine.short_head, model.base.lm_head.dequantize()[2:50])
+    rows = model.base.lm_head.dequantize()[2:50].float()
+    short = engine.short_head if engine._short is None else engine._short.dequantize()  # fp16-packed: exact
+    assert torch.equal(short, rows)
     out = engine.generate([[5, 6, 7]], max_new_tokens=8)
     assert len(out.tokens[0]) == 8
 
@@ -496,9 +525,16 @@ def test_default_q4_1_base_is_exact_in_int4():
     model, _ = load_model("SmolLM2-135M-Instruct")
     floats = {n: m.weight.detach().clone() for n, m in model.base.named_modules()
               if isinstance(m, nn.Linear) and not n.endswith("lm_head")}
-    quantize_model(model.base, "int4")
+    exact, fast = copy.deepcopy(model.base), model.base
+    quantize_model(exact, "int4", act_dtype=torch.float32)
+    quantize_model(fast, "int4")  # the default on CPU: bfloat16 scales and zeros
     for name, w in floats.items():
-        layer = model.base.get_submodule(name)
-        _, scales, _ = layer.unpack()
+        layer = exact.get_submodule(name)
+        codes, scales, _ = layer.unpack()
         err = (layer.dequantize() - w).abs().max()
         assert err < 1e-3 * scales.min() + 1e-6, name
+        # bfloat16: the same codes nearly everywhere, the weights up to the scale's and zero's rounding
+        fcodes, fscales, fmins = fast.get_submodule(name).unpack()
+        assert (fcodes == codes).float().mean() > 0.999, name
+        deq = fcodes.float() * fscales.float().repeat_interleave(32, 1) + fmins.float().repeat_interleave(32, 1)
+        assert ((deq - w).abs() <= 2**-7 * (w.abs() + 16 * scales.repeat_interleave(32, 1))).all(), name

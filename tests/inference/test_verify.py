@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -174,11 +175,12 @@ def test_verify_drafts_only_while_few_rows_decode():
                                                  eos_token_ids=set())
     assert alone.tokens == expected[:1] and alone.stats.drafted_tokens > 0
     # "auto": no drafts with float weights on a CPU (a pass of 2-3 positions costs 1.5-1.9x one there), DRAFT_ROWS
-    # with fp16-packed ones (1.03-1.08x)
+    # with packed ones (fp16: 1.03-1.08x; int8/int4 in bfloat16)
     assert Engine(model).draft_rows == 0
-    if fp16_unavailable("cpu") is None:
-        quantize_model(model.base, "fp16")
-        assert Engine(model).draft_rows == DRAFT_ROWS
+    for scheme in ("int4", "fp16") if fp16_unavailable("cpu") is None else ("int4",):
+        packed = copy.deepcopy(model)
+        quantize_model(packed.base, scheme)
+        assert Engine(packed).draft_rows == DRAFT_ROWS, scheme
     for bad in (-1, 1.5, True, "2", "all"):
         with pytest.raises(HamburgerError, match="draft_rows"):
             Engine(model, draft_rows=bad)

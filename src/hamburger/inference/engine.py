@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from hamburger.errors import HamburgerError
 from hamburger.inference.core import Limits, MicroContext, macro_step, micro_context
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
-from hamburger.inference.qlinear import Fp16Linear, Fp16Weights
+from hamburger.inference.qlinear import Fp16Linear, QuantizedLinear, fp16_unavailable
 from hamburger.inference.reference import (
     Generation,
     GenerationOutput,
@@ -45,11 +45,12 @@ ENGINES = ("auto", "fast", "reference")
 
 
 def auto_draft_rows(model: HamburgerModel) -> int:
-    """`draft_rows` "auto": DRAFT_ROWS on a GPU and on a CPU with fp16-packed weights (a pass of 4 positions costs
-    1.08x one of 1 there), 0 on a CPU with float32/bfloat16 weights (2 positions 1.55x, 3 positions 1.92x: torch's
-    small CPU matmuls run row by row) or int8/int4 ones (not measured)."""
+    """`draft_rows` "auto": DRAFT_ROWS on a GPU and on a CPU with packed weights (fp16: a pass of 4 positions costs
+    1.08x one of 1; int8/int4 with bfloat16 activations: verify mode 1.65-1.68x its base at batch 1, docs/quantize.md),
+    0 on a CPU with float32/bfloat16 weights (2 positions 1.55x, 3 positions 1.92x: torch's small CPU matmuls run row
+    by row)."""
     device = next(model.parameters()).device
-    if device.type != "cpu" or any(isinstance(m, Fp16Weights) for m in model.base.modules()):
+    if device.type != "cpu" or any(isinstance(m, QuantizedLinear) for m in model.base.modules()):
         return DRAFT_ROWS
     return 0
 
@@ -127,8 +128,9 @@ class Engine:
         if self.vocab is not None:
             self.vocab = self.vocab.to(next(model.parameters()).device)
             head = model.base.get_output_embeddings()
-            self.short_head = head.weight[self.vocab].contiguous()
-            if isinstance(head, Fp16Linear):  # packed like the LM head (the int8/int4 kernels: slower than float)
+            self.short_head = head.weight[self.vocab].to(next(model.parameters()).dtype).contiguous()
+            if isinstance(head, QuantizedLinear) and fp16_unavailable(self.short_head.device) is None:
+                # A quantized head's rows packed as fp16 (exact for int8/int4 weights with bfloat16 scales)
                 self._short, self.short_head = Fp16Linear(self.short_head), None
         self.base = model.base.base_model
         self.k = model.config.max_step_tokens

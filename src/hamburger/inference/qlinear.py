@@ -10,7 +10,6 @@ from torch import nn
 
 from hamburger.inference import compiled_ops
 
-_PROBE = {"cpu": torch.float32, "cuda": torch.bfloat16}  # dtype of the identity used to read int4 codes back
 
 
 # --- the quantization arithmetic (pure functions) ------------------------------------------------------------
@@ -63,6 +62,25 @@ def fp16_unavailable(device: torch.device | str) -> str | None:
                 "or bfloat16 instead")
     if "fbgemm" not in torch.backends.quantized.supported_engines:
         return "this PyTorch build has no FBGEMM (x86 CPUs only)"
+    return None
+
+
+def int_kernel_dtype(device: torch.device | str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the activations (and of the scales) the int8/int4 kernels multiply with by default.
+
+    bfloat16 on CPU, whatever the model's dtype: PyTorch's CPU int8/int4 kernels are vectorized for bfloat16
+    inputs only; float32 and float16 inputs take a scalar loop, 20-40x slower (docs/quantize.md). The layer
+    converts its input to bfloat16 and its output back, so the rest of the model keeps its dtype. On CUDA the
+    model's dtype (the int4 kernel takes bfloat16 only, checked where the layer is made).
+    """
+    return torch.bfloat16 if torch.device(device).type == "cpu" else model_dtype
+
+
+def int8_unfit(in_features: int, device: torch.device | str, dtype: torch.dtype) -> str | None:
+    """Why the int8 kernel cannot take a layer (None if it can). Its CPU bfloat16 path reads garbage or crashes
+    when in_features is not a multiple of 16 (measured on torch 2.13, AVX-512)."""
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and in_features % 16:
+        return f"in_features {in_features} is not a multiple of 16 (the CPU int8 kernel in bfloat16)"
     return None
 
 
@@ -120,14 +138,19 @@ class Int8Linear(QuantizedLinear):
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(q.shape[1], q.shape[0], bias)
-        self.register_buffer("weight_int8", q.to(torch.int8).contiguous())
-        self.register_buffer("scales", scales.contiguous())
+        if (why := int8_unfit(q.shape[1], q.device, scales.dtype)) is not None:
+            raise ValueError(why)
+        # Own, freshly allocated copies: the bfloat16 kernel crashes (segmentation fault) on weights that are not
+        # aligned, as tensors read from a safetensors file can be.
+        self.register_buffer("weight_int8", q.to(torch.int8).clone(memory_format=torch.contiguous_format))
+        self.register_buffer("scales", scales.clone(memory_format=torch.contiguous_format))
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 0) -> Int8Linear:
+    def from_linear(cls, linear: nn.Linear, group_size: int = 0, dtype: torch.dtype | None = None) -> Int8Linear:
+        """dtype: of the scales and so of the activations (default `int_kernel_dtype`)."""
         w = linear.weight
         _check_device(w.device)
-        q, scales = int8_weights(w, w.dtype)
+        q, scales = int8_weights(w, dtype or int_kernel_dtype(w.device, w.dtype))
         return cls(q, scales, linear.bias)
 
     @property
@@ -183,9 +206,11 @@ class Int4Linear(QuantizedLinear):
         self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1).contiguous())
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int) -> Int4Linear:
+    def from_linear(cls, linear: nn.Linear, group_size: int, dtype: torch.dtype | None = None) -> Int4Linear:
+        """dtype: of the scales and zeros and so of the activations (default `int_kernel_dtype`); codes are
+        computed against the scales rounded to it."""
         w = linear.weight
-        q, scales, mins = int4_weights(w, group_size, w.dtype)
+        q, scales, mins = int4_weights(w, group_size, dtype or int_kernel_dtype(w.device, w.dtype))
         return cls(q, scales, mins, group_size, linear.bias)
 
     @property
@@ -209,7 +234,7 @@ class Int4Linear(QuantizedLinear):
         Layout-agnostic: the kernel itself multiplies an identity with scale 1 and zero 8, so it returns
         (q - 8) + 8 = q for every weight, exactly.
         """
-        dtype = _PROBE[self.packed_for]
+        dtype = torch.bfloat16  # codes 0..15 times an identity: exact, and the kernels' fast path on CPU and CUDA
         sz = self.scales_and_zeros
         probe = torch.stack([torch.ones_like(sz[..., 0]), torch.full_like(sz[..., 0], 8)], -1).to(dtype)
         eye = torch.eye(self.in_features, dtype=dtype, device=sz.device)
@@ -275,7 +300,9 @@ class Fp16Linear(Fp16Weights):
         self.key = compiled_ops.register_fp16(self)  # names the packed weights inside a compiled pass
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, group_size: int = 0) -> Fp16Linear:
+    def from_linear(cls, linear: nn.Linear, group_size: int = 0, dtype: torch.dtype | None = None) -> Fp16Linear:
+        if dtype not in (None, torch.float32):
+            raise ValueError(f"fp16 packed weights compute in float32, not {dtype}")
         return cls(linear.weight, linear.bias)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:

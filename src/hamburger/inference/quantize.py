@@ -43,14 +43,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from hamburger.inference.qlinear import MODULES, QuantizedLinear, carry_hooks, fp16_unavailable, fuse_fp16
+from hamburger.inference.qlinear import (MODULES, QuantizedLinear, carry_hooks, fp16_unavailable, fuse_fp16,
+                                         int8_unfit, int_kernel_dtype)
 
 SCHEMES = ("none", "fp16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
 # Parts of a HamburgerModel left in float by default: small, and the stop head's decisions are thresholded.
 DEFAULT_SKIP = ("embedder", "stop_head", "draft_stop_head", "slot_adapters")
 CACHE_FORMAT = "hamburger-quantized"
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: int8/int4 scales in bfloat16 on CPU
 
 # --- planning and swapping ----------------------------------------------------------------------------------
 
@@ -86,6 +87,8 @@ def _why_not(linear: nn.Linear, scheme: str, group_size: int) -> str | None:
         return f"no packed kernel on {device.type}"
     if scheme == "fp16":
         return fp16_unavailable(device)
+    if scheme == "int8":
+        return int8_unfit(k, device, int_kernel_dtype(device, linear.weight.dtype))
     if scheme == "int4":
         if k % group_size:
             return f"in_features {k} is not a multiple of the group size {group_size}"
@@ -177,7 +180,7 @@ def _summary(scheme: str, group_size: int, head: str | None, plan: dict, before:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head: str | None = None,
-                   skip: tuple[str, ...] = DEFAULT_SKIP, fuse: bool = True) -> dict:
+                   skip: tuple[str, ...] = DEFAULT_SKIP, fuse: bool = True, act_dtype: torch.dtype | None = None) -> dict:
     """Swap the model's nn.Linear layers for weight-only quantized ones, in place.
 
     scheme: "none" (nothing changes), "fp16", "int8" or "int4"; group_size: int4 group (32, 64, 128 or 256; checked
@@ -186,7 +189,9 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
     embedder, stop head and slot adapters). Layers the kernels cannot take (in_features not a multiple of
     the group, out_features not a multiple of 16 for CPU int4) stay float and are counted as skipped.
     fuse: fp16 layers that read one input (q/k/v, gate/up) share one GEMM (`qlinear.fuse_fp16`; False keeps
-    them apart, for measuring what fusing gives). Quantizing again with the same settings changes nothing; with other settings it raises ValueError.
+    them apart, for measuring what fusing gives). act_dtype: the activations' (and scales') dtype of int8/int4
+    layers; None = `qlinear.int_kernel_dtype` (bfloat16 on CPU, the kernels' fast path; torch.float32 there
+    is exact for Q4_1 weights but 20-40x slower). Quantizing again with the same settings changes nothing; with other settings it raises ValueError.
 
     Returns a summary: layers quantized / already_quantized / skipped (with reasons) / excluded, and the
     bytes of the whole model and of the quantized layers before and after.
@@ -197,7 +202,8 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
     linear_before = _linear_bytes(model, plan["todo"])
     for name, want in plan["todo"].items():
         linear = model.get_submodule(name)
-        _swap(model, name, MODULES[want].from_linear(linear, group_size))
+        dtype = act_dtype if want in ("int8", "int4") else None
+        _swap(model, name, MODULES[want].from_linear(linear, group_size, dtype))
     if fuse:
         fuse_fp16(model)
     return _summary(scheme, group_size, head, plan, before, model_bytes(model), linear_before,
@@ -257,11 +263,12 @@ def load_quantized(model: nn.Module, path: str | Path, scheme: str, group_size: 
         t = by_layer[name]
         shape = {"fp16": lambda: tuple(t["w16"].shape), "int8": lambda: tuple(t["q"].shape),
                  "int4": lambda: (t["q4"].shape[0], t["q4"].shape[1] * 2)}[want]()
-        # fp16 stores its float16 weights for a model of any dtype; int8/int4 keep scales in the model's
-        dtype = linear.weight.dtype if want == "fp16" else (t["scales"] if want == "int8" else t["scales_and_zeros"]).dtype
-        if shape != (linear.out_features, linear.in_features) or dtype != linear.weight.dtype:
-            raise ValueError(f"{path}: layer {name} is stored as {shape} {dtype}, the model has "
-                             f"({linear.out_features}, {linear.in_features}) {linear.weight.dtype}")
+        # fp16 stores its float16 weights for a model of any dtype; int8/int4 keep scales in the kernels' dtype
+        want_dtype = int_kernel_dtype(linear.weight.device, linear.weight.dtype)
+        dtype = want_dtype if want == "fp16" else (t["scales"] if want == "int8" else t["scales_and_zeros"]).dtype
+        if shape != (linear.out_features, linear.in_features) or dtype != want_dtype:
+            raise ValueError(f"{path}: layer {name} is stored as {shape} {dtype}, the model wants "
+                             f"({linear.out_features}, {linear.in_features}) {want_dtype}")
         new[name] = MODULES[want].from_portable(t, linear.weight.device, group)
     before = model_bytes(model)
     linear_before = _linear_bytes(model, plan["todo"])
