@@ -50,6 +50,24 @@ def test_info(capsys, checkpoint, tiny_model_dir):
     assert "a base model" in capsys.readouterr().out
 
 
+def test_quantize_another_scheme_on_the_lm_head(capsys, checkpoint):
+    """SCHEME/HEAD: int4 projections with an int8 LM head, through generate and info."""
+    from hamburger.cli import build_parser, load_from_args
+    from hamburger.inference.qlinear import Int4Linear, Int8Linear
+
+    info = run_json(capsys, "info", "--model", str(checkpoint), "--json", "--quantize", "int4/int8")
+    assert info["quantize"] == "int4/int8" and info["group_size"] == 32
+    args = build_parser().parse_args(["generate", "x", "--model", str(checkpoint), "--quantize", "int4/int8"])
+    model, _ = load_from_args(args)
+    assert type(model.base.get_output_embeddings()) is Int8Linear
+    assert type(model.base.model.layers[0].mlp.down_proj) is Int4Linear
+    line = next(s for s in capsys.readouterr().err.splitlines() if s.startswith("quantize:"))
+    assert line.startswith("quantize: int4 (groups of 32), LM head int8: ")
+    assert main(["generate", "w5 w6", "--model", str(checkpoint), "--max-new-tokens", "4", "--quantize",
+                 "none/int8", "--json"]) == 0  # the head alone
+    assert "quantize: none, LM head int8: 1 linear layers" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args,message", [
     (["generate", "", "--model", "MODEL"], "prompt is empty"),
     (["generate", "   ", "--model", "MODEL"], "prompt is empty"),
@@ -196,7 +214,9 @@ def test_info_quantized(capsys, checkpoint):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--quantize", "int3"], "--quantize must be one of none, fp16, int8, int4, got 'int3'"),
+    (["--quantize", "int3"], "--quantize must be one of none, fp16, int8, int4 (or SCHEME/HEAD"),
+    (["--quantize", "int4/int3"], "got 'int4/int3'"),
+    (["--quantize", "int4/int8/int8"], "--quantize must be one of"),
     (["--quantize", "int8,int4"], "--quantize must be one of"),  # a comma list is bench's
     (["--quantize", "int4", "--group-size", "48"], "group_size must be one of (32, 64, 128, 256)"),
     (["--group-size", "0"], "group_size must be one of"),

@@ -58,27 +58,41 @@ def add_quantize_args(parser: argparse.ArgumentParser, many: bool = False) -> No
         else "{" + ",".join(SCHEMES) + "}"
     parser.add_argument("--quantize", default="none", metavar="SCHEME" + ("S" if many else ""),
                         help=f"{what}; weight-only quantization of the linear layers of the base, the micro-step "
-                        "decoder and the LM head (fp16: float16 weights packed for FBGEMM, x86 CPUs, the fastest on a CPU; "
-                        "int8: per output channel; int4: groups of --group-size), applied after loading; the "
-                        "embedder, stop head and slot adapters stay float")
+                        "decoder and the LM head (fp16: float16 weights packed for FBGEMM, x86 CPUs; "
+                        "int8: per output channel; int4: groups of --group-size; int8 and int4 compute in bfloat16 "
+                        "on CPU, the fastest there; SCHEME/HEAD, e.g. int4/int8, puts another scheme on the LM "
+                        "head), applied after loading; the embedder, stop head and slot adapters stay float")
     parser.add_argument("--group-size", type=int, default=32, metavar="N",
                         help=f"int4: input weights per scale and zero, one of {', '.join(map(str, GROUP_SIZES))} "
                         "(32 = GGUF Q4_1's blocks)")
 
 
+def split_scheme(spec: str) -> tuple[str, str | None]:
+    """"int4" -> ("int4", None); "int4/int8" -> ("int4", "int8"): the layers' scheme and the LM head's (None: the
+    same)."""
+    scheme, _, head = spec.partition("/")
+    return scheme, (head or None)
+
+
 def parse_schemes(text: str, many: bool = False) -> list[str]:
-    """--quantize's value: one scheme (or, with `many`, a comma list without repeats), checked."""
+    """--quantize's value: one scheme spec (or, with `many`, a comma list without repeats), checked. A spec is a
+    scheme, or SCHEME/HEAD for another scheme on the LM head (e.g. int4/int8)."""
     from hamburger.inference.quantize import SCHEMES
 
-    schemes = [s.strip() for s in str(text).split(",")] if many else [str(text).strip()]
-    if not schemes or any(s not in SCHEMES for s in schemes):
+    specs = [s.strip() for s in str(text).split(",")] if many else [str(text).strip()]
+    parts = [p for spec in specs for p in ([spec] if spec.count("/") != 1 else spec.split("/"))]
+    if not specs or any(p not in SCHEMES for p in parts):
         kind = "a comma list from" if many else "one of"
-        raise HamburgerError(f"--quantize must be {kind} {', '.join(SCHEMES)}, got {text!r}")
-    return list(dict.fromkeys(schemes))
+        raise HamburgerError(f"--quantize must be {kind} {', '.join(SCHEMES)} (or SCHEME/HEAD, e.g. int4/int8: "
+                             f"another scheme for the LM head), got {text!r}")
+    return list(dict.fromkeys(specs))
 
 
-def check_quantize(scheme: str, group_size: int, device, dtype) -> None:
+def check_quantize(spec: str, group_size: int, device, dtype) -> None:
     """Refuse, before any loading, what the packed kernels cannot run: a HamburgerError naming the fix."""
+    scheme, head = split_scheme(spec)
+    if head is not None:
+        check_quantize(head, group_size, device, dtype)
     from hamburger.inference.quantize import check_args
 
     try:
@@ -102,13 +116,14 @@ def check_quantize(scheme: str, group_size: int, device, dtype) -> None:
                              f"{str(dtype).removeprefix('torch.')}: add --dtype bfloat16, or use --quantize int8")
 
 
-def quantize_loaded(model, scheme: str, group_size: int = 32, quiet: bool = False) -> dict | None:
+def quantize_loaded(model, spec: str, group_size: int = 32, quiet: bool = False) -> dict | None:
     """Quantize a loaded HamburgerModel in place (base, micro-step decoder, LM head); one line on stderr.
 
     Quantizes afresh every time (about a second for the 135M default): the disk cache of
     `quantize.quantize_cached` saves little here and its first int4 write reads every layer back through
-    the kernel (minutes on a CPU). Returns the summary of `quantize.quantize_model` (None for "none") with
-    `layers` (quantized layers per top module: base, micro) added.
+    the kernel (minutes on a CPU). `spec`: a scheme, or SCHEME/HEAD (`split_scheme`). Returns the summary of
+    `quantize.quantize_model` (None when nothing is quantized) with `layers` (quantized layers per top module:
+    base, micro) added.
     """
     import torch
 
@@ -118,21 +133,22 @@ def quantize_loaded(model, scheme: str, group_size: int = 32, quiet: bool = Fals
         quantize_model,
     )
 
-    if scheme == "none":
+    scheme, head = split_scheme(spec)
+    if scheme == "none" and head in (None, "none"):
         return None
     param = next(model.parameters())
-    check_quantize(scheme, group_size, param.device, param.dtype)
+    check_quantize(spec, group_size, param.device, param.dtype)
     if model.config.lora_rank:
         model.merge_lora()  # the LoRA deltas go into the base weights first: the kernels take plain weights
     # A plain base (one token per step) never runs its placeholder micro-step decoder: it stays as it is.
     skip = DEFAULT_SKIP + (("micro",) if model.config.max_step_tokens == 1 else ())
     try:
-        summary = quantize_model(model, scheme, group_size, skip=skip)
+        summary = quantize_model(model, scheme, group_size, head=head, skip=skip)
     except ValueError as exc:
-        raise HamburgerError(f"--quantize {scheme}: {exc}") from None
+        raise HamburgerError(f"--quantize {spec}: {exc}") from None
     if not summary["quantized"]:
         reasons = sorted(set(summary["skipped_layers"].values()))
-        raise HamburgerError(f"--quantize {scheme}" + (f" --group-size {group_size}" if scheme == "int4" else "")
+        raise HamburgerError(f"--quantize {spec}" + (f" --group-size {group_size}" if "int4" in spec else "")
                              + ": no linear layer of this model fits the kernels"
                              + (f" ({reasons[0]})" if reasons else ""))
     layers: dict[str, int] = {}
@@ -159,9 +175,10 @@ def quantize_loaded(model, scheme: str, group_size: int = 32, quiet: bool = Fals
 def describe_quantization(summary: dict) -> str:
     """One line: scheme, layers (per module), skipped layers, weight MB before -> after."""
     mb = 2**20
-    group = f" (groups of {summary['group_size']})" if summary["scheme"] == "int4" else ""
+    group = f" (groups of {summary['group_size']})" if "int4" in (summary["scheme"], summary["head"]) else ""
+    head = f", LM head {summary['head']}" if summary["head"] != summary["scheme"] else ""
     parts = ", ".join(f"{name} {count}" for name, count in summary.get("layers", {}).items())
-    line = f"{summary['scheme']}{group}: {summary['quantized']} linear layers ({parts})"
+    line = f"{summary['scheme']}{group}{head}: {summary['quantized']} linear layers ({parts})"
     if summary["skipped"]:
         line += f", {summary['skipped']} left float ({next(iter(summary['skipped_layers'].values()))})"
     before, after = summary["linear_bytes_before"] / mb, summary["linear_bytes_after"] / mb
@@ -321,7 +338,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     }
     if summary is not None:
         after = model_bytes(model) if trained else model_bytes(model.base)
-        info.update(quantize=scheme, group_size=args.group_size if scheme == "int4" else None,
+        info.update(quantize=scheme, group_size=args.group_size if "int4" in scheme else None,
                     quantized_layers=summary["layers"], quantized_weights_mb=round(after / 2**20, 1))
     if trained:
         info.update(micro_layers=cfg.micro_layers, feature_layers=cfg.feature_layers,

@@ -228,7 +228,7 @@ def test_fp16_fuses_sibling_projections_into_one_gemm(monkeypatch):
     fused = tiny_llama()
     summary = quantize_model(fused, "fp16")
     attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
-    assert all(isinstance(m, qlinear.Fp16Part) for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.up_proj))
+    assert all(isinstance(m, qlinear.FusedPart) for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.up_proj))
     assert attn.q_proj.group is attn.v_proj.group is not mlp.gate_proj.group
     assert isinstance(attn.o_proj, Fp16Linear) and isinstance(mlp.down_proj, Fp16Linear)
     assert summary["quantized"] == 15 and summary["linear_bytes_after"] * 2 == summary["linear_bytes_before"]
@@ -254,7 +254,30 @@ def test_fp16_fuses_sibling_projections_into_one_gemm(monkeypatch):
     model = hamburger("llama", k=4)
     quantize_model(model, "fp16", skip=())
     assert type(model.embedder.q_proj) is Fp16Linear and type(model.embedder.k_proj) is Fp16Linear
-    assert isinstance(model.base.model.layers[0].self_attn.q_proj, qlinear.Fp16Part)
+    assert isinstance(model.base.model.layers[0].self_attn.q_proj, qlinear.FusedPart)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_int_schemes_fuse_sibling_projections_too(tmp_path, scheme):
+    """int8/int4: q/k/v and gate/up become parts of one kernel call each, with the same logits, bytes and disk
+    cache tensors as the unfused layers (each output row is quantized on its own, so concatenating rows is exact)."""
+    ids = torch.randint(2, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    unfused, fused = tiny_llama(), tiny_llama()
+    before = quantize_model(unfused, scheme, fuse=False)
+    after = quantize_model(fused, scheme)
+    attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
+    assert isinstance(attn.q_proj, qlinear.FusedPart) and attn.q_proj.scheme == scheme
+    assert attn.q_proj.group is attn.v_proj.group is not mlp.gate_proj.group
+    assert type(attn.o_proj) is qlinear.MODULES[scheme] and type(mlp.down_proj) is qlinear.MODULES[scheme]
+    assert abs(after["linear_bytes_after"] - before["linear_bytes_after"]) <= 16  # the parts' shares, rounded down
+    assert torch.equal(logits(fused, ids), logits(unfused, ids))
+    assert torch.equal(attn.k_proj.dequantize(), unfused.model.layers[0].self_attn.k_proj.dequantize())
+    path = tmp_path / "q.safetensors"
+    qz.save_quantized(fused, path)
+    again = tiny_llama()
+    qz.load_quantized(again, path, scheme)
+    assert isinstance(again.model.layers[0].self_attn.q_proj, qlinear.FusedPart)
+    assert torch.equal(logits(again, ids), logits(unfused, ids))
 
 
 @needs_fbgemm
@@ -272,7 +295,7 @@ def test_fp16_fused_projections_keep_biases_and_outputs(arch):
     quantize_model(unfused, "fp16", fuse=False)
     quantize_model(fused, "fp16")
     attn = fused.model.layers[0].self_attn
-    assert isinstance(attn.q_proj, qlinear.Fp16Part) and (attn.q_proj.bias is not None) == (arch == "qwen2")
+    assert isinstance(attn.q_proj, qlinear.FusedPart) and (attn.q_proj.bias is not None) == (arch == "qwen2")
     ref = logits(unfused, ids)
     assert (logits(fused, ids) - ref).abs().max() <= 4e-6 * ref.abs().max()
 
@@ -336,7 +359,7 @@ def test_tied_head_and_float_embedding():
     # A different head scheme (e.g. int8 for a head that came from Q8_0).
     model = tiny_llama()
     quantize_model(model, "int4", head="int8")
-    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.layers[0].mlp.up_proj, Int4Linear)
+    assert isinstance(model.lm_head, Int8Linear) and isinstance(model.model.layers[0].mlp.down_proj, Int4Linear)
     model = tiny_llama()
     quantize_model(model, "int4", head="none")
     assert type(model.lm_head) is nn.Linear
@@ -414,7 +437,7 @@ def test_hamburger_model_engine_equals_reference_path_when_quantized():
     assert summary["quantized"] == n_base + n_micro + 1
     assert all(type(m) is nn.Linear for m in model.stop_head.modules() if isinstance(m, nn.Linear))
     q_proj = model.base.model.layers[0].self_attn.q_proj
-    assert isinstance(q_proj, Int4Linear) and len(q_proj._forward_hooks) == 0
+    assert isinstance(q_proj, qlinear.FusedPart) and q_proj.scheme == "int4" and len(q_proj._forward_hooks) == 0
     with model.slot_adapters.gated(torch.ones(1, 1, dtype=torch.bool)):
         assert len(q_proj._forward_hooks) == 1
     assert len(q_proj._forward_hooks) == 0

@@ -84,6 +84,14 @@ def int8_unfit(in_features: int, device: torch.device | str, dtype: torch.dtype)
     return None
 
 
+def _cat_bias(parts: list[QuantizedLinear]) -> torch.Tensor | None:
+    """The parts' biases end to end (zeros for a part without one); None if none has one."""
+    ref = next((p.bias for p in parts if p.bias is not None), None)
+    if ref is None:
+        return None
+    return torch.cat([p.bias.detach() if p.bias is not None else ref.new_zeros(p.out_features) for p in parts])
+
+
 def _check_device(device: torch.device) -> None:
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"weight-only quantization has packed kernels for cpu and cuda only, not {device.type!r}")
@@ -125,6 +133,17 @@ class QuantizedLinear(nn.Module):
     def portable(self) -> dict[str, torch.Tensor]:
         """Device-independent CPU tensors that `from_portable` turns back into this module bit for bit."""
         raise NotImplementedError
+
+    @classmethod
+    def concat(cls, parts: list[QuantizedLinear]) -> QuantizedLinear:
+        """One layer of this class whose output rows are the parts' in order, each exactly as the part had them
+        (every scheme here quantizes an output row independently of the others)."""
+        raise NotImplementedError
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes of the weights the kernel reads (buffers, or the packed object), without the bias."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())
 
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.group_size else ""
@@ -172,6 +191,10 @@ class Int8Linear(QuantizedLinear):
     @classmethod
     def from_portable(cls, t: dict[str, torch.Tensor], device: torch.device, group_size: int = 0) -> Int8Linear:
         return cls(t["q"].to(device), t["scales"].to(device), t["bias"].to(device) if "bias" in t else None)
+
+    @classmethod
+    def concat(cls, parts: list[Int8Linear]) -> Int8Linear:
+        return cls(torch.cat([p.weight_int8 for p in parts]), torch.cat([p.scales for p in parts]), _cat_bias(parts))
 
 
 def _inner_k_tiles(k: int) -> int:
@@ -263,6 +286,13 @@ class Int4Linear(QuantizedLinear):
         module.scales_and_zeros.copy_(sz)  # exactly the stored (scale, zero), not re-derived through the min
         return module
 
+    @classmethod
+    def concat(cls, parts: list[Int4Linear]) -> Int4Linear:
+        unpacked = [p.unpack() for p in parts]
+        module = cls(*(torch.cat([u[i] for u in unpacked]) for i in range(3)), parts[0].group_size, _cat_bias(parts))
+        module.scales_and_zeros.copy_(torch.cat([p.scales_and_zeros for p in parts], 1))  # exactly the parts'
+        return module
+
 
 class Fp16Weights(QuantizedLinear):
     """What every fp16 layer shares: float32 compute, two bytes a weight, and the disk cache's float16 tensors."""
@@ -277,6 +307,10 @@ class Fp16Weights(QuantizedLinear):
     def packed_nbytes(self) -> int:
         """Bytes of the packed weights (an opaque object, not a buffer)."""
         return self.in_features * self.out_features * 2
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.packed_nbytes
 
     def portable(self) -> dict[str, torch.Tensor]:
         out = {"w16": self.dequantize().half()}
@@ -322,23 +356,25 @@ class Fp16Linear(Fp16Weights):
     def from_portable(cls, t: dict[str, torch.Tensor], device: torch.device, group_size: int = 0) -> Fp16Linear:
         return cls(t["w16"].to(device).float(), t["bias"].to(device) if "bias" in t else None)
 
+    @classmethod
+    def concat(cls, parts: list[Fp16Linear]) -> Fp16Linear:
+        bias = _cat_bias(parts)  # the float16 values: packing again rounds nothing
+        return cls(torch.cat([p.dequantize() for p in parts]), None if bias is None else bias.float())
 
-class Fp16Group:
-    """One packed float16 GEMM for sibling projections that read the same input: a decoder layer's q/k/v, or its
-    MLP's gate/up. Fewer, larger GEMMs: 90 fewer calls a base step of the default, 1.06x faster (docs/quantize.md).
-    Each sibling becomes an `Fp16Part`, so the callers (the engine's
-    `layers.project`, transformers' own attention and MLP forwards, the slot adapters' hooks) stay unchanged.
 
-    The first part called with an input computes every part's output in one GEMM; its siblings called with the
-    same tensor object take their slices without a GEMM, each once. A part asked again, or asked with another
+class FusedGroup:
+    """One kernel call for sibling projections that read the same input (a decoder layer's q/k/v, or its MLP's
+    gate/up), in any scheme: fewer, larger calls (fp16: 90 fewer a base step of the default, 1.06x faster;
+    docs/quantize.md). Each sibling becomes a `FusedPart`, so the callers (the engine's `layers.project`,
+    transformers' own attention and MLP forwards, the slot adapters' hooks) stay unchanged.
+
+    The first part called with an input computes every part's output in one call; its siblings called with the
+    same tensor object take their slices without a call, each once. A part asked again, or asked with another
     tensor, computes afresh: an input is never changed in place between its projections in these layers.
     """
 
-    def __init__(self, parts: list[Fp16Linear]) -> None:
-        weight = torch.cat([p.dequantize() for p in parts])  # the float16 values: packing again rounds nothing
-        biases = [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
-        bias = torch.cat([b.detach().float() for b in biases]) if any(p.bias is not None for p in parts) else None
-        self.linear = Fp16Linear(weight, bias)
+    def __init__(self, parts: list[QuantizedLinear]) -> None:
+        self.linear = type(parts[0]).concat(parts)
         ends = torch.tensor([p.out_features for p in parts]).cumsum(0).tolist()
         self.bounds = list(zip([0, *ends[:-1]], ends))
         self._x: torch.Tensor | None = None
@@ -356,15 +392,29 @@ class Fp16Group:
         return out
 
 
-class Fp16Part(Fp16Weights):
-    """One projection of an `Fp16Group`: the forward, weights, bias and cache tensors of the `Fp16Linear` it
+class FusedPart(QuantizedLinear):
+    """One projection of a `FusedGroup`: the forward, weights, bias, byte count and cache tensors of the layer it
     replaces (so the disk cache and the byte counts see the same layers as before fusion)."""
 
-    def __init__(self, group: Fp16Group, index: int, bias: torch.Tensor | None) -> None:
+    def __init__(self, group: FusedGroup, index: int, bias: torch.Tensor | None) -> None:
         start, end = group.bounds[index]
-        super().__init__(group.linear.in_features, end - start, bias)
+        super().__init__(group.linear.in_features, end - start, bias, group.linear.group_size)
         self.__dict__["group"] = group  # shared by the siblings, not a submodule of each
         self.index = index
+        self.scheme = group.linear.scheme
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.group.linear.compute_dtype
+
+    @property
+    def packed_nbytes(self) -> int:
+        """This part's share of the group's weights (which are no buffer of the part's)."""
+        return self.group.linear.weight_nbytes * self.out_features // self.group.linear.out_features
+
+    @property
+    def weight_nbytes(self) -> int:
+        return self.packed_nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.part(x, self.index)
@@ -372,6 +422,15 @@ class Fp16Part(Fp16Weights):
     def dequantize(self) -> torch.Tensor:
         start, end = self.group.bounds[self.index]
         return self.group.linear.dequantize()[start:end]
+
+    def portable(self) -> dict[str, torch.Tensor]:
+        """The group's tensors cut to this part's rows (int4's scales and zeros are (K/g, N, 2): cut along N)."""
+        start, end = self.group.bounds[self.index]
+        out = {key: t[:, start:end] if key == "scales_and_zeros" else t[start:end]
+               for key, t in self.group.linear.portable().items() if key != "bias"}
+        if self.bias is not None:
+            out["bias"] = self.bias.detach().cpu()
+        return out
 
 
 def carry_hooks(old: nn.Module, new: nn.Module) -> nn.Module:
@@ -391,21 +450,24 @@ def carry_hooks(old: nn.Module, new: nn.Module) -> nn.Module:
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def fuse_fp16(model: nn.Module) -> int:
-    """Put an `Fp16Group` in place of each set of `FUSED_SIBLINGS` that are all `Fp16Linear`, in the modules of
-    transformers' own classes (the base's and the micro-step decoder's layers: they call the siblings on one
-    input). Outputs are unchanged: each output row is the same dot products. Returns the number of groups made."""
+def fuse_projections(model: nn.Module) -> int:
+    """Put a `FusedGroup` in place of each set of `FUSED_SIBLINGS` that are all quantized layers of one class and
+    settings (fp16, int8, int4), in the modules of transformers' own classes (the base's and the micro-step
+    decoder's layers: they call the siblings on one input). Outputs are unchanged: each output row is the same dot
+    products. Returns the number of groups made."""
     made = 0
     for module in model.modules():
         if not type(module).__module__.startswith("transformers."):
             continue
         for names in FUSED_SIBLINGS:
             parts = [getattr(module, n, None) for n in names]
-            if not all(type(p) is Fp16Linear for p in parts) or len({p.in_features for p in parts}) != 1:
+            kinds = {(type(p), p.in_features, p.group_size, p.compute_dtype, getattr(p, "packed_for", None))
+                     for p in parts if type(p) in MODULES.values()}
+            if len(kinds) != 1 or not all(type(p) in MODULES.values() for p in parts):
                 continue
-            group = Fp16Group(parts)
+            group = FusedGroup(parts)
             for i, (name, old) in enumerate(zip(names, parts)):
-                setattr(module, name, carry_hooks(old, Fp16Part(group, i, old.bias)))
+                setattr(module, name, carry_hooks(old, FusedPart(group, i, old.bias)))
             made += 1
     return made
 

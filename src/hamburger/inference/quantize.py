@@ -7,7 +7,8 @@ head) is swapped for a module with the same forward signature that multiplies wi
   (`quantized::linear_prepack_fp16` + `quantized::linear_dynamic_fp16`, x86 CPUs), float32 activations. At
   batch 1 a decode step reads every weight once, so halving their bytes with a kernel that streams them
   well is the CPU's largest lever (docs/quantize.md has the figures). Then each decoder layer's q/k/v and
-  gate/up share one packed GEMM (`qlinear.fuse_fp16`): fewer calls, the same outputs.
+  gate/up share one packed GEMM (`qlinear.fuse_projections`, for int8 and int4 too): fewer calls, the same
+  outputs.
 * ``int8``: per-output-channel symmetric int8, `aten._weight_int8pack_mm` (CPU and CUDA).
 * ``int4``: asymmetric group-wise 4-bit (groups of `group_size` input weights sharing a scale and a
   minimum), `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu` on CPU, and
@@ -43,7 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from hamburger.inference.qlinear import (MODULES, QuantizedLinear, carry_hooks, fp16_unavailable, fuse_fp16,
+from hamburger.inference.qlinear import (MODULES, QuantizedLinear, carry_hooks, fp16_unavailable, fuse_projections,
                                          int8_unfit, int_kernel_dtype)
 
 SCHEMES = ("none", "fp16", "int8", "int4")
@@ -188,7 +189,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
     from Q8_0), None for the same. skip: module-name prefixes left in float (default: the HAMburger
     embedder, stop head and slot adapters). Layers the kernels cannot take (in_features not a multiple of
     the group, out_features not a multiple of 16 for CPU int4) stay float and are counted as skipped.
-    fuse: fp16 layers that read one input (q/k/v, gate/up) share one GEMM (`qlinear.fuse_fp16`; False keeps
+    fuse: quantized layers that read one input (q/k/v, gate/up) share one call (`qlinear.fuse_projections`; False keeps
     them apart, for measuring what fusing gives). act_dtype: the activations' (and scales') dtype of int8/int4
     layers; None = `qlinear.int_kernel_dtype` (bfloat16 on CPU, the kernels' fast path; torch.float32 there
     is exact for Q4_1 weights but 20-40x slower). Quantizing again with the same settings changes nothing; with other settings it raises ValueError.
@@ -205,7 +206,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
         dtype = act_dtype if want in ("int8", "int4") else None
         _swap(model, name, MODULES[want].from_linear(linear, group_size, dtype))
     if fuse:
-        fuse_fp16(model)
+        fuse_projections(model)
     return _summary(scheme, group_size, head, plan, before, model_bytes(model), linear_before,
                     _linear_bytes(model, plan["todo"]))
 
@@ -274,7 +275,7 @@ def load_quantized(model: nn.Module, path: str | Path, scheme: str, group_size: 
     linear_before = _linear_bytes(model, plan["todo"])
     for name, m in new.items():
         _swap(model, name, m)
-    fuse_fp16(model)
+    fuse_projections(model)
     return _summary(scheme, group_size, head, plan, before, model_bytes(model), linear_before,
                     _linear_bytes(model, plan["todo"]))
 
