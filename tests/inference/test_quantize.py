@@ -16,6 +16,7 @@ from hamburger import HamburgerModel, generate
 from hamburger.inference import qlinear
 from hamburger.inference import quantize as qz
 from hamburger.inference.engine import Engine
+from hamburger.inference.fused import FusedPart
 from hamburger.inference.qlinear import Fp16Linear, Int4Linear, Int8Linear, QuantizedLinear, fp16_unavailable
 from hamburger.inference.quantize import quantize_cached, quantize_model
 
@@ -228,7 +229,7 @@ def test_fp16_fuses_sibling_projections_into_one_gemm(monkeypatch):
     fused = tiny_llama()
     summary = quantize_model(fused, "fp16")
     attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
-    assert all(isinstance(m, qlinear.FusedPart) for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.up_proj))
+    assert all(isinstance(m, FusedPart) for m in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.up_proj))
     assert attn.q_proj.group is attn.v_proj.group is not mlp.gate_proj.group
     assert isinstance(attn.o_proj, Fp16Linear) and isinstance(mlp.down_proj, Fp16Linear)
     assert summary["quantized"] == 15 and summary["linear_bytes_after"] * 2 == summary["linear_bytes_before"]
@@ -254,7 +255,7 @@ def test_fp16_fuses_sibling_projections_into_one_gemm(monkeypatch):
     model = hamburger("llama", k=4)
     quantize_model(model, "fp16", skip=())
     assert type(model.embedder.q_proj) is Fp16Linear and type(model.embedder.k_proj) is Fp16Linear
-    assert isinstance(model.base.model.layers[0].self_attn.q_proj, qlinear.FusedPart)
+    assert isinstance(model.base.model.layers[0].self_attn.q_proj, FusedPart)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
@@ -266,7 +267,7 @@ def test_int_schemes_fuse_sibling_projections_too(tmp_path, scheme):
     before = quantize_model(unfused, scheme, fuse=False)
     after = quantize_model(fused, scheme)
     attn, mlp = fused.model.layers[0].self_attn, fused.model.layers[0].mlp
-    assert isinstance(attn.q_proj, qlinear.FusedPart) and attn.q_proj.scheme == scheme
+    assert isinstance(attn.q_proj, FusedPart) and attn.q_proj.scheme == scheme
     assert attn.q_proj.group is attn.v_proj.group is not mlp.gate_proj.group
     assert type(attn.o_proj) is qlinear.MODULES[scheme] and type(mlp.down_proj) is qlinear.MODULES[scheme]
     assert abs(after["linear_bytes_after"] - before["linear_bytes_after"]) <= 16  # the parts' shares, rounded down
@@ -276,7 +277,7 @@ def test_int_schemes_fuse_sibling_projections_too(tmp_path, scheme):
     qz.save_quantized(fused, path)
     again = tiny_llama()
     qz.load_quantized(again, path, scheme)
-    assert isinstance(again.model.layers[0].self_attn.q_proj, qlinear.FusedPart)
+    assert isinstance(again.model.layers[0].self_attn.q_proj, FusedPart)
     assert torch.equal(logits(again, ids), logits(unfused, ids))
 
 
@@ -295,7 +296,7 @@ def test_fp16_fused_projections_keep_biases_and_outputs(arch):
     quantize_model(unfused, "fp16", fuse=False)
     quantize_model(fused, "fp16")
     attn = fused.model.layers[0].self_attn
-    assert isinstance(attn.q_proj, qlinear.FusedPart) and (attn.q_proj.bias is not None) == (arch == "qwen2")
+    assert isinstance(attn.q_proj, FusedPart) and (attn.q_proj.bias is not None) == (arch == "qwen2")
     ref = logits(unfused, ids)
     assert (logits(fused, ids) - ref).abs().max() <= 4e-6 * ref.abs().max()
 
@@ -437,7 +438,7 @@ def test_hamburger_model_engine_equals_reference_path_when_quantized():
     assert summary["quantized"] == n_base + n_micro + 1
     assert all(type(m) is nn.Linear for m in model.stop_head.modules() if isinstance(m, nn.Linear))
     q_proj = model.base.model.layers[0].self_attn.q_proj
-    assert isinstance(q_proj, qlinear.FusedPart) and q_proj.scheme == "int4" and len(q_proj._forward_hooks) == 0
+    assert isinstance(q_proj, FusedPart) and q_proj.scheme == "int4" and len(q_proj._forward_hooks) == 0
     with model.slot_adapters.gated(torch.ones(1, 1, dtype=torch.bool)):
         assert len(q_proj._forward_hooks) == 1
     assert len(q_proj._forward_hooks) == 0

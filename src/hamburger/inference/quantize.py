@@ -7,7 +7,7 @@ head) is swapped for a module with the same forward signature that multiplies wi
   (`quantized::linear_prepack_fp16` + `quantized::linear_dynamic_fp16`, x86 CPUs), float32 activations. At
   batch 1 a decode step reads every weight once, so halving their bytes with a kernel that streams them
   well is the CPU's largest lever (docs/quantize.md has the figures). Then each decoder layer's q/k/v and
-  gate/up share one packed GEMM (`qlinear.fuse_projections`, for int8 and int4 too): fewer calls, the same
+  gate/up share one packed GEMM (`fused.fuse_projections`, for int8 and int4 too): fewer calls, the same
   outputs.
 * ``int8``: per-output-channel symmetric int8, `aten._weight_int8pack_mm` (CPU and CUDA).
 * ``int4``: asymmetric group-wise 4-bit (groups of `group_size` input weights sharing a scale and a
@@ -44,8 +44,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from hamburger.inference.qlinear import (MODULES, QuantizedLinear, carry_hooks, fp16_unavailable, fuse_projections,
-                                         int8_unfit, int_kernel_dtype)
+from hamburger.inference.fused import fuse_projections
+from hamburger.inference.qlinear import (MODULES, QuantizedLinear, carry_hooks, fp16_unavailable, int8_unfit,
+                                         int_kernel_dtype)
 
 SCHEMES = ("none", "fp16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
@@ -189,7 +190,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
     from Q8_0), None for the same. skip: module-name prefixes left in float (default: the HAMburger
     embedder, stop head and slot adapters). Layers the kernels cannot take (in_features not a multiple of
     the group, out_features not a multiple of 16 for CPU int4) stay float and are counted as skipped.
-    fuse: quantized layers that read one input (q/k/v, gate/up) share one call (`qlinear.fuse_projections`; False keeps
+    fuse: quantized layers that read one input (q/k/v, gate/up) share one call (`fused.fuse_projections`; False keeps
     them apart, for measuring what fusing gives). act_dtype: the activations' (and scales') dtype of int8/int4
     layers; None = `qlinear.int_kernel_dtype` (bfloat16 on CPU, the kernels' fast path; torch.float32 there
     is exact for Q4_1 weights but 20-40x slower). Quantizing again with the same settings changes nothing; with other settings it raises ValueError.

@@ -43,7 +43,7 @@ class _Fused:
     weight changed).
 
     The first sibling called with an input computes the shared down-projection; the others called with the same
-    tensor object take their slice, each once (as `qlinear.FusedGroup` serves the base's fused GEMM)."""
+    tensor object take their slice, each once (as `fused.FusedGroup` serves the base's fused GEMM)."""
 
     def __init__(self, downs: list[nn.Parameter], ups: list[nn.Parameter], scale: float) -> None:
         self.sources, self.scale = downs + ups, scale
