@@ -29,7 +29,7 @@ from hamburger.model.hamburger_model import load_model
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("model", nargs="?", default="default")
-    p.add_argument("--quantize", default="none", choices=["none", "fp16"])
+    p.add_argument("--quantize", default="none", choices=["none", "fp16", "int8", "int4"])
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cached", type=int, default=256)
     p.add_argument("--rounds", type=int, default=15)
@@ -38,8 +38,8 @@ def main() -> None:
     torch.manual_seed(0)
     model, _ = load_model(a.model)
     model.eval()
-    if a.quantize == "fp16":
-        quantize_model(model, "fp16", skip=DEFAULT_SKIP)
+    if a.quantize != "none":
+        quantize_model(model, a.quantize, skip=DEFAULT_SKIP)
     engine = Engine(model)
     cfg, k, m, b, s = model.base.config, engine.k, model.micro.num_features, a.batch, a.cached
     if k < 2:
