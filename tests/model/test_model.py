@@ -307,8 +307,8 @@ def test_slot_adapters_inference_path_equals_training_path(arch, pattern):
     with torch.enable_grad():
         slow = model.base_forward(embeds, mask, pos, merged=merged)
     assert _hooked(model) == 0
-    for a, b in zip(fast, slow):
-        torch.testing.assert_close(a, b.detach(), atol=1e-5, rtol=1e-5)
+    for a, b in zip(fast, slow):  # float32 rounding relative to the states' scale (the residual stream reaches ~300)
+        torch.testing.assert_close(a, b.detach(), atol=1e-4 * a.abs().max().item(), rtol=1e-5)
     assert not torch.allclose(fast[-1], plain[-1], atol=1e-3)  # the adapters did act
 
 
