@@ -120,10 +120,9 @@ def quantize_loaded(model, spec: str, group_size: int = 32, quiet: bool = False)
     """Quantize a loaded HamburgerModel in place (base, micro-step decoder, LM head); one line on stderr.
 
     Quantizes afresh every time (about a second for the 135M default): the disk cache of
-    `quantize.quantize_cached` saves little here and its first int4 write reads every layer back through
-    the kernel (minutes on a CPU). `spec`: a scheme, or SCHEME/HEAD (`split_scheme`). Returns the summary of
-    `quantize.quantize_model` (None when nothing is quantized) with `layers` (quantized layers per top module:
-    base, micro) added.
+    `quantize.quantize_cached` would save little here. `spec`: a scheme, or SCHEME/HEAD (`split_scheme`). Returns
+    the summary of `quantize.quantize_model` (None when nothing is quantized) with `layers` (quantized layers per
+    top module: base, micro) added.
     """
     import torch
 

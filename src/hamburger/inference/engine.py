@@ -45,10 +45,10 @@ ENGINES = ("auto", "fast", "reference")
 
 
 def auto_draft_rows(model: HamburgerModel) -> int:
-    """`draft_rows` "auto": DRAFT_ROWS on a GPU and on a CPU with packed weights (fp16: a pass of 4 positions costs
-    1.08x one of 1; int8/int4 with bfloat16 activations: verify mode 1.65-1.68x its base at batch 1, docs/quantize.md),
-    0 on a CPU with float32/bfloat16 weights (2 positions 1.55x, 3 positions 1.92x: torch's small CPU matmuls run row
-    by row)."""
+    """`draft_rows` "auto": DRAFT_ROWS on a GPU and on a CPU with packed weights (a pass of 4 positions costs 1.08x
+    one of 1 with fp16, 1.22x with int8/int4 in bfloat16, where verify mode runs at 1.9-2.0x its base at batch 1;
+    docs/quantize.md), 0 on a CPU with float32/bfloat16 weights (2 positions 1.55x, 3 positions 1.92x: torch's small
+    CPU matmuls run row by row)."""
     device = next(model.parameters()).device
     if device.type != "cpu" or any(isinstance(m, QuantizedLinear) for m in model.base.modules()):
         return DRAFT_ROWS

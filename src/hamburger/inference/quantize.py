@@ -182,7 +182,8 @@ def _summary(scheme: str, group_size: int, head: str | None, plan: dict, before:
 
 @torch.no_grad()
 def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head: str | None = None,
-                   skip: tuple[str, ...] = DEFAULT_SKIP, fuse: bool = True, act_dtype: torch.dtype | None = None) -> dict:
+                   skip: tuple[str, ...] = DEFAULT_SKIP, fuse: bool = True,
+                   act_dtype: torch.dtype | None = None) -> dict:
     """Swap the model's nn.Linear layers for weight-only quantized ones, in place.
 
     scheme: "none" (nothing changes), "fp16", "int8" or "int4"; group_size: int4 group (32, 64, 128 or 256; checked
@@ -190,10 +191,11 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
     from Q8_0), None for the same. skip: module-name prefixes left in float (default: the HAMburger
     embedder, stop head and slot adapters). Layers the kernels cannot take (in_features not a multiple of
     the group, out_features not a multiple of 16 for CPU int4) stay float and are counted as skipped.
-    fuse: quantized layers that read one input (q/k/v, gate/up) share one call (`fused.fuse_projections`; False keeps
-    them apart, for measuring what fusing gives). act_dtype: the activations' (and scales') dtype of int8/int4
-    layers; None = `qlinear.int_kernel_dtype` (bfloat16 on CPU, the kernels' fast path; torch.float32 there
-    is exact for Q4_1 weights but 20-40x slower). Quantizing again with the same settings changes nothing; with other settings it raises ValueError.
+    fuse: quantized layers that read one input (q/k/v, gate/up) share one call (`fused.fuse_projections`; False
+    keeps them apart, for measuring what fusing gives). act_dtype: the activations' (and scales') dtype of
+    int8/int4 layers; None = `qlinear.int_kernel_dtype` (bfloat16 on CPU, the kernels' fast path; torch.float32
+    there is exact for Q4_1 weights but 15-100x slower). Quantizing again with the same settings changes nothing;
+    with other settings it raises ValueError.
 
     Returns a summary: layers quantized / already_quantized / skipped (with reasons) / excluded, and the
     bytes of the whole model and of the quantized layers before and after.
