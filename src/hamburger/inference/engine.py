@@ -125,17 +125,18 @@ class Engine:
         # instead of the whole vocabulary. Token 0 of every step always uses the full head.
         self.vocab = model.micro_vocab if shortlist else None
         self._short: Fp16Linear | None = None
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
         if self.vocab is not None:
-            self.vocab = self.vocab.to(next(model.parameters()).device)
+            self.vocab = self.vocab.to(self.device)
             head = model.base.get_output_embeddings()
-            self.short_head = head.weight[self.vocab].to(next(model.parameters()).dtype).contiguous()
-            if isinstance(head, QuantizedLinear) and fp16_unavailable(self.short_head.device) is None:
-                # A quantized head's rows packed as fp16 (exact for int8/int4 weights with bfloat16 scales)
+            self.short_head = head.weight[self.vocab].to(self.dtype).contiguous()
+            if isinstance(head, QuantizedLinear) and fp16_unavailable(self.device) is None:
+                # A quantized head's rows packed as fp16: its own float16 values for fp16; int8/int4 rows are
+                # bfloat16 values, which float16 holds exactly within its normal range (a test)
                 self._short, self.short_head = Fp16Linear(self.short_head), None
         self.base = model.base.base_model
         self.k = model.config.max_step_tokens
-        p = next(model.parameters())
-        self.dtype, self.device = p.dtype, p.device
         self.compiled = False
         # What --compile compiles: every base pass (within the slot adapters' gate) and every micro-step. Passes
         # with the adapters' hooks on run through a function of their own: dynamo does not guard on hooks, so a

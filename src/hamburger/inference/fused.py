@@ -60,10 +60,6 @@ class FusedPart(QuantizedLinear):
         """This part's share of the group's weights (which are no buffer of the part's)."""
         return self.group.linear.weight_nbytes * self.out_features // self.group.linear.out_features
 
-    @property
-    def weight_nbytes(self) -> int:
-        return self.packed_nbytes
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.part(x, self.index)
 
@@ -96,9 +92,10 @@ def fuse_projections(model: nn.Module) -> int:
             continue
         for names in FUSED_SIBLINGS:
             parts = [getattr(module, n, None) for n in names]
-            kinds = {(type(p), p.in_features, p.group_size, p.compute_dtype, getattr(p, "packed_for", None))
-                     for p in parts if type(p) in MODULES.values()}
-            if len(kinds) != 1 or not all(type(p) in MODULES.values() for p in parts):
+            if not all(type(p) in MODULES.values() for p in parts):
+                continue
+            if len({(type(p), p.in_features, p.group_size, p.compute_dtype, getattr(p, "packed_for", None))
+                    for p in parts}) != 1:  # one class and the same settings, or no single kernel serves them
                 continue
             group = FusedGroup(parts)
             for i, (name, old) in enumerate(zip(names, parts)):

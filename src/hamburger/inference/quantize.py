@@ -194,7 +194,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
     fuse: quantized layers that read one input (q/k/v, gate/up) share one call (`fused.fuse_projections`; False
     keeps them apart, for measuring what fusing gives). act_dtype: the activations' (and scales') dtype of
     int8/int4 layers; None = `qlinear.int_kernel_dtype` (bfloat16 on CPU, the kernels' fast path; torch.float32
-    there is exact for Q4_1 weights but 15-100x slower). Quantizing again with the same settings changes nothing;
+    there is exact for Q4_1 weights but 10-120x slower). Quantizing again with the same settings changes nothing;
     with other settings it raises ValueError.
 
     Returns a summary: layers quantized / already_quantized / skipped (with reasons) / excluded, and the
