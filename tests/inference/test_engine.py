@@ -8,6 +8,7 @@ import torch
 from conftest import PAD, hamburger
 from hamburger import HamburgerError, HamburgerModel, SamplingParams, generate
 from hamburger.inference.engine import Engine
+from hamburger.inference.kv import KVCache
 
 PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51]]
 
@@ -136,3 +137,74 @@ def _micro_tokens(tokens, steps):
         out += tokens[i + 1:i + n]
         i += n
     return out
+
+
+def _hooked(model) -> int:
+    """Forward hooks on the base's linear layers (transformers may hook its decoder layers for its own outputs)."""
+    return sum(len(m._forward_hooks) for m in model.base.modules() if isinstance(m, torch.nn.Linear))
+
+
+def _adapted_passes(model, embeds, merged):
+    """The base's final state and features over `embeds` (B, T, d) with the slot adapters at `merged`: by the
+    engine (adapters inline, no gradients) and by the transformers path with gradients (hooks, one module each)."""
+    b, t, _ = embeds.shape
+    engine = Engine(model)
+    cache = KVCache.for_layers(engine.base.layers, model.base.config, b, t, torch.float32, "cpu")
+    causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+    pos = torch.arange(t).expand(b, -1)
+    with torch.no_grad():
+        fast = engine._base(embeds, pos, cache, 0, causal, merged, last=False)
+    with torch.enable_grad():
+        hidden = model.base_forward(embeds, torch.ones(b, t, dtype=torch.long), pos, merged=merged)
+    return fast, [hidden[-1].detach()] + [hidden[i].detach() for i in model.micro.feature_layers]
+
+
+@pytest.mark.parametrize("pattern", ["every", "some"])
+def test_engine_slot_adapters_equal_the_training_path(arch, pattern):
+    """The engine applies the slot adapters inline (sibling adapters share one down GEMM, the scale folded into the
+    up weights); training hooks one module per adapter. Same states at every layer the model reads, where every
+    position is merged (batch-1 decoding) and where some are; no hook stays on the base after either pass."""
+    model = hamburger(arch, k=4, slot_adapter_rank=4)
+    for p in model.slot_adapters.up.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    g = torch.Generator().manual_seed(0)
+    embeds = torch.randn(2, 6, model.base.config.hidden_size, generator=g)
+    merged = torch.ones(2, 6, dtype=torch.bool) if pattern == "every" else torch.rand(2, 6, generator=g) > 0.5
+    fast, slow = _adapted_passes(model, embeds, merged)
+    plain, _ = _adapted_passes(model, embeds, None)
+    assert _hooked(model) == 0
+    for a, b in zip(fast, slow):  # float32 rounding relative to the states' scale (the residual stream reaches ~300)
+        torch.testing.assert_close(a, b, atol=1e-4 * a.abs().max().item(), rtol=1e-5)
+    assert not torch.allclose(fast[0], plain[0], atol=1e-3)  # the adapters did act
+
+
+def test_engine_slot_adapters_use_no_hooks(monkeypatch):
+    """The engine's smashed passes apply the adapters in its own layer code, never through the hooks."""
+    model = hamburger("llama", k=4, slot_adapter_rank=4)
+
+    def refuse(merged):
+        raise AssertionError("the engine installed the slot adapters' hooks")
+
+    monkeypatch.setattr(model.slot_adapters, "gated", refuse)
+    out = Engine(model).generate(PROMPTS, max_new_tokens=12, confidence=0.3)
+    assert max(max(s) for s in out.steps) > 1  # smashed steps ran
+
+
+def test_engine_slot_adapters_follow_weight_changes():
+    """A state dict loaded (in place, or assigning new parameters), or a move to another dtype, after a pass: the
+    engine's next pass reads the new weights, not the inline copies made before."""
+    model = hamburger("llama", k=4, slot_adapter_rank=4)
+    embeds = torch.randn(1, 3, model.base.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    merged = torch.ones(1, 3, dtype=torch.bool)
+    before = _adapted_passes(model, embeds, merged)[0][0]
+    state = {k: torch.randn_like(v) for k, v in model.slot_adapters.state_dict().items()}
+    for loaded, assign in ((state, False), ({k: v * 2 for k, v in state.items()}, True)):
+        model.slot_adapters.load_state_dict(loaded, assign=assign)
+        fast, slow = _adapted_passes(model, embeds, merged)
+        assert not torch.allclose(before, fast[0], atol=1e-3)
+        torch.testing.assert_close(fast[0], slow[0], atol=1e-4 * slow[0].abs().max().item(), rtol=1e-5)
+        before = fast[0]
+    model.to(torch.float64)
+    with torch.no_grad():
+        wide = model.slot_adapters.inline(merged)[0].groups[("q_proj", "k_proj", "v_proj")][0]
+    assert wide.dtype == torch.float64

@@ -36,7 +36,8 @@ def check_equals_alone(model, confidence: float, rows: int) -> None:
 
 @pytest.mark.parametrize("rows", [2, 4])
 def test_hamburger_multi_token_steps_equal_alone(arch, rows):
-    model = hamburger(arch, k=4)
+    """With slot adapters: a batch's smashed rows take them at those rows only, a row alone at every position."""
+    model = hamburger(arch, k=4, slot_adapter_rank=4)
     torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
     check_equals_alone(model, 0.3, rows)
     out = Engine(model, draft_rows=None).generate(PROMPTS, max_new_tokens=20, confidence=0.3)

@@ -282,59 +282,14 @@ def test_dense_losses_vanish_when_nothing_is_smashed():
     torch.testing.assert_close(out.loss, model(collate(ones, 4, PAD)).loss)  # dense_metrics alone adds nothing
 
 
-def _hooked(model) -> int:
-    """Forward hooks on the base's linear layers (transformers may hook its decoder layers for its own outputs)."""
-    return sum(len(m._forward_hooks) for m in model.base.modules() if isinstance(m, torch.nn.Linear))
-
-
-@pytest.mark.parametrize("pattern", ["every", "some"])
-def test_slot_adapters_inference_path_equals_training_path(arch, pattern):
-    """Without gradients, sibling adapters share one down GEMM and the scale is folded into the up weights
-    (`_Fused`); with gradients each adapter is its own module. Same hidden states, both where every position is
-    merged (batch-1 decoding) and where some are; no hook stays on the base outside a gated pass."""
-    model = hamburger(arch, k=4, slot_adapter_rank=4)
-    for p in model.slot_adapters.up.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    g = torch.Generator().manual_seed(0)
-    embeds = torch.randn(2, 6, model.base.config.hidden_size, generator=g)
-    mask, pos = torch.ones(2, 6, dtype=torch.long), torch.arange(6).expand(2, -1)
-    merged = torch.ones(2, 6, dtype=torch.bool) if pattern == "every" else torch.rand(2, 6, generator=g) > 0.5
-    assert _hooked(model) == 0
+def test_smash_of_one_token_steps_is_their_embedding():
+    """Decoding skips the embedder when every step has one token: the same embeddings it would give."""
+    model = hamburger("llama", k=4)
+    torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
+    steps = torch.tensor([[5, 0, 0, 0], [9, 3, 0, 0]])
     with torch.no_grad():
-        fast = model.base_forward(embeds, mask, pos, merged=merged)
-        plain = model.base_forward(embeds, mask, pos)
-    assert _hooked(model) == 0
-    with torch.enable_grad():
-        slow = model.base_forward(embeds, mask, pos, merged=merged)
-    assert _hooked(model) == 0
-    for a, b in zip(fast, slow):  # float32 rounding relative to the states' scale (the residual stream reaches ~300)
-        torch.testing.assert_close(a, b.detach(), atol=1e-4 * a.abs().max().item(), rtol=1e-5)
-    assert not torch.allclose(fast[-1], plain[-1], atol=1e-3)  # the adapters did act
-
-
-def test_slot_adapters_inference_copies_follow_weight_changes():
-    """A state dict loaded (in place, or assigning new parameters), or a move to another dtype, after a pass
-    without gradients: the next pass reads the new weights, not the inference copies made before."""
-    model = hamburger("llama", k=4, slot_adapter_rank=4)
-    embeds = torch.randn(1, 3, model.base.config.hidden_size)
-    mask, pos, merged = torch.ones(1, 3, dtype=torch.long), torch.arange(3)[None], torch.ones(1, 3, dtype=torch.bool)
-
-    def passes() -> tuple[torch.Tensor, torch.Tensor]:
-        """The final state without gradients (the inference copies) and with them (the adapters' own modules)."""
-        with torch.no_grad():
-            fast = model.base_forward(embeds, mask, pos, merged=merged)[-1]
-        with torch.enable_grad():
-            return fast, model.base_forward(embeds, mask, pos, merged=merged)[-1].detach()
-
-    before, _ = passes()
-    state = {k: torch.randn_like(v) for k, v in model.slot_adapters.state_dict().items()}
-    for loaded, assign in ((state, False), ({k: v * 2 for k, v in state.items()}, True)):
-        model.slot_adapters.load_state_dict(loaded, assign=assign)
-        after, expected = passes()
-        assert not torch.allclose(before, after, atol=1e-3)
-        torch.testing.assert_close(after, expected, atol=1e-5, rtol=1e-5)
-        before = after
-    model.to(torch.float64)
-    with torch.no_grad():
-        wide = model.base_forward(embeds.double(), mask, pos, merged=merged)[-1]
-    torch.testing.assert_close(wide.float(), expected, atol=1e-4, rtol=1e-4)
+        ones = model.smash(steps, torch.tensor([1, 1]))
+        mixed = model.smash(steps, torch.tensor([1, 2]))
+    torch.testing.assert_close(ones, model.embedder(model.embed(steps), torch.tensor([1, 1])))
+    torch.testing.assert_close(ones[0], mixed[0])
+    assert not torch.allclose(ones[1], mixed[1])  # a two-token step is smashed

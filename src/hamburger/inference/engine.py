@@ -39,6 +39,7 @@ from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
 from hamburger.model.config import DRAFT_ROWS, check_confidence, check_draft_rows, check_lookup, check_mode
 from hamburger.model.hamburger_model import HamburgerModel
+from hamburger.model.slot_adapters import AdapterPass
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 ENGINES = ("auto", "fast", "reference")
@@ -138,12 +139,8 @@ class Engine:
         self.base = model.base.base_model
         self.k = model.config.max_step_tokens
         self.compiled = False
-        # What --compile compiles: every base pass (within the slot adapters' gate) and every micro-step. Passes
-        # with the adapters' hooks on run through a function of their own: dynamo does not guard on hooks, so a
-        # graph made without them must never be chosen for a pass with them (nor the other way round).
-        self._layers_fn = {False: self._layers, True: self._adapted_layers}
-        if compile:
-            self._layers_fn = {hooked: self._compile(fn) for hooked, fn in self._layers_fn.items()}
+        # What --compile compiles: every base pass (the slot adapters inline in smashed ones) and every micro-step.
+        self._layers_fn = self._compile(self._layers) if compile else self._layers
         self._micro_fn = self._compile(self._micro_layers) if compile else self._micro_layers
 
     def _compile(self, fn):
@@ -151,7 +148,7 @@ class Engine:
 
         torch.compile is lazy, so failures (no C++ compiler, an unsupported op) show at the first call. Each kind
         of pass compiles once (about a minute each on 2 CPU cores): the prefill, a step, a step with a smashed
-        slot (the slot adapters' hooks), verify mode's multi-position passes.
+        slot (the slot adapters inline), verify mode's multi-position passes.
         """
         try:
             # One graph per kind of pass (prefill, step, smashed step at every or some rows, verify passes...).
@@ -184,16 +181,13 @@ class Engine:
         """Base pass over (B, T, d) at cache slots start.. -> [final normed state, feature_1 .. feature_m] at the
         last position, each (B, d); with `last=False` at every position, each (B, T, d). `mask`: one for every
         layer, or a function of the layer index (compress mode's merged entries carry a per-layer bias).
-        `merged` (B, T): the slot adapters act there (their hooks exist only during such a pass)."""
-        with self.model.slot_adapters.gated(merged) as hooked:
-            return self._layers_fn[hooked](embeds, positions, cache, start, mask, last)
+        `merged` (B, T): the slot adapters act there (inline, in the engine's own layer code)."""
+        adapters = self.model.slot_adapters.inline(merged)
+        return self._layers_fn(embeds, positions, cache, start, mask, last, adapters)
 
-    def _adapted_layers(self, *args) -> list[torch.Tensor]:
-        """`_layers` while the slot adapters' hooks are on (compiled apart from it, see `__init__`)."""
-        return self._layers(*args)
-
-    def _layers(self, embeds, positions, cache: KVCache, start: int | RowSlots, mask, last: bool) -> list[torch.Tensor]:
-        """The base's layers and final norm: `_base` within the slot adapters' gate (what --compile compiles)."""
+    def _layers(self, embeds, positions, cache: KVCache, start: int | RowSlots, mask, last: bool,
+                adapters: list[AdapterPass] | None) -> list[torch.Tensor]:
+        """The base's layers and final norm (what --compile compiles); `adapters`: the slot adapters of each layer."""
         model, base = self.model, self.base
         wanted = model.micro.feature_layers if self.k > 1 else []
         depth = len(base.layers)
@@ -201,7 +195,8 @@ class Engine:
         feats: dict[int, torch.Tensor] = {}
         x = embeds
         for i, layer in enumerate(base.layers):
-            x = layer_forward(layer, x, rope, cache, i, start, mask(i) if callable(mask) else mask)
+            x = layer_forward(layer, x, rope, cache, i, start, mask(i) if callable(mask) else mask,
+                              None if adapters is None else adapters[i])
             if i + 1 in wanted and i + 1 < depth:
                 feats[i + 1] = x[:, -1] if last else x
         final = base.norm(x[:, -1] if last else x)

@@ -14,6 +14,7 @@ import torch
 
 from hamburger.inference import compiled_ops
 from hamburger.model.layers import attend, project
+from hamburger.model.slot_adapters import AdapterPass
 
 
 @dataclass
@@ -71,8 +72,9 @@ class SlotWrites(CacheView):
 
 
 def layer_forward(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, index: int,
-                  start: int | RowSlots, mask: torch.Tensor) -> torch.Tensor:
-    """One decoder layer of the base's own type over (B, T, d) at cache slots start..start+T-1."""
-    q, k, v = project(layer, x, rope)
+                  start: int | RowSlots, mask: torch.Tensor, adapters: AdapterPass | None = None) -> torch.Tensor:
+    """One decoder layer of the base's own type over (B, T, d) at cache slots start..start+T-1 (with the slot
+    adapters' deltas at merged positions, if `adapters`)."""
+    q, k, v = project(layer, x, rope, adapters)
     keys, values = cache.update(index, start, k, v)
-    return attend(layer, x, q, keys, values, mask)
+    return attend(layer, x, q, keys, values, mask, adapters)

@@ -9,16 +9,21 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from hamburger.model.slot_adapters import AdapterPass
 
-def project(layer, x: torch.Tensor, rope) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Queries, rotated keys and values of (B, T, d) by the layer's own modules: each (B, heads, T, hd)."""
+
+def project(layer, x: torch.Tensor, rope, adapters: AdapterPass | None = None) -> tuple[torch.Tensor, ...]:
+    """Queries, rotated keys and values of (B, T, d) by the layer's own modules: each (B, heads, T, hd). `adapters`:
+    the slot adapters' deltas at a pass's merged positions."""
     attn = layer.self_attn
     b, t, _ = x.shape
     hd = attn.head_dim
     h = layer.input_layernorm(x)
-    q = attn.q_proj(h).view(b, t, -1, hd)
-    k = attn.k_proj(h).view(b, t, -1, hd)
-    v = attn.v_proj(h).view(b, t, -1, hd).transpose(1, 2)
+    q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
+    if adapters is not None:
+        q, k, v = adapters(("q_proj", "k_proj", "v_proj"), h, (q, k, v))
+    q, k = q.view(b, t, -1, hd), k.view(b, t, -1, hd)
+    v = v.view(b, t, -1, hd).transpose(1, 2)
     if hasattr(attn, "q_norm"):  # Qwen3 normalises each head's queries and keys
         q, k = attn.q_norm(q), attn.k_norm(k)
     apply_rotary = sys.modules[type(attn).__module__].apply_rotary_pos_emb
@@ -33,12 +38,20 @@ def attention(layer, q, keys, values, mask: torch.Tensor) -> torch.Tensor:
                                           enable_gqa=getattr(attn, "num_key_value_groups", 1) != 1)
 
 
-def finish(layer, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """Output projection of the heads' outputs o (B, heads, T, hd), then the MLP (both residual)."""
-    x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(*x.shape[:2], -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+def finish(layer, x: torch.Tensor, o: torch.Tensor, adapters: AdapterPass | None = None) -> torch.Tensor:
+    """Output projection of the heads' outputs o (B, heads, T, hd), then the MLP (both residual). `adapters`: the
+    slot adapters' deltas at a pass's merged positions (the MLP is then spelled out: Llama's, Mistral's, Qwen's)."""
+    o = o.transpose(1, 2).reshape(*x.shape[:2], -1)
+    if adapters is None:
+        x = x + layer.self_attn.o_proj(o)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+    x = x + adapters(("o_proj",), o, (layer.self_attn.o_proj(o),))[0]
+    h, mlp = layer.post_attention_layernorm(x), layer.mlp
+    gate, up = adapters(("gate_proj", "up_proj"), h, (mlp.gate_proj(h), mlp.up_proj(h)))
+    a = mlp.act_fn(gate) * up
+    return x + adapters(("down_proj",), a, (mlp.down_proj(a),))[0]
 
 
-def attend(layer, x: torch.Tensor, q, keys, values, mask: torch.Tensor) -> torch.Tensor:
+def attend(layer, x: torch.Tensor, q, keys, values, mask: torch.Tensor, adapters: AdapterPass | None = None) -> torch.Tensor:
     """The rest of the layer: attention under a float mask, output projection, MLP (both residual)."""
-    return finish(layer, x, attention(layer, q, keys, values, mask))
+    return finish(layer, x, attention(layer, q, keys, values, mask), adapters)

@@ -10,14 +10,14 @@ one-token steps go through the untouched base weights, so at confidence 1.0 (eve
 the output is exactly the base model's, while the merged slots learn to write keys and values (and the
 features that predict the next step) that the rest of the sequence can read.
 
-The adapters live outside the base (forward hooks, no renamed base parameters), so the base's state dict,
-fingerprint and weights stay as they were. The hooks exist only during a base pass with merged positions
-(`gated` installs and removes them): a pass without one runs the base's modules with no hook at all (a hooked
-module takes PyTorch's slower call path, 4 % of a decode step of the default).
-
-Without gradients (decoding), sibling adapters that read one input (a layer's q/k/v, its MLP's gate/up) share
-one down-projection GEMM, and each up-projection adds into the base's output in one `addmm` with the scale
-folded in: 11 small ops a layer instead of 35 (`_Fused`). Training keeps one module per adapter.
+The adapters live outside the base (no renamed base parameters), so the base's state dict, fingerprint and
+weights stay as they were. Two ways apply them, both only to a pass with merged positions:
+- the fast engine's own layer code applies them inline (`inline`, `layers.project` / `finish`): per layer, sibling
+  adapters that read one input (q/k/v, gate/up) share one down GEMM, and each up-projection adds into the base's
+  output in one `addmm` with the scale folded in (11 small ops a layer; no hooks, whose registration and slower
+  call path cost ~2-2.5 ms a smashed step of the default; compiled inline under `--compile`);
+- the transformers path (training, the reference decoder) gets forward hooks on the base's linear layers for the
+  pass (`gated` installs and removes them: a hooked module takes PyTorch's slower call path), one module each.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -33,51 +34,43 @@ from torch import nn
 from hamburger.errors import HamburgerError
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-# Sibling projections that read one input in a Llama-style decoder layer: their adapters share a down GEMM.
-SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# Sibling projections that read one input in a Llama-style decoder layer (their adapters share a down GEMM when
+# the engine applies them inline), and the two that read an input alone.
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("o_proj",), ("gate_proj", "up_proj"), ("down_proj",))
 
 
-class _Fused:
-    """Inference copies of a group of sibling adapters: their down weights stacked into one (n·rank, in) matrix
-    and each up weight transposed to (rank, out) with the scale folded in (`SlotAdapters` rebuilds them when a
-    weight changed).
-
-    The first sibling called with an input computes the shared down-projection; the others called with the same
-    tensor object take their slice, each once (as `fused.FusedGroup` serves the base's fused GEMM)."""
-
-    def __init__(self, downs: list[nn.Parameter], ups: list[nn.Parameter], scale: float) -> None:
-        self.sources, self.scale = downs + ups, scale
-        self.n, self.rank = len(downs), downs[0].shape[0]
-        self.down_w = torch.empty(0)
-        self.ups_t: list[torch.Tensor] = []
-        self.clear()
-
-    def clear(self) -> None:
-        self._x: torch.Tensor | None = None
-        self._h: torch.Tensor | None = None
-        self._left = 0
-
-    def rebuild(self) -> None:
-        downs, ups = self.sources[: self.n], self.sources[self.n:]
-        self.down_w = torch.cat([w.detach() for w in downs])  # (n·rank, in): F.linear's layout, the fast one
-        self.ups_t = [(w.detach() * self.scale).t().contiguous() for w in ups]
-
-    def down(self, x: torch.Tensor, rows: torch.Tensor | None, index: int) -> torch.Tensor:
-        """The (N, rank) down-projection of adapter `index` for `x`'s rows (all, or the merged `rows`): the
-        group's GEMM runs once per input tensor object, for all its siblings."""
-        if x is not self._x or not self._left & (1 << index):
-            flat = x.reshape(-1, x.shape[-1])
-            self._x, self._left = x, (1 << self.n) - 1
-            self._h = F.linear(flat if rows is None else flat[rows], self.down_w)
-        self._left &= ~(1 << index)
-        h = self._h[:, index * self.rank:(index + 1) * self.rank]
-        if not self._left:  # every sibling served: hold no activations between passes
-            self.clear()
-        return h
+# One decoder layer's adapters as the engine applies them inline (`SlotAdapters.inline`): per group of `GROUPS`, the
+# down weights stacked into one (n·rank, in) matrix, and per name of the group the rows (start, end) of that GEMM's
+# output that are its own and its up weight transposed to (rank, out) with the scale folded in (None: no adapter).
+LayerAdapters = dict[tuple[str, ...], tuple[torch.Tensor, tuple[tuple[int, int, torch.Tensor] | None, ...]]]
 
 
-def _regroup(module: SlotAdapters, incompatible_keys) -> None:
-    module._group_siblings()
+@dataclass
+class AdapterPass:
+    """A layer's adapters during one pass of the engine: `rows`, the flat (batch x sequence) indices of the merged
+    positions, or None when every position is merged (batch-1 decoding). A group costs one down GEMM and an `addmm`
+    (or an `index_add`) per projection into the base's output: 11 small ops a Llama layer."""
+
+    groups: LayerAdapters
+    rows: torch.Tensor | None
+
+    def __call__(self, names: tuple[str, ...], x: torch.Tensor, outs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The base's outputs `outs` of the sibling projections `names`, all reading `x` (..., in), with each one's
+        adapter delta added at the merged positions (unchanged where a projection has no adapter)."""
+        group = self.groups.get(names)
+        if group is None:
+            return outs
+        down, ups = group
+        flat, rows = x.reshape(-1, x.shape[-1]), self.rows
+        h = F.linear(flat if rows is None else flat[rows], down)
+        new = []
+        for out, up in zip(outs, ups):
+            if up is not None:
+                start, end, weight = up
+                hi, o = h[:, start:end], out.reshape(-1, out.shape[-1])
+                out = (torch.addmm(o, hi, weight) if rows is None else o.index_add(0, rows, hi @ weight)).view_as(out)
+            new.append(out)
+        return tuple(new)
 
 
 class SlotAdapters(nn.Module):
@@ -90,17 +83,16 @@ class SlotAdapters(nn.Module):
         # Where each adapter's hook goes during a gated pass: (parent module, attribute name), looked up then, so
         # a layer swapped in later (weight-only quantization) is the one hooked.
         self._sites: dict[str, tuple[nn.Module, str]] = {}
-        self._fused: dict[str, tuple[_Fused, int]] = {}  # key -> (its sibling group, its index there)
-        self._hook_fns: dict[str, object] = {}  # key -> its forward hook (reads the pass's state below)
-        self._signature: tuple = ()  # the weights' versions and storages when the inference copies were made
-        self._groups: list[_Fused] = []
-        # A state dict loaded with assign=True puts new parameter objects in place: group them again.
-        self.register_load_state_dict_post_hook(_regroup)
-        self._every = self._fast = False
+        self._keys: list[dict[str, str]] = []  # per decoder layer: projection name -> adapter key
+        self._hook_fns = {}  # key -> its forward hook (reads `rows`, the pass's merged positions)
+        self._signature: tuple = ()  # the weights' versions and storages when the inline copies were made
+        self._inline: list[LayerAdapters] = []
+        self._every = False
         if not rank:
             return
         layers = base.base_model.layers
         for li, layer in enumerate(layers):
+            self._keys.append({})
             for name, module in layer.named_modules():
                 if isinstance(module, nn.Linear) and name.rsplit(".", 1)[-1] in targets:
                     key = f"{li}_{name.replace('.', '_')}"
@@ -110,55 +102,57 @@ class SlotAdapters(nn.Module):
                     nn.init.zeros_(self.up[key].weight)  # starts as the untouched base
                     parent, _, leaf = name.rpartition(".")
                     self._sites[key] = (layer.get_submodule(parent), leaf)
+                    self._keys[li][leaf] = key
         if not self.down:
             raise HamburgerError(f"slot adapters found none of the layers {list(targets)} in the base's decoder layers")
-        self._group_siblings()
-
-    def _group_siblings(self) -> None:
-        """Each adapter's inference group (its siblings: one parent module, one `SIBLINGS` set; or itself alone)
-        and its hook."""
-        self._fused, self._signature = {}, ()
-        for key in self.down:
-            if key in self._fused:
-                continue
-            group = [key]
-            for names in SIBLINGS:
-                name = next((n for n in names if key.endswith("_" + n)), None)
-                if name is not None:
-                    stem = key[: -len(name)]
-                    group = [stem + n for n in names if stem + n in self.down]
-            fused = _Fused([self.down[k].weight for k in group], [self.up[k].weight for k in group], self.scale)
-            for i, k in enumerate(group):
-                self._fused[k] = (fused, i)
-        self._groups = list({id(f): f for f, _ in self._fused.values()}.values())
         self._hook_fns = {key: self._hook(key) for key in self.down}
 
-    def _refresh(self) -> None:
-        """Rebuild the inference copies if a weight changed since: a loaded state dict or an optimizer step bumps
-        its version, a move to another device or dtype gives it new storage."""
-        signature = tuple((w._version, w.data_ptr()) for f in self._groups for w in f.sources)
+    def _weights(self) -> list[nn.Parameter]:
+        return [m.weight for m in (*self.down.values(), *self.up.values())]
+
+    def inline(self, merged: torch.Tensor | None) -> list[AdapterPass] | None:
+        """The adapters of each decoder layer for one pass of the engine, which applies them inline (its own layer
+        code, `layers.project` / `finish`; no hooks): None if they would change nothing (no adapters, nothing
+        merged). Without gradients only. The inline copies are rebuilt when a weight changed since: a loaded
+        state dict or an optimizer step bumps its version, a move to another device or dtype gives it new
+        storage, `truncate` replaces it."""
+        if not self.rank or not self._sites or merged is None or not bool(merged.any()):
+            return None
+        signature = tuple((w._version, w.data_ptr()) for w in self._weights())
         if signature != self._signature:
-            for fused in self._groups:
-                fused.rebuild()
+            self._inline = [self._layer_copies(keys) for keys in self._keys]
             self._signature = signature
+        rows = merged.reshape(-1).nonzero().squeeze(1)
+        rows = None if rows.numel() == merged.numel() else rows
+        return [AdapterPass(groups, rows) for groups in self._inline]
+
+    @torch.no_grad()
+    def _layer_copies(self, keys: dict[str, str]) -> LayerAdapters:
+        """One layer's inline copies: its adapters grouped by `GROUPS`, those in no group alone."""
+        copies: LayerAdapters = {}
+        grouped = {n for names in GROUPS for n in names}
+        for names in (*GROUPS, *((leaf,) for leaf in keys if leaf not in grouped)):
+            present = [n for n in names if n in keys]
+            if not present:
+                continue
+            down = torch.cat([self.down[keys[n]].weight for n in present])  # (n·rank, in): F.linear's layout
+            ups, at = [], 0
+            for n in names:
+                if n in keys:
+                    ups.append((at, at + self.rank, (self.up[keys[n]].weight * self.scale).t().contiguous()))
+                    at += self.rank
+                else:
+                    ups.append(None)
+            copies[names] = (down, tuple(ups))
+        return copies
 
     def _hook(self, key: str):
-        """The forward hook of one adapter. Per pass (`gated`): `rows`, the merged positions; `_every`, whether
-        that is every position (e.g. batch-1 decoding); `_fast`, no gradients, so the sibling group's inference
-        copies serve (`_Fused`) where the input is in the adapters' dtype."""
-        fused, index = self._fused[key]
+        """The forward hook of one adapter (the transformers path: training, the reference decoder)."""
         down, up = self.down[key], self.up[key]
-        dtype = down.weight.dtype
 
         def hook(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-            x, rows, every = args[0], self.rows, self._every
-            if self._fast and x.dtype is dtype and output.dtype is dtype:
-                h = fused.down(x, None if every else rows, index)
-                if every:
-                    return torch.addmm(output.reshape(-1, output.shape[-1]), h, fused.ups_t[index]).view_as(output)
-                flat = output.reshape(-1, output.shape[-1])
-                return flat.index_add(0, rows, h @ fused.ups_t[index]).view_as(output)
-            if every:
+            x, rows = args[0], self.rows
+            if self._every:
                 return output + (up(down(x)) * self.scale).to(output.dtype)
             # Only the merged positions go through the adapter (a third or less of a training batch).
             delta = up(down(x.reshape(-1, x.shape[-1])[rows])) * self.scale
@@ -168,16 +162,14 @@ class SlotAdapters(nn.Module):
 
     @contextmanager
     def gated(self, merged: torch.Tensor | None) -> Iterator[bool]:
-        """Adapters act where `merged` (B, S) is true during the block; nothing changes if none is (no hook is
-        installed then). Yields whether the hooks are on."""
+        """Adapters act where `merged` (B, S) is true during the block, through forward hooks on the base's linear
+        layers (the transformers path); nothing changes if none is (no hook is installed then). Yields whether
+        the hooks are on."""
         if not self.rank or not self._sites or merged is None or not bool(merged.any()):
             yield False
             return
         self.rows = merged.reshape(-1).nonzero().squeeze(1)  # flat (batch x sequence) indices of merged slots
         self._every = self.rows.numel() == merged.numel()
-        self._fast = not torch.is_grad_enabled()
-        if self._fast:
-            self._refresh()
         hooks = self._hook_fns
         handles = [getattr(parent, leaf).register_forward_hook(hooks[key]) for key, (parent, leaf) in self._sites.items()]
         try:
@@ -185,8 +177,6 @@ class SlotAdapters(nn.Module):
         finally:
             for handle in handles:
                 handle.remove()
-            for fused in self._groups:
-                fused.clear()
             self.rows = None
 
     @torch.no_grad()
@@ -210,7 +200,8 @@ class SlotAdapters(nn.Module):
             self.down[key].weight.copy_(new_down)
             self.up[key].weight.copy_(new_up)
         self.rank = rank  # self.scale stays: the product up @ down was kept, not rescaled
-        self._group_siblings()  # the groups hold the replaced modules' weights
+        self._hook_fns = {key: self._hook(key) for key in self.down}  # the hooks hold the replaced modules
+        self._signature = ()
         return worst
 
     def remove(self) -> None:
