@@ -113,7 +113,7 @@ class SlotAdapters(nn.Module):
     def inline(self, merged: torch.Tensor | None) -> list[AdapterPass] | None:
         """The adapters of each decoder layer for one pass of the engine, which applies them inline (its own layer
         code, `layers.project` / `finish`; no hooks): None if they would change nothing (no adapters, nothing
-        merged). Without gradients only. The inline copies are rebuilt when a weight changed since: a loaded
+        merged). The copies are detached (decoding, not training) and rebuilt when a weight changed since: a loaded
         state dict or an optimizer step bumps its version, a move to another device or dtype gives it new
         storage, `truncate` replaces it."""
         if not self.rank or not self._sites or merged is None or not bool(merged.any()):
@@ -128,10 +128,13 @@ class SlotAdapters(nn.Module):
 
     @torch.no_grad()
     def _layer_copies(self, keys: dict[str, str]) -> LayerAdapters:
-        """One layer's inline copies: its adapters grouped by `GROUPS`, those in no group alone."""
+        """One layer's inline copies, its adapters grouped by `GROUPS` (the projections the engine's layer code
+        calls: an adapter elsewhere would be silently left out, so it is refused)."""
         copies: LayerAdapters = {}
-        grouped = {n for names in GROUPS for n in names}
-        for names in (*GROUPS, *((leaf,) for leaf in keys if leaf not in grouped)):
+        if stray := set(keys) - {n for names in GROUPS for n in names}:
+            raise HamburgerError(f"the fast engine applies slot adapters to {sorted(DEFAULT_TARGETS)} only, not to "
+                                 f"{sorted(stray)}: use the reference engine (--engine reference)")
+        for names in GROUPS:
             present = [n for n in names if n in keys]
             if not present:
                 continue
