@@ -9,11 +9,15 @@ in float32. A micro-step decoder with context is evaluated without it (the train
 `state_loss` do not depend on it.
 
     python benchmarks/slot_rank.py default --ranks 12,8,6,4,2,1,0        # ~5 min on 2 CPU cores
+
+`--train-sample N` first evaluates the uncut checkpoint on N examples of the training split too (seeded): a gap to
+the held-out figure says the data is what is short, no gap that the model underfits what it was trained on.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import time
 from pathlib import Path
 
@@ -42,10 +46,11 @@ def main() -> None:
     p.add_argument("--data", default="data/segmented/train-k4-a0.2-r0.5.jsonl")
     p.add_argument("--eval-fraction", type=float, default=0.04, help="the training run's held-out fraction")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--train-sample", type=int, default=0, help="also evaluate on this many training examples")
     args = p.parse_args()
     try:
         ranks = sorted({int(r) for r in args.ranks.split(",")}, reverse=True)
-        _, held = split_eval(read_examples(Path(args.data)), args.eval_fraction)
+        train, held = split_eval(read_examples(Path(args.data)), args.eval_fraction)
         if not held:
             raise HamburgerError(f"no held-out examples at --eval-fraction {args.eval_fraction}")
         model, _ = load_model(args.model)
@@ -57,6 +62,17 @@ def main() -> None:
         if ranks[0] > adapters.rank or ranks[-1] < 0:
             raise HamburgerError(f"ranks must be within 0..{adapters.rank}, got {args.ranks}")
         pad = model.tokenizer.pad_token_id or 0
+
+        def acc0(examples) -> dict[str, float]:
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                return evaluate(model, [ex for _, ex in examples], model.config.max_step_tokens, pad, args.batch_size,
+                                "cpu", dense=True)
+
+        if args.train_sample:
+            sample = random.Random(0).sample(train, min(args.train_sample, len(train)))
+            m = acc0(sample)
+            print(f"training split, {len(sample)} examples, rank {adapters.rank}: acc@0 {m['token_acc@0']:.4f}, "
+                  f"state_loss {m['state_loss']:.4f}")
         print(f"{len(held)} held-out examples of {args.data}; {args.model}: slot adapters of rank {adapters.rank}")
         print("| rank | acc@0 | state_loss | largest relative error | adapter MB a smashed pass (float32) | s |")
         print("| --- | --- | --- | --- | --- | --- |")
@@ -71,9 +87,7 @@ def main() -> None:
                 adapters.truncate(rank)
             error = cut_error(adapters, original)
             start = time.perf_counter()
-            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-                m = evaluate(model, [ex for _, ex in held], model.config.max_step_tokens, pad, args.batch_size, "cpu",
-                             dense=True)
+            m = acc0(held)
             mb = sum(w.numel() for w in adapters.parameters()) * 4 / 1e6 if rank else 0.0
             print(f"| {rank} | {m['token_acc@0']:.4f} | {m['state_loss']:.4f} | {error:.3f} | {mb:.1f} | "
                   f"{time.perf_counter() - start:.0f} |", flush=True)
