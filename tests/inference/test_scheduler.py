@@ -234,8 +234,9 @@ class OracleScheduler(Scheduler):
 @pytest.mark.parametrize("rows", [2, 4])
 def test_verify_requests_equal_the_base_beside_trust_requests(arch, rows):
     """Verify and trust requests share the batch (one pass: smashed slots and drafts at per-row slots). Each
-    verify request gets exactly the base's greedy output, with drafts kept; each trust request its output alone."""
-    model = hamburger(arch, k=4)
+    verify request gets exactly the base's greedy output, with drafts kept; each trust request its output alone
+    (with slot adapters, which act at the trust rows' smashed position of such a pass only)."""
+    model = hamburger(arch, k=4, slot_adapter_rank=4)
     torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
     expected = {tuple(p): base_greedy(model, p, n) for p, n in zip(PROMPTS, LIMITS)}
     sched = OracleScheduler(model, expected, max_batch_size=rows, max_len=64, draft_rows=None)
