@@ -116,15 +116,22 @@ class SlotAdapters(nn.Module):
         merged). The copies are detached (decoding, not training) and rebuilt when a weight changed since: a loaded
         state dict or an optimizer step bumps its version, a move to another device or dtype gives it new
         storage, `truncate` replaces it."""
-        if not self.rank or not self._sites or merged is None or not bool(merged.any()):
+        if (merged_rows := self._merged_rows(merged)) is None:
             return None
         signature = tuple((w._version, w.data_ptr()) for w in self._weights())
         if signature != self._signature:
             self._inline = [self._layer_copies(keys) for keys in self._keys]
             self._signature = signature
+        rows, every = merged_rows
+        return [AdapterPass(groups, None if every else rows) for groups in self._inline]
+
+    def _merged_rows(self, merged: torch.Tensor | None) -> tuple[torch.Tensor, bool] | None:
+        """The flat (batch x sequence) indices of `merged`'s true positions and whether that is every position; None
+        when the adapters would change nothing (no adapters, nothing merged)."""
+        if not self.rank or not self._sites or merged is None or not bool(merged.any()):
+            return None
         rows = merged.reshape(-1).nonzero().squeeze(1)
-        rows = None if rows.numel() == merged.numel() else rows
-        return [AdapterPass(groups, rows) for groups in self._inline]
+        return rows, rows.numel() == merged.numel()
 
     @torch.no_grad()
     def _layer_copies(self, keys: dict[str, str]) -> LayerAdapters:
@@ -168,11 +175,10 @@ class SlotAdapters(nn.Module):
         """Adapters act where `merged` (B, S) is true during the block, through forward hooks on the base's linear
         layers (the transformers path); nothing changes if none is (no hook is installed then). Yields whether
         the hooks are on."""
-        if not self.rank or not self._sites or merged is None or not bool(merged.any()):
+        if (merged_rows := self._merged_rows(merged)) is None:
             yield False
             return
-        self.rows = merged.reshape(-1).nonzero().squeeze(1)  # flat (batch x sequence) indices of merged slots
-        self._every = self.rows.numel() == merged.numel()
+        self.rows, self._every = merged_rows
         hooks = self._hook_fns
         handles = [getattr(parent, leaf).register_forward_hook(hooks[key]) for key, (parent, leaf) in self._sites.items()]
         try:
