@@ -40,7 +40,9 @@ def kernels(n: int, k: int, m: int) -> dict:
     q4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.randint(0, 16, (n, k), dtype=torch.int32,
                                                                           generator=gen), 2)
     sz = torch.rand(k // 32, n, 2, generator=gen) * 1e-3
+    wb, xb = w.bfloat16(), x.bfloat16()
     out = {"float32 F.linear": lambda: F.linear(x, w),
+           "bfloat16 F.linear (oneDNN)": lambda: F.linear(xb, wb),
            "fp16 (FBGEMM)": lambda: torch.ops.quantized.linear_dynamic_fp16(x, packed16)}
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
         xd, s8d, szd = x.to(dtype), s8.to(dtype), sz.to(dtype)

@@ -6,7 +6,8 @@ finer, prompt by prompt: it decodes each of the bench's prompts with the base an
 variant, rotating which goes first, `--rounds` times, and reports each system's summed decode time, its ratio
 to the base per round (median and spread) and tokens per base forward (per row). Greedy, batch 1 (or
 `--batch-size B`: batches of B prompts take the turns). Every variant must give the base's tokens (verify mode
-is lossless), or the script stops; except with `--quantize int8|int4`, whose bfloat16 activations round each
+is lossless), or the script stops; except with `--quantize int8|int4` (or any scheme with +bf16, whose passes of 8 or
+more rows compute in bfloat16), whose bfloat16 activations round each
 projection's input, so the last-bit differences between the base's one-position and multi-position passes
 (attention) can flip a near-tie: there the table counts the replies equal to the base's instead.
 
@@ -33,6 +34,7 @@ import torch
 
 from hamburger.evaluation.bench_systems import SETS, bench_messages
 from hamburger.inference.engine import Engine
+from hamburger.cli import split_wide
 from hamburger.inference.quantize import DEFAULT_SKIP, quantize_model
 from hamburger.model.base import encode_chat
 from hamburger.model.config import parse_draft_rows
@@ -44,7 +46,8 @@ VARIANTS = ("micro", "lookup", "both")
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("model", nargs="?", default="default")
-    p.add_argument("--quantize", default="none", choices=["none", "fp16", "int8", "int4"])
+    p.add_argument("--quantize", default="none", choices=["none", "fp16", "int8", "int4", "fp16+bf16", "int8+bf16",
+                                                          "int4+bf16"])
     p.add_argument("--confidence", type=float, default=None, help="verify confidence (default: the checkpoint's)")
     p.add_argument("--variants", default="micro", help=f"comma list from {', '.join(VARIANTS)}")
     p.add_argument("--lookup", type=int, default=2, help="shortest n-gram lookup drafts match (lookup, both)")
@@ -66,7 +69,8 @@ def main() -> None:
     model, _ = load_model(a.model)
     model.eval()
     if a.quantize != "none":
-        quantize_model(model, a.quantize, skip=DEFAULT_SKIP)
+        scheme, wide = split_wide(a.quantize)
+        quantize_model(model, scheme, skip=DEFAULT_SKIP, wide=wide)
     plain = HamburgerModel.plain(model.base, model.tokenizer)
     conf = a.confidence if a.confidence is not None else model.config.verify_confidence
     settings = {"micro": (0, conf), "lookup": (a.lookup, 1.0), "both": (a.lookup, conf)}
@@ -113,7 +117,7 @@ def main() -> None:
                     t[6] += s.lookup_kept
                 for name in names[1:]:
                     equal = [x == y for x, y in zip(outs[name].tokens, outs["base"].tokens)]
-                    if not all(equal) and a.quantize not in ("int8", "int4"):
+                    if not all(equal) and a.quantize in ("none", "fp16"):
                         raise SystemExit(f"{name} differs from the base on batch {i}: not lossless")
                     same[name] += sum(equal)
             for name in names:

@@ -61,17 +61,28 @@ def add_quantize_args(parser: argparse.ArgumentParser, many: bool = False) -> No
                         "decoder and the LM head (fp16: float16 weights packed for FBGEMM, x86 CPUs; "
                         "int8: per output channel; int4: groups of --group-size; int8 and int4 compute in bfloat16 "
                         "on CPU, the fastest there; SCHEME/HEAD, e.g. int4/int8, puts another scheme on the LM "
-                        "head), applied after loading; the embedder, stop head and slot adapters stay float")
+                        "head; a +bf16 suffix, e.g. fp16+bf16, also gives passes of 8 or more rows (prefill, batches) a bfloat16 "
+                        "copy of the weights, faster there on CPUs with AMX/AVX512-BF16, at bfloat16's rounding and "
+                        "one more copy of the weights in memory), applied after loading; the embedder, stop head and "
+                        "slot adapters stay float")
     parser.add_argument("--group-size", type=int, default=32, metavar="N",
                         help=f"int4: input weights per scale and zero, one of {', '.join(map(str, GROUP_SIZES))} "
                         "(32 = GGUF Q4_1's blocks)")
 
 
+WIDE_SUFFIX = "+bf16"
+
+
 def split_scheme(spec: str) -> tuple[str, str | None]:
     """"int4" -> ("int4", None); "int4/int8" -> ("int4", "int8"): the layers' scheme and the LM head's (None: the
-    same)."""
-    scheme, _, head = spec.partition("/")
+    same). A +bf16 suffix (`split_wide`) is not part of either."""
+    scheme, _, head = split_wide(spec)[0].partition("/")
     return scheme, (head or None)
+
+
+def split_wide(spec: str) -> tuple[str, bool]:
+    """"fp16+bf16" -> ("fp16", True): the spec without the suffix, and whether wide passes use a bfloat16 copy."""
+    return (spec.removesuffix(WIDE_SUFFIX), True) if spec.endswith(WIDE_SUFFIX) else (spec, False)
 
 
 def parse_schemes(text: str, many: bool = False) -> list[str]:
@@ -80,16 +91,26 @@ def parse_schemes(text: str, many: bool = False) -> list[str]:
     from hamburger.inference.quantize import SCHEMES
 
     specs = [s.strip() for s in str(text).split(",")] if many else [str(text).strip()]
-    parts = [p for spec in specs for p in ([spec] if spec.count("/") != 1 else spec.split("/"))]
+    bare = [split_wide(spec)[0] for spec in specs]
+    parts = [p for spec in bare for p in ([spec] if spec.count("/") != 1 else spec.split("/"))]
     if not specs or any(p not in SCHEMES for p in parts):
         kind = "a comma list from" if many else "one of"
         raise HamburgerError(f"--quantize must be {kind} {', '.join(SCHEMES)} (or SCHEME/HEAD, e.g. int4/int8: "
-                             f"another scheme for the LM head), got {text!r}")
+                             f"another scheme for the LM head; either with {WIDE_SUFFIX}), got {text!r}")
+    if any(wide and b == "none" for b, (_, wide) in zip(bare, map(split_wide, specs))):
+        raise HamburgerError(f"--quantize none{WIDE_SUFFIX}: {WIDE_SUFFIX} gives a quantized model's wide passes a "
+                             "bfloat16 copy of its weights; with float weights use --dtype bfloat16")
     return list(dict.fromkeys(specs))
 
 
 def check_quantize(spec: str, group_size: int, device, dtype) -> None:
     """Refuse, before any loading, what the packed kernels cannot run: a HamburgerError naming the fix."""
+    spec, wide = split_wide(spec)
+    if wide:
+        from hamburger.inference.qlinear import wide_unavailable
+
+        if (why := wide_unavailable(device)) is not None:
+            raise HamburgerError(f"--quantize {spec}{WIDE_SUFFIX}: {why}")
     scheme, head = split_scheme(spec)
     if head is not None:
         check_quantize(head, group_size, device, dtype)
@@ -126,6 +147,7 @@ def quantize_loaded(model, spec: str, group_size: int = 32, quiet: bool = False)
     """
     import torch
 
+    from hamburger.inference.qlinear import WIDE_ROWS
     from hamburger.inference.quantize import (
         DEFAULT_SKIP,
         QuantizedLinear,
@@ -133,6 +155,7 @@ def quantize_loaded(model, spec: str, group_size: int = 32, quiet: bool = False)
     )
 
     scheme, head = split_scheme(spec)
+    wide = split_wide(spec)[1]
     if scheme == "none" and head in (None, "none"):
         return None
     param = next(model.parameters())
@@ -142,7 +165,7 @@ def quantize_loaded(model, spec: str, group_size: int = 32, quiet: bool = False)
     # A plain base (one token per step) never runs its placeholder micro-step decoder: it stays as it is.
     skip = DEFAULT_SKIP + (("micro",) if model.config.max_step_tokens == 1 else ())
     try:
-        summary = quantize_model(model, scheme, group_size, head=head, skip=skip)
+        summary = quantize_model(model, scheme, group_size, head=head, skip=skip, wide=wide)
     except ValueError as exc:
         raise HamburgerError(f"--quantize {spec}: {exc}") from None
     if not summary["quantized"]:
@@ -160,7 +183,8 @@ def quantize_loaded(model, spec: str, group_size: int = 32, quiet: bool = False)
     for module in kernels.values():  # the kernels must run here: an error now, not mid-generation
         try:
             with torch.inference_mode():
-                module(torch.zeros(1, module.in_features, dtype=param.dtype, device=param.device))
+                for rows in (1, WIDE_ROWS) if wide else (1,):  # wide passes run another kernel
+                    module(torch.zeros(rows, module.in_features, dtype=param.dtype, device=param.device))
         except (RuntimeError, NotImplementedError) as exc:
             first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             raise HamburgerError(f"--quantize {module.scheme} does not run on {param.device.type} in "
@@ -181,8 +205,11 @@ def describe_quantization(summary: dict) -> str:
     if summary["skipped"]:
         line += f", {summary['skipped']} left float ({next(iter(summary['skipped_layers'].values()))})"
     before, after = summary["linear_bytes_before"] / mb, summary["linear_bytes_after"] / mb
-    return (line + f"; weights {summary['bytes_before'] / mb:.1f} MB -> {summary['bytes_after'] / mb:.1f} MB "
-            f"(quantized layers {before:.1f} MB -> {after:.1f} MB)")
+    line += (f"; weights {summary['bytes_before'] / mb:.1f} MB -> {summary['bytes_after'] / mb:.1f} MB "
+             f"(quantized layers {before:.1f} MB -> {after:.1f} MB)")
+    if summary.get("wide_bytes"):
+        line += f"; wide passes in bfloat16: {summary['wide_bytes'] / mb:.1f} MB more"
+    return line
 
 
 def load_from_args(args: argparse.Namespace, quantize: bool = True):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hamburger.inference.qlinear import MODULES, QuantizedLinear, carry_hooks
+from hamburger.inference.qlinear import MODULES, WIDE_ROWS, QuantizedLinear, carry_hooks
 
 
 class FusedGroup:
@@ -62,6 +62,11 @@ class FusedPart(QuantizedLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.group.part(x, self.index)
+
+    def set_wide(self, rows: int = WIDE_ROWS) -> None:
+        """The group's one layer takes the bfloat16 copy (`QuantizedLinear.set_wide`), made once for the siblings."""
+        if self.group.linear.wide_rows != rows:
+            self.group.linear.set_wide(rows)
 
     def dequantize(self) -> torch.Tensor:
         start, end = self.group.bounds[self.index]

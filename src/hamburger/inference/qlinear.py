@@ -6,9 +6,25 @@ int8 per output channel and int4 in groups (GGUF Q4_1's layout), with the arithm
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from hamburger.inference import compiled_ops
+
+# `set_wide`: passes of at least this many rows (prefill, a batch of 8 or more rows) multiply by a bfloat16 copy of
+# the weights. On a CPU with AMX, oneDNN's bfloat16 GEMM costs about the same from 1 to 64 rows, while FBGEMM's fp16
+# and the int8/int4 kernels grow with the rows; the two cross near 8 rows (docs/quantize.md, "Wide passes").
+WIDE_ROWS = 8
+
+
+def wide_unavailable(device: torch.device | str) -> str | None:
+    """Why wide passes in bfloat16 would not pay on `device`, or None: a CPU whose oneDNN multiplies bfloat16
+    natively (AVX512-BF16 / AMX)."""
+    if torch.device(device).type != "cpu":
+        return f"+bf16 (wide passes in bfloat16) is for CPUs, not {torch.device(device).type}"
+    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        return "+bf16 (wide passes in bfloat16) needs a CPU with native bfloat16 (AVX512-BF16 or AMX)"
+    return None
 
 
 # --- the quantization arithmetic (pure functions) ------------------------------------------------------------
@@ -113,7 +129,29 @@ class QuantizedLinear(nn.Module):
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    # `set_wide`: a bfloat16 copy of the weights for passes of at least `wide_rows` rows (None: off). A plain
+    # attribute, not a buffer: the disk cache and the byte counts see the quantized weights only.
+    wide: torch.Tensor | None = None
+    wide_rows: int = 0
+
+    def set_wide(self, rows: int = WIDE_ROWS) -> None:
+        """Passes of at least `rows` rows multiply by a bfloat16 copy of the (dequantized) weights from now on, and
+        add the bias in float; 0 turns it off. One more copy of the weights in memory (two bytes a weight)."""
+        if rows < 0:
+            raise ValueError(f"wide rows must be >= 0, got {rows}")
+        self.wide = self.dequantize().to(torch.bfloat16).contiguous() if rows else None
+        self.wide_rows = rows
+
+    def _wide(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The output through the bfloat16 copy when the pass is wide enough, else None."""
+        if self.wide is None or x.numel() < self.wide_rows * self.in_features:
+            return None
+        y = F.linear(x.to(torch.bfloat16), self.wide).to(x.dtype)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (y := self._wide(x)) is not None:
+            return y
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()
         y = self._mm(x2)
@@ -344,6 +382,8 @@ class Fp16Linear(Fp16Weights):
         return torch.ops.quantized.linear_dynamic_fp16(x, self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # any leading dims, the bias inside: no extra ops
+        if (y := self._wide(x)) is not None:
+            return y
         if x.dtype == torch.float32:
             return self._mm(x.contiguous())
         return self._mm(x.float().contiguous()).to(x.dtype)

@@ -45,8 +45,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hamburger.inference.fused import fuse_projections
-from hamburger.inference.qlinear import (MODULES, QuantizedLinear, carry_hooks, fp16_unavailable, int8_unfit,
-                                         int_kernel_dtype)
+from hamburger.inference.qlinear import (MODULES, WIDE_ROWS, QuantizedLinear, carry_hooks, fp16_unavailable,
+                                         int8_unfit, int_kernel_dtype, wide_unavailable)
 
 SCHEMES = ("none", "fp16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
@@ -143,14 +143,15 @@ def _packed_bytes(model: nn.Module) -> int:
 
 
 def model_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters, buffers and packed weights, each storage counted once (tied weights once)."""
+    """Bytes of the model's parameters, buffers, packed weights and the bfloat16 copies of wide passes
+    (`quantize_model(wide=True)`), each storage counted once (tied weights once)."""
     seen, total = set(), 0
     for t in list(model.parameters()) + list(model.buffers()):
         key = (t.device, t.untyped_storage().data_ptr())
         if key not in seen:
             seen.add(key)
             total += t.untyped_storage().nbytes()
-    return total + _packed_bytes(model)
+    return total + _packed_bytes(model) + wide_bytes(model)
 
 
 def _linear_bytes(model: nn.Module, names) -> int:
@@ -183,7 +184,7 @@ def _summary(scheme: str, group_size: int, head: str | None, plan: dict, before:
 @torch.no_grad()
 def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head: str | None = None,
                    skip: tuple[str, ...] = DEFAULT_SKIP, fuse: bool = True,
-                   act_dtype: torch.dtype | None = None) -> dict:
+                   act_dtype: torch.dtype | None = None, wide: bool = False) -> dict:
     """Swap the model's nn.Linear layers for weight-only quantized ones, in place.
 
     scheme: "none" (nothing changes), "fp16", "int8" or "int4"; group_size: int4 group (32, 64, 128 or 256; checked
@@ -194,7 +195,9 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
     fuse: quantized layers that read one input (q/k/v, gate/up) share one call (`fused.fuse_projections`; False
     keeps them apart, for measuring what fusing gives). act_dtype: the activations' (and scales') dtype of
     int8/int4 layers; None = `qlinear.int_kernel_dtype` (bfloat16 on CPU, the kernels' fast path; torch.float32
-    there is exact for Q4_1 weights but 10-120x slower). Quantizing again with the same settings changes nothing;
+    there is exact for Q4_1 weights but 10-120x slower). wide: passes of at least `qlinear.WIDE_ROWS` rows (prefill,
+    batches of 8 or more) multiply by a bfloat16 copy of each quantized layer's weights (CPUs with native bfloat16:
+    `qlinear.wide_unavailable`), one more copy of the weights in memory. Quantizing again with the same settings changes nothing;
     with other settings it raises ValueError.
 
     Returns a summary: layers quantized / already_quantized / skipped (with reasons) / excluded, and the
@@ -210,8 +213,25 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
         _swap(model, name, MODULES[want].from_linear(linear, group_size, dtype))
     if fuse:
         fuse_projections(model)
-    return _summary(scheme, group_size, head, plan, before, model_bytes(model), linear_before,
-                    _linear_bytes(model, plan["todo"]))
+    if wide:
+        if (why := wide_unavailable(next(model.parameters()).device)) is not None:
+            raise ValueError(why)
+        for module in model.modules():
+            if isinstance(module, QuantizedLinear) and module.wide_rows != WIDE_ROWS:
+                module.set_wide(WIDE_ROWS)
+    summary = _summary(scheme, group_size, head, plan, before, model_bytes(model), linear_before,
+                       _linear_bytes(model, plan["todo"]))
+    return {**summary, "wide_bytes": wide_bytes(model)}
+
+
+def wide_bytes(model: nn.Module) -> int:
+    """Bytes of the bfloat16 copies that wide passes multiply by (`quantize_model(wide=True)`), each counted once."""
+    layers = {}
+    for m in model.modules():
+        if isinstance(m, QuantizedLinear):
+            layer = m.group.linear if hasattr(m, "group") else m
+            layers[id(layer)] = layer
+    return sum(layer.wide.numel() * layer.wide.element_size() for layer in layers.values() if layer.wide is not None)
 
 
 # --- the disk cache -----------------------------------------------------------------------------------------

@@ -1,0 +1,135 @@
+"""Does more training of the slot side, or letting the base's *reading* positions adapt, lift acc@0? Equal wall time.
+
+A probe, not a trainer (`hamburger train` is that): it starts from a checkpoint (the shipped default by default),
+freezes the base, the micro-step decoder and the stop head, and trains for `--minutes` with AdamW on the
+training loss of `hamburger train` (token cross-entropy in the steps and the stop loss), over the training split
+in a seeded order, batch 8, bf16 autocast, then prints held-out acc@0, split by whether a smashed slot or a one-token
+position predicts token 0 (`benchmarks/acc0_where.py` says why that split matters).
+
+Arms (`--arm`):
+- `slot`: the embedder and the slot adapters train (what `hamburger train` trains for acc@0), nothing new;
+- `reader`: the same, plus fresh *reader adapters* (low-rank, rank `--reader-rank`, on the same projections, zero
+  at the start) that act at one-token positions with a smashed slot at most `--reach` slots before them: the
+  base's unadapted reading of recent smashed slots is where most of acc@0 is lost, and this lets it adapt there
+  (like fine-tuning the base, as the reference implementation does, but only where a smashed slot is read, so
+  with nothing smashed the base is untouched).
+
+    python benchmarks/slot_readers.py --arm slot --minutes 12      # ~13 min on 2 CPU cores
+    python benchmarks/slot_readers.py --arm reader --minutes 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from hamburger.errors import HamburgerError
+from hamburger.model.hamburger_model import load_model
+from hamburger.model.slot_adapters import SlotAdapters
+from hamburger.training.data import collate
+from hamburger.training.examples import read_examples, split_eval
+
+
+def reader_mask(merged: torch.Tensor, attention_mask: torch.Tensor, reach: int) -> torch.Tensor:
+    """(B, S): one-token positions with a smashed slot 1..reach slots before them."""
+    smashed = merged & attention_mask.bool()
+    idx = torch.arange(smashed.shape[1], device=smashed.device).expand_as(smashed)
+    latest = torch.where(smashed, idx, torch.full_like(idx, -(10**9))).cummax(1).values
+    before = torch.cat([torch.full_like(latest[:, :1], -(10**9)), latest[:, :-1]], 1)
+    return ~smashed & attention_mask.bool() & (idx - before <= reach)
+
+
+def held_out_acc0(model, held, k: int, pad: int) -> dict[str, float]:
+    model.eval()
+    counts: dict[str, list[int]] = {}
+    examples = sorted(held, key=lambda ex: ex.num_slots)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        for i in range(0, len(examples), 8):
+            batch = collate(examples[i : i + 8], k, pad)
+            out = model(batch)
+            first = out.in_step_index == 0
+            ok = out.logits[first].argmax(-1) == out.targets[first]
+            at_slot = batch.slot_lengths[batch.step_batch, batch.step_slot] > 1
+            for key, sel in (("acc@0", torch.ones_like(ok)), ("at smashed slots", at_slot),
+                             ("at one-token positions", ~at_slot)):
+                c = counts.setdefault(key, [0, 0])
+                c[0] += int(ok[sel].sum())
+                c[1] += int(sel.sum())
+    model.train()
+    return {key: round(r / n, 4) for key, (r, n) in counts.items() if n}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--arm", choices=("slot", "reader"), required=True)
+    p.add_argument("--minutes", type=float, default=12.0)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--reader-rank", type=int, default=8)
+    p.add_argument("--reach", type=int, default=10**6, help="reader adapters act this many slots after a smashed one")
+    p.add_argument("--data", default="data/segmented/train-k4-a0.2-r0.5.jsonl")
+    p.add_argument("--eval-fraction", type=float, default=0.04)
+    p.add_argument("--log", default=None, help="also append the JSON rows to this file")
+    args = p.parse_args()
+    torch.manual_seed(0)
+    try:
+        train, held = split_eval(read_examples(Path(args.data)), args.eval_fraction)
+        model, _ = load_model(args.model)
+        if not model.slot_adapters.rank:
+            raise HamburgerError(f"{args.model} has no slot adapters")
+    except HamburgerError as e:
+        raise SystemExit(f"error: {e}") from None
+    model.micro.set_context(0)  # the training forward runs the features-only decoder; acc@0 does not read it
+    model.base.requires_grad_(False)
+    model.micro.requires_grad_(False)
+    model.stop_head.requires_grad_(False)
+    cfg = model.config
+    params = [*model.embedder.parameters(), *model.slot_adapters.parameters()]
+    if args.arm == "reader":
+        reader = SlotAdapters(model.base, args.reader_rank, 2.0 * args.reader_rank, cfg.slot_adapter_targets)
+        params += list(reader.parameters())
+        plain_forward = model.base_forward
+
+        def base_forward(embeds, attention_mask, position_ids, cache=None, merged=None):
+            with reader.gated(reader_mask(merged, attention_mask, args.reach)):
+                return plain_forward(embeds, attention_mask, position_ids, cache=cache, merged=merged)
+
+        model.base_forward = base_forward
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
+    k, pad = cfg.max_step_tokens, model.tokenizer.pad_token_id or 0
+    order = [ex for _, ex in train]
+    random.Random(0).shuffle(order)
+    held = [ex for _, ex in held]
+
+    def emit(row: dict) -> None:
+        line = json.dumps({"arm": args.arm, **row})
+        print(line, flush=True)
+        if args.log:
+            with open(args.log, "a") as f:
+                f.write(line + "\n")
+
+    emit({"step": 0, **held_out_acc0(model, held, k, pad)})
+    start, step, targets = time.time(), 0, 0
+    while time.time() - start < args.minutes * 60:
+        at = (step * 8) % len(order)
+        batch = collate(sorted(order[at : at + 8], key=lambda ex: ex.num_slots), k, pad)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(batch)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        step, targets = step + 1, targets + len(out.targets)
+        if step % 20 == 0:
+            emit({"step": step, "loss": round(out.loss.item(), 4), "min": round((time.time() - start) / 60, 1),
+                  "targets/s": round(targets / (time.time() - start), 1)})
+    emit({"step": step, "min": round((time.time() - start) / 60, 1), **held_out_acc0(model, held, k, pad)})
+
+
+if __name__ == "__main__":
+    main()
