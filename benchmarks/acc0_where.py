@@ -15,14 +15,11 @@ with context is evaluated without it (acc@0 does not depend on it). `--no-adapte
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-
 import torch
+from heldout_split import load_for_acc0, splits
 
 from hamburger.errors import HamburgerError
-from hamburger.model.hamburger_model import load_model
 from hamburger.training.data import collate
-from hamburger.training.examples import read_examples, split_eval
 
 DISTANCES = ((1, 1), (2, 2), (3, 3), (4, 7), (8, 15), (16, 10**9))
 
@@ -36,12 +33,8 @@ def main() -> None:
     p.add_argument("--no-adapters", action="store_true", help="zero the slot adapters' up weights first")
     args = p.parse_args()
     try:
-        _, held = split_eval(read_examples(Path(args.data)), args.eval_fraction)
-        if not held:
-            raise HamburgerError(f"no held-out examples at --eval-fraction {args.eval_fraction}")
-        model, _ = load_model(args.model)
-        model.eval()
-        model.micro.set_context(0)
+        _, held = splits(args.data, args.eval_fraction)
+        model = load_for_acc0(args.model)
         if args.no_adapters:
             with torch.no_grad():
                 for w in model.slot_adapters.up.parameters():

@@ -19,13 +19,11 @@ from __future__ import annotations
 import argparse
 import random
 import time
-from pathlib import Path
-
 import torch
+from heldout_split import load_for_acc0, splits
 
 from hamburger.errors import HamburgerError
-from hamburger.model.hamburger_model import load_model
-from hamburger.training.examples import evaluate, read_examples, split_eval
+from hamburger.training.examples import evaluate
 
 
 def cut_error(adapters, original: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -50,12 +48,8 @@ def main() -> None:
     args = p.parse_args()
     try:
         ranks = sorted({int(r) for r in args.ranks.split(",")}, reverse=True)
-        train, held = split_eval(read_examples(Path(args.data)), args.eval_fraction)
-        if not held:
-            raise HamburgerError(f"no held-out examples at --eval-fraction {args.eval_fraction}")
-        model, _ = load_model(args.model)
-        model.eval()
-        model.micro.set_context(0)
+        train, held = splits(args.data, args.eval_fraction)
+        model = load_for_acc0(args.model)
         adapters = model.slot_adapters
         if not adapters.rank:
             raise HamburgerError(f"{args.model} has no slot adapters")

@@ -24,15 +24,12 @@ import argparse
 import json
 import random
 import time
-from pathlib import Path
-
 import torch
+from heldout_split import load_for_acc0, splits
 
 from hamburger.errors import HamburgerError
-from hamburger.model.hamburger_model import load_model
 from hamburger.model.slot_adapters import SlotAdapters
 from hamburger.training.data import collate
-from hamburger.training.examples import read_examples, split_eval
 
 
 def reader_mask(merged: torch.Tensor, attention_mask: torch.Tensor, reach: int) -> torch.Tensor:
@@ -78,13 +75,12 @@ def main() -> None:
     args = p.parse_args()
     torch.manual_seed(0)
     try:
-        train, held = split_eval(read_examples(Path(args.data)), args.eval_fraction)
-        model, _ = load_model(args.model)
+        train, held = splits(args.data, args.eval_fraction)
+        model = load_for_acc0(args.model)  # its micro-step decoder's context off, as the training forward runs it
         if not model.slot_adapters.rank:
             raise HamburgerError(f"{args.model} has no slot adapters")
     except HamburgerError as e:
         raise SystemExit(f"error: {e}") from None
-    model.micro.set_context(0)  # the training forward runs the features-only decoder; acc@0 does not read it
     model.base.requires_grad_(False)
     model.micro.requires_grad_(False)
     model.stop_head.requires_grad_(False)
