@@ -130,7 +130,7 @@ class QuantizedLinear(nn.Module):
         raise NotImplementedError
 
     # `set_wide`: a bfloat16 copy of the weights for passes of at least `wide_rows` rows (None: off). A plain
-    # attribute, not a buffer: the disk cache and the byte counts see the quantized weights only.
+    # attribute, not a buffer, so the disk cache holds the quantized weights only; `quantize.wide_bytes` counts it.
     wide: torch.Tensor | None = None
     wide_rows: int = 0
 
