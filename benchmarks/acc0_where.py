@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import argparse
 import torch
-from heldout_split import load_for_acc0, splits
+from heldout_split import NONE_BEFORE, load_for_acc0, slots_since_smashed, splits, token0_right
 
 from hamburger.errors import HamburgerError
-from hamburger.training.data import collate
 
 DISTANCES = ((1, 1), (2, 2), (3, 3), (4, 7), (8, 15), (16, 10**9))
 
@@ -41,7 +40,7 @@ def main() -> None:
                     w.zero_()
     except HamburgerError as e:
         raise SystemExit(f"error: {e}") from None
-    k, pad = model.config.max_step_tokens, model.tokenizer.pad_token_id or 0
+    k = model.config.max_step_tokens
     counts: dict[str, list[int]] = {}
 
     def add(key: str, ok: torch.Tensor) -> None:
@@ -49,31 +48,20 @@ def main() -> None:
         c[0] += int(ok.sum())
         c[1] += ok.numel()
 
-    examples = sorted((ex for _, ex in held), key=lambda ex: ex.num_slots)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        for i in range(0, len(examples), args.batch_size):
-            batch = collate(examples[i : i + args.batch_size], k, pad)
-            out = model(batch)
-            first = out.in_step_index == 0  # token 0 of every step, in step order
-            ok = out.logits[first].argmax(-1) == out.targets[first]
-            smashed = (batch.slot_lengths > 1) & batch.attention_mask.bool()  # (B, S)
-            length = batch.slot_lengths[batch.step_batch, batch.step_slot]  # the predicting slot's tokens
-            add("all", ok)
-            add("at a smashed slot", ok[length > 1])
-            add("at a one-token position", ok[length == 1])
-            for n in range(1, k + 1):
-                add(f"at a slot of {n} token{'s' if n > 1 else ''}", ok[length == n])
-            # the latest smashed slot strictly before each position, -inf where there is none
-            idx = torch.arange(smashed.shape[1]).expand_as(smashed)
-            latest = torch.where(smashed, idx, torch.full_like(idx, -(10**9))).cummax(1).values
-            before = torch.cat([torch.full_like(latest[:, :1], -(10**9)), latest[:, :-1]], 1)
-            back = (batch.step_slot - before[batch.step_batch, batch.step_slot])[length == 1]
-            one = ok[length == 1]
-            add("one-token, no smashed slot before", one[back > 10**8])
-            for lo, hi in DISTANCES:
-                sel = (back >= lo) & (back <= hi)
-                add(f"one-token, latest smashed slot {lo}{'' if lo == hi else '+' if hi > 10**8 else f'-{hi}'} back",
-                    one[sel])
+    for batch, ok, length in token0_right(model, [ex for _, ex in held], args.batch_size):
+        add("all", ok)
+        add("at a smashed slot", ok[length > 1])
+        add("at a one-token position", ok[length == 1])
+        for n in range(1, k + 1):
+            add(f"at a slot of {n} token{'s' if n > 1 else ''}", ok[length == n])
+        since = slots_since_smashed((batch.slot_lengths > 1) & batch.attention_mask.bool())
+        back = since[batch.step_batch, batch.step_slot][length == 1]
+        one = ok[length == 1]
+        add("one-token, no smashed slot before", one[back >= NONE_BEFORE])
+        for lo, hi in DISTANCES:
+            sel = (back >= lo) & (back <= hi)
+            add(f"one-token, latest smashed slot {lo}{'' if lo == hi else '+' if hi > 10**8 else f'-{hi}'} back",
+                one[sel])
     print(f"{len(held)} held-out examples of {args.data}; {args.model}"
           f"{' (slot adapters zeroed)' if args.no_adapters else ''}")
     print("| token 0 predicted | acc@0 | steps |")

@@ -25,7 +25,7 @@ import json
 import random
 import time
 import torch
-from heldout_split import load_for_acc0, splits
+from heldout_split import load_for_acc0, slots_since_smashed, splits, token0_right
 
 from hamburger.errors import HamburgerError
 from hamburger.model.slot_adapters import SlotAdapters
@@ -35,28 +35,18 @@ from hamburger.training.data import collate
 def reader_mask(merged: torch.Tensor, attention_mask: torch.Tensor, reach: int) -> torch.Tensor:
     """(B, S): one-token positions with a smashed slot 1..reach slots before them."""
     smashed = merged & attention_mask.bool()
-    idx = torch.arange(smashed.shape[1], device=smashed.device).expand_as(smashed)
-    latest = torch.where(smashed, idx, torch.full_like(idx, -(10**9))).cummax(1).values
-    before = torch.cat([torch.full_like(latest[:, :1], -(10**9)), latest[:, :-1]], 1)
-    return ~smashed & attention_mask.bool() & (idx - before <= reach)
+    return ~smashed & attention_mask.bool() & (slots_since_smashed(smashed) <= reach)
 
 
-def held_out_acc0(model, held, k: int, pad: int) -> dict[str, float]:
+def held_out_acc0(model, held) -> dict[str, float]:
     model.eval()
     counts: dict[str, list[int]] = {}
-    examples = sorted(held, key=lambda ex: ex.num_slots)
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-        for i in range(0, len(examples), 8):
-            batch = collate(examples[i : i + 8], k, pad)
-            out = model(batch)
-            first = out.in_step_index == 0
-            ok = out.logits[first].argmax(-1) == out.targets[first]
-            at_slot = batch.slot_lengths[batch.step_batch, batch.step_slot] > 1
-            for key, sel in (("acc@0", torch.ones_like(ok)), ("at smashed slots", at_slot),
-                             ("at one-token positions", ~at_slot)):
-                c = counts.setdefault(key, [0, 0])
-                c[0] += int(ok[sel].sum())
-                c[1] += int(sel.sum())
+    for _, ok, length in token0_right(model, held):
+        for key, sel in (("acc@0", torch.ones_like(ok)), ("at smashed slots", length > 1),
+                         ("at one-token positions", length == 1)):
+            c = counts.setdefault(key, [0, 0])
+            c[0] += int(ok[sel].sum())
+            c[1] += int(sel.sum())
     model.train()
     return {key: round(r / n, 4) for key, (r, n) in counts.items() if n}
 
@@ -109,7 +99,7 @@ def main() -> None:
             with open(args.log, "a") as f:
                 f.write(line + "\n")
 
-    emit({"step": 0, **held_out_acc0(model, held, k, pad)})
+    emit({"step": 0, **held_out_acc0(model, held)})
     start, step, targets = time.time(), 0, 0
     while time.time() - start < args.minutes * 60:
         at = (step * 8) % len(order)
@@ -124,7 +114,7 @@ def main() -> None:
         if step % 20 == 0:
             emit({"step": step, "loss": round(out.loss.item(), 4), "min": round((time.time() - start) / 60, 1),
                   "targets/s": round(targets / (time.time() - start), 1)})
-    emit({"step": step, "min": round((time.time() - start) / 60, 1), **held_out_acc0(model, held, k, pad)})
+    emit({"step": step, "min": round((time.time() - start) / 60, 1), **held_out_acc0(model, held)})
 
 
 if __name__ == "__main__":
