@@ -18,6 +18,16 @@ from transformers import (
 from hamburger import HamburgerConfig, HamburgerModel
 from hamburger.model.merger import KVMerger
 
+
+
+@pytest.fixture(autouse=True)
+def _steps_without_timings(monkeypatch):
+    """Verify mode's draft policy decides from measured step times; tests about other things must not depend on
+    timings (their step lengths are compared), so engines built without saying draft at every step here.
+    tests/inference/test_draft_policy.py tests the policy itself, turned on explicitly."""
+    monkeypatch.setattr("hamburger.inference.draft_policy.ON_BY_DEFAULT", False)
+
+
 VOCAB = 96
 EOS = 1
 PAD = 0

@@ -198,3 +198,33 @@ def test_cli_refuses_a_bad_lookup(checkpoint, capsys):
     assert "lookup" in err and "Traceback" not in err
     assert main(["generate", "w5", "--model", str(checkpoint), "--raw", "--lookup", "1", "--mode", "verify",
                  "--max-new-tokens", "6"]) == 0
+
+
+def test_verify_lookup_drafts_run_past_k_minus_1_and_compress_keeps_k_minus_1():
+    """Verify mode takes up to `lookup_drafts` lookup tokens per pass (a repeating prompt offers many); compress
+    mode keeps K-1 (its merger's steps); both engine and scheduler give the base's output."""
+    model = hamburger("llama", k=3)
+    model.attach_merger(random_merger(model.base))
+    model.config.lookup = 1
+    prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6]
+    engine = Engine(model, draft_rows=None)
+    assert engine.lookup_drafts > model.config.max_step_tokens - 1
+    widest = {}
+    original = verify_mod.check_pass
+
+    def spy(engine_, embeds, *args, **kwargs):
+        widest[mode] = max(widest.get(mode, 0), embeds.shape[1])
+        return original(engine_, embeds, *args, **kwargs)
+
+    verify_mod.check_pass = spy
+    try:
+        for mode in ("verify", "compress"):
+            out = engine.generate([prompt], max_new_tokens=30, confidence=1.0, mode=mode)
+            if mode == "verify":
+                assert out.tokens[0] == base_greedy(model, prompt, 30)
+    finally:
+        verify_mod.check_pass = original
+    assert widest["compress"] <= 3 < widest["verify"]  # t0 + K-1; verify: more lookup drafts than K-1
+    sched = Scheduler(model, max_batch_size=2, max_len=64, draft_rows=None)
+    out = run_staggered(sched, [(0, prompt, 30, "verify")], confidence=1.0)
+    assert [t for e in out[0] for t in e.tokens] == base_greedy(model, prompt, 30)

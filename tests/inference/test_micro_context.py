@@ -42,7 +42,8 @@ def test_verify_drafts_with_context_are_the_trained_forwards(arch, window, monke
         return drafts, n, q
 
     monkeypatch.setattr(verify_mod, "draft", record)
-    out = Engine(model, draft_rows=None).generate(PROMPTS, max_new_tokens=20, confidence=0.01, mode="verify")
+    out = Engine(model, draft_rows=None, draft_policy=False).generate(PROMPTS, max_new_tokens=20, confidence=0.01,
+                                                                      mode="verify")
     checked = 0
     for row, prompt in enumerate(PROMPTS):
         output = out.tokens[row]
@@ -70,7 +71,8 @@ def test_scheduler_with_context_equals_the_engine_alone(arch):
     the engine's output for each alone (left-padded batch of one): the context each row sees is its own."""
     model = hamburger(arch, k=K, micro_layers=2, micro_context=5)
     torch.nn.init.normal_(model.embedder.o_proj.weight, std=0.2)
-    engine, sched = Engine(model, draft_rows=None), Scheduler(model, max_batch_size=2, max_len=64, draft_rows=None)
+    engine = Engine(model, draft_rows=None, draft_policy=False)
+    sched = Scheduler(model, max_batch_size=2, max_len=64, draft_rows=None, draft_policy=False)
     jobs = [(0, PROMPTS[0], 14, "trust"), (1, PROMPTS[1], 12, "verify"), (2, PROMPTS[2], 10, "trust")]
     out = run_staggered(sched, jobs, confidence=0.3)
     for j, (_, prompt, limit, mode) in enumerate(jobs):

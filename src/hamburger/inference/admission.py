@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hamburger.inference.draft_policy import RowDrafts
 from hamburger.inference.lookup import NgramIndex
 from hamburger.inference.sampling import SamplingParams
 from hamburger.inference.stats import GenerationStats
@@ -58,6 +59,7 @@ class Request:
     mode: str = "trust"
     row: int = -1
     tokens: list[int] = field(default_factory=list)
+    drafting: RowDrafts = field(default_factory=RowDrafts)  # verify mode: whether its drafts pay (draft_policy.py)
     steps: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
     started: float = 0.0  # when its prefill began

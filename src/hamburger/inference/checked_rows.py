@@ -30,7 +30,7 @@ class CheckedRows:
         width = 1 + int(self.n_drafts[:n].max())
         step_len = self.step_len[:n]
         embeds = self.model.embed(self.step_tok[:n, :width])
-        smashed = self.model.smash(self.step_tok[:n], step_len.clamp(min=1))
+        smashed = self.model.smash(self.step_tok[:n, : self.k], step_len.clamp(min=1))
         embeds[:, 0] = torch.where(verify[:, None], embeds[:, 0], smashed)
         positions = (self.prompt_len[:n] + self.gen_len[:n] - 1).clamp(min=0)
         compress = self.compress[:n] & live
@@ -67,8 +67,11 @@ class CheckedRows:
                     req.stats.window_entries = sum(m - 1 for _, m, _ in req.window_steps)
         kept, tokens, rows_l = at.tolist(), self.step_tok[:n].tolist(), rows.tolist()
         added = [0] * n
+        costs, drafted = self.engine.step_costs(n), self.n_drafts[:n].tolist()
         for i in rows_l:
             req = self.rows[i]
+            if req.mode == "verify" and drafted[i]:  # the draft policy learns what this row's drafts keep
+                req.drafting.observe(drafted[i], kept[i], req.looked > 0, costs)
             if req.looked:
                 req.stats.lookup_drafts += req.looked
                 req.stats.lookup_kept += kept[i]
@@ -94,16 +97,18 @@ class CheckedRows:
     def _keep_full_distribution(self, row: int, full: torch.Tensor) -> None:
         if self.q is None:
             vocab = self.model.base.config.vocab_size
-            self.q = torch.zeros(len(self.rows), max(self.k - 1, 1), vocab, device=full.device)
+            self.q = torch.zeros(len(self.rows), max(self.drafts, 1), vocab, device=full.device)
         self.q[row, self._depth - 1] = full
 
     def _lookup(self, indexes: list[NgramIndex | None]):
         """`macro_step`'s lookup over the running rows; a sampled row's lookup drafts are draws from point masses
         (kept as its draft distributions for the next acceptance)."""
-        find = Lookup(indexes, self.k - 1, indexed_token0=False)
+        find = Lookup(indexes, self.drafts, indexed_token0=False)
+        compress = self.compress[: len(indexes)]
 
         def fn(tok: torch.Tensor, rows: torch.Tensor, room: torch.Tensor):
-            drafts, counts = find(tok, rows, room)
+            # compress rows: at most K-1 drafts (the merger's steps have at most K tokens)
+            drafts, counts = find(tok, rows, torch.where(compress, room.clamp(max=self.k - 1), room))
             vocab = self.model.base.config.vocab_size
             for i, (c, d) in enumerate(zip(counts.tolist(), drafts.tolist())):
                 req = self.rows[i]

@@ -107,7 +107,7 @@ class Limits:
 
 def macro_step(engine: Engine, states: list[torch.Tensor], live: torch.Tensor, gen_len: torch.Tensor, limits: Limits,
                pick: Pick, cache: KVCache | None, forced_len: torch.Tensor | None = None,
-               context: MicroContext | None = None, lookup: LookupFn | None = None):
+               context: MicroContext | None = None, lookup: LookupFn | None = None, lookup_width: int = 0):
     """One macro-step over n rows: token 0 from the base's head, then micro-steps while any live row's step goes on.
 
     `states`: [final normed state, feature_1..feature_m] of the last base pass, each (n, d). `live` (n,): the
@@ -115,15 +115,18 @@ def macro_step(engine: Engine, states: list[torch.Tensor], live: torch.Tensor, g
     in place. `cache`: the micro-step decoder's cache for the n rows. `forced_len` (n,): where > 0, the step
     takes that many tokens whatever the stop head says (EOS and the budget still end it). `context`: what a
     micro-step decoder with context reads of the base (`micro_context`). `lookup`: verify and compress rows'
-    lookup drafts; a row that gets some takes them as its micro tokens and runs no micro-step.
+    lookup drafts; a row that gets some takes them as its micro tokens and runs no micro-step, up to
+    max(K-1, `lookup_width`) of them.
 
-    Returns the step's tokens (n, K), their number (n,) (0 on rows not live) and the rows that ended.
+    Returns the step's tokens (n, 1 + max(K-1, lookup_width)), their number (n,) (0 on rows not live) and the
+    rows that ended.
     The one host sync per micro-step is `go_on.any()`; nothing per token.
     """
     model, k = engine.model, engine.k
     h0, feats = states[0], states[1:]
     tok = pick(h0, live, False)
-    step_tok = torch.zeros(h0.shape[0], k, dtype=torch.long, device=h0.device)
+    width = max(k - 1, lookup_width if lookup is not None else 0)  # lookup drafts may run past K-1
+    step_tok = torch.zeros(h0.shape[0], 1 + width, dtype=torch.long, device=h0.device)
     step_tok[:, 0] = tok
     step_len = live.long()
     gen_len += step_len
@@ -132,10 +135,12 @@ def macro_step(engine: Engine, states: list[torch.Tensor], live: torch.Tensor, g
     if k == 1:
         return step_tok, step_len, ended
     if lookup is not None:
-        room = (torch.as_tensor(limits.max_new, device=gen_len.device) - gen_len).clamp(0, k - 1) * go_on
+        room = (torch.as_tensor(limits.max_new, device=gen_len.device) - gen_len).clamp(0, width) * go_on
         drafts, n = lookup(tok, go_on, room)
         n = torch.minimum(n, room)
-        step_tok[:, 1:] = torch.where(n[:, None] > torch.arange(k - 1, device=n.device), drafts, step_tok[:, 1:])
+        drafts = drafts[:, :width]
+        at = torch.arange(drafts.shape[1], device=n.device)
+        step_tok[:, 1 : 1 + drafts.shape[1]] = torch.where(n[:, None] > at, drafts, step_tok[:, 1 : 1 + drafts.shape[1]])
         step_len += n
         gen_len += n
         go_on &= n == 0

@@ -21,7 +21,9 @@ import torch
 import torch.nn.functional as F
 
 from hamburger.errors import HamburgerError
+from hamburger.inference import draft_policy as draft_policy_mod
 from hamburger.inference.core import Limits, MicroContext, macro_step, micro_context
+from hamburger.inference.draft_policy import StepCosts
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
 from hamburger.inference.qlinear import Fp16Linear, QuantizedLinear, fp16_unavailable
 from hamburger.inference.reference import (
@@ -37,7 +39,14 @@ from hamburger.inference.reference import (
 from hamburger.inference.reference import stream as reference_stream
 from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
-from hamburger.model.config import DRAFT_ROWS, check_confidence, check_draft_rows, check_lookup, check_mode
+from hamburger.model.config import (
+    DRAFT_ROWS,
+    LOOKUP_DRAFTS,
+    check_confidence,
+    check_draft_rows,
+    check_lookup,
+    check_mode,
+)
 from hamburger.model.hamburger_model import HamburgerModel
 from hamburger.model.slot_adapters import AdapterPass
 
@@ -112,16 +121,22 @@ class Engine:
     """Static-cache decoding of a `HamburgerModel` (or of its plain base with `max_step_tokens` 1)."""
 
     def __init__(self, model: HamburgerModel, compile: bool = False, shortlist: bool = True,
-                 draft_rows: int | str | None = "auto", lookup: int | None = None) -> None:
+                 draft_rows: int | str | None = "auto", lookup: int | None = None,
+                 draft_policy: bool | None = None) -> None:
         """`draft_rows`: verify mode drafts only in batches of at most this many rows (None: always; 0: never;
         "auto": `config.DRAFT_ROWS` where a pass of a few positions costs about one of one position, else 0; see
         `auto_draft_rows`). Compress mode always drafts: its steps are what it merges. `lookup`: verify and
         compress mode also draft by lookup (`lookup.py`) where a row's last `lookup` or more tokens occurred
-        before (0: never; None: the checkpoint's `lookup`)."""
+        before (0: never; None: the checkpoint's `lookup`). `draft_policy`: a verify row drafts only while its
+        drafts pay for their cost, measured on this engine's own steps (`draft_policy.py`); False: every step;
+        None: `draft_policy.ON_BY_DEFAULT`."""
         check_supported(model)
         self.model = model
         self.lookup = check_lookup(model.config.lookup if lookup is None else lookup)
         self.draft_rows = auto_draft_rows(model) if check_draft_rows(draft_rows) == "auto" else draft_rows
+        self.draft_policy = draft_policy_mod.ON_BY_DEFAULT if draft_policy is None else draft_policy
+        self.lookup_drafts = LOOKUP_DRAFTS
+        self._step_costs: dict[int, StepCosts] = {}
         # Micro-steps choose among the checkpoint's shortlist (if it has one): a head of |shortlist| rows
         # instead of the whole vocabulary. Token 0 of every step always uses the full head.
         self.vocab = model.micro_vocab if shortlist else None
@@ -169,6 +184,10 @@ class Engine:
             return fn(*args)
 
         return run
+
+    def step_costs(self, rows: int) -> StepCosts:
+        """The measured cost of a decode step over `rows` rows (`draft_policy.StepCosts`), kept across calls."""
+        return self._step_costs.setdefault(rows, StepCosts())
 
     def short_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of (..., d) states over the micro-step shortlist (requires one)."""
@@ -346,8 +365,10 @@ class ReferenceEngine:
         self.model = model
 
     def stream(self, prompts: Sequence[Sequence[int]], mode: str | None = None, **kwargs) -> Generation:
-        if check_mode(mode or self.model.config.default_mode) != "trust":
-            raise HamburgerError(f"{mode} mode runs on the fast engine only (Llama, Mistral, Qwen2, Qwen3 bases)")
+        mode = check_mode(mode or self.model.config.default_mode)
+        if mode != "trust":
+            raise HamburgerError(f"{mode} mode runs on the fast engine only (Llama, Mistral, Qwen2, Qwen3 bases): "
+                                 "use --engine fast, or --mode trust on the reference engine")
         return reference_stream(self.model, prompts, **kwargs)
 
     def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> GenerationOutput:
@@ -355,12 +376,13 @@ class ReferenceEngine:
 
 
 def make_engine(model: HamburgerModel, kind: str = "auto", compile: bool = False,
-                draft_rows: int | str | None = "auto", lookup: int | None = None) -> Engine | ReferenceEngine:
+                draft_rows: int | str | None = "auto", lookup: int | None = None,
+                draft_policy: bool | None = None) -> Engine | ReferenceEngine:
     """`fast` (static caches, Llama-style decoders), `reference` (any model), or `auto`: fast where supported.
-    `draft_rows`: see `Engine`."""
+    `draft_rows`, `lookup`, `draft_policy`: see `Engine`."""
     if kind not in ENGINES:
         raise HamburgerError(f"engine must be one of {ENGINES}, got {kind!r}")
     supported = getattr(model.base.config, "model_type", "") in SUPPORTED
     if kind == "reference" or (kind == "auto" and not supported):
         return ReferenceEngine(model)
-    return Engine(model, compile=compile, draft_rows=draft_rows, lookup=lookup)
+    return Engine(model, compile=compile, draft_rows=draft_rows, lookup=lookup, draft_policy=draft_policy)

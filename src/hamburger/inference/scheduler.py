@@ -61,10 +61,11 @@ class Scheduler(CheckedRows):
 
     def __init__(self, model: HamburgerModel, max_batch_size: int = 8, max_len: int | None = None,
                  prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = True,
-                 decode_threads: int | None = None, draft_rows: int | str | None = "auto") -> None:
-        # checks the architecture; owns the shortlist head and `draft_rows`: verify rows draft only while at most
-        # that many requests run (compress rows always draft)
-        self.engine = engine = Engine(model, draft_rows=draft_rows)
+                 decode_threads: int | None = None, draft_rows: int | str | None = "auto",
+                 draft_policy: bool | None = None) -> None:
+        # checks the architecture; owns the shortlist head, `draft_rows` (verify rows draft only while at most
+        # that many requests run; compress rows always draft) and the draft policy's step costs
+        self.engine = engine = Engine(model, draft_rows=draft_rows, draft_policy=draft_policy)
         if decode_threads is not None and decode_threads < 1:
             raise HamburgerError(f"decode_threads must be >= 1 (or None: torch's setting), got {decode_threads}")
         # Small decode passes with `decode_threads` torch threads; prefill and large decode passes with the threads
@@ -81,7 +82,9 @@ class Scheduler(CheckedRows):
         self.prefill_tokens, self.interleave_prefill = prefill_tokens, interleave_prefill
         rows, dev, dtype = max_batch_size, engine.device, engine.dtype
         # k spare slots: a verify pass writes a row's drafts past its entries in use, up to K-1 of them
-        self.cache = KVCache.for_layers(engine.base.layers, cfg, rows, self.max_len + self.k, dtype, dev)
+        # Verify rows draft up to `drafts` tokens (lookup drafts may run past K-1; compress rows keep K-1)
+        self.drafts = max(self.k - 1, engine.lookup_drafts if engine.lookup else 0) if self.k > 1 else 0
+        self.cache = KVCache.for_layers(engine.base.layers, cfg, rows, self.max_len + 1 + self.drafts, dtype, dev)
         self.micro_cache = (KVCache.for_layers(model.micro.layers, cfg, rows, model.micro.num_features + self.k,
                                                dtype, dev) if self.k > 1 else None)
         n_states = 1 + (model.micro.num_features if self.k > 1 else 0)
@@ -91,14 +94,15 @@ class Scheduler(CheckedRows):
         self.confidence = zeros(torch.float32)
         self.live, self.verify, self.compress = zeros(torch.bool), zeros(torch.bool), zeros(torch.bool)
         # compress rows: tokens merged into each cache entry (0: an ordinary entry), for the merger's attention bias
-        self.merged_len = torch.zeros(rows, self.max_len + self.k, dtype=torch.long, device=dev)
+        self.merged_len = torch.zeros(rows, self.max_len + 1 + self.drafts, dtype=torch.long, device=dev)
         self.n_drafts = zeros()  # verify rows: drafts step_tok[1 : 1 + n] wait for the next base pass to check them
         self.pending: list[list[int]] = [[] for _ in range(rows)]  # drafts a verify pass kept, reported this step
         self.ended_early = [False] * rows  # a kept draft ended the request (EOS) before this step's macro-step
         self.next_t0 = torch.full((rows,), -1, dtype=torch.long, device=dev)  # sampled verify: the accepted token 0
-        self.q: torch.Tensor | None = None  # sampled verify: (rows, K-1, V) the distributions drafts were drawn from
+        self.q: torch.Tensor | None = None  # sampled verify: (rows, drafts, V) the distributions drafts were drawn from
         self._depth = 0  # micro-steps into the current macro-step (which draft a pick makes)
-        self.step_tok = torch.zeros(rows, self.k, dtype=torch.long, device=dev)
+        self._micro_calls = 0  # micro-step calls of the last macro-step (the draft policy's step costs)
+        self.step_tok = torch.zeros(rows, 1 + max(self.k - 1, self.drafts), dtype=torch.long, device=dev)
         self.step_len = zeros()
         self.eos = torch.full((rows, 1), -1, dtype=torch.long, device=dev)
         self.default_eos = eos_ids(model)
@@ -171,12 +175,20 @@ class Scheduler(CheckedRows):
             events = self._apply_cancels()
             self._compact()
             self._threads(self._decode_threads())
+            start = time.perf_counter()
+            width = 1 + int(self.n_drafts[: self._span()].max()) if self.running else 1
             self._feed_steps()
+            fed_s = time.perf_counter() - start
             self._threads(self.prefill_threads)
             self._admit()
             self._threads(self._decode_threads())
             if self.running:
+                start = time.perf_counter()
                 events += self._macro_step()
+                # The decode work of a step (its base pass and its micro-steps, not the prefill): what the draft
+                # policy weighs a drafting step against a plain one by.
+                self.engine.step_costs(self._span()).observe(width - 1, self._micro_calls,
+                                                             fed_s + time.perf_counter() - start)
         return events
 
     def _decode_threads(self) -> int | None:
@@ -239,7 +251,7 @@ class Scheduler(CheckedRows):
         else:
             live = self.live[:n]
             step_len = self.step_len[:n].clamp(min=1)
-            embeds = self.model.smash(self.step_tok[:n], step_len)[:, None]
+            embeds = self.model.smash(self.step_tok[:n, : self.k], step_len)[:, None]
             positions = (self.prompt_len[:n] + self.gen_len[:n] - 1).clamp(min=0)[:, None]
             slots = torch.where(live, self.cache_len[:n], 0)
             mask = (torch.arange(int(slots.max()) + 1, device=slots.device)[None] <= slots[:, None])[:, None, None]
@@ -346,10 +358,16 @@ class Scheduler(CheckedRows):
         live, verify = self.live[:n].clone(), self.verify[:n]
         confidence = self.confidence[:n]
         few = self.engine.draft_rows is None or n <= self.engine.draft_rows
-        if not few:  # too many rows for drafts to pay
-            confidence = torch.where(verify & ~self.compress[:n], 1.0, confidence)  # 1.0: no drafts
-        # Lookup drafts for the checked rows that draft now (compress rows always do), from their own histories.
-        indexes = [r.index if r is not None and (few or r.mode == "compress") else None for r in self.rows[:n]]
+        # Verify rows draft while few rows run and, greedy ones, while their drafts pay (the draft policy: a seeded
+        # sampled request's draws must not depend on timings); compress rows always draft.
+        costs, policy = self.engine.step_costs(n), self.engine.draft_policy
+        wants = [(False, False) if r is None or r.mode == "trust" or (r.mode == "verify" and not few)
+                 else r.drafting.wants(costs) if r.mode == "verify" and policy and r.sampling.greedy
+                 else (True, True) for r in self.rows[:n]]  # (lookup drafts, micro-step drafts) per row
+        confidence = torch.where(verify & ~torch.tensor([m for _, m in wants], device=verify.device), 1.0,
+                                 confidence)  # 1.0: no micro-step drafts
+        # Lookup drafts for the checked rows that look up now, from their own histories.
+        indexes = [r.index if r is not None and on else None for r, (on, _) in zip(self.rows[:n], wants)]
         lookup = self._lookup(indexes) if any(i is not None for i in indexes) else None
         limits = Limits(self.eos[:n], self.max_new[:n] - verify.long(), confidence, path=verify)
         micro_cache = CacheView(self.micro_cache, slice(0, n)) if self.k > 1 else None
@@ -357,7 +375,9 @@ class Scheduler(CheckedRows):
                             self.prompt_len[:n] + self.gen_len[:n] - 1)  # the state each row's step starts from
         step_tok, step_len, ended = macro_step(self.engine, list(self.states[:n].unbind(1)), live,
                                                self.gen_len[:n], limits, self._pick, micro_cache, context=ctx,
-                                               lookup=lookup)
+                                               lookup=lookup, lookup_width=self.drafts)
+        looked = torch.tensor([r.looked if r is not None else 0 for r in self.rows[:n]], device=step_len.device)
+        self._micro_calls = int(torch.where(looked > 0, 0, step_len - 1).clamp(min=0).max()) if n else 0
         drafts = torch.zeros_like(step_len)
         if any(r is not None and r.mode in CHECKED for r in self.rows[:n]):
             v = verify & live
@@ -367,7 +387,7 @@ class Scheduler(CheckedRows):
             ended = torch.where(v, t0_ends, ended)
             step_len = torch.where(v, 1, step_len)
             self.n_drafts[:n] = drafts
-        self.step_tok[:n], self.step_len[:n] = step_tok, step_len
+        self.step_tok[:n, : step_tok.shape[1]], self.step_len[:n] = step_tok, step_len
         return self._report(step_tok.tolist(), step_len.tolist(), ended.tolist(), drafts.tolist())  # one transfer
 
     def _report(self, rows: list[list[int]], lens: list[int], ended: list[bool], drafts: list[int]) -> list[RequestEvent]:

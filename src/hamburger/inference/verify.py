@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hamburger.inference.core import Limits, MicroContext, macro_step, micro_context
+from hamburger.inference.draft_policy import RowDrafts
 from hamburger.inference.kv import KVCache, RowSlots
 from hamburger.inference.lookup import Lookup, NgramIndex
 from hamburger.inference.reference import StepEvent
@@ -66,7 +67,8 @@ def accept_sampled(drafts: torch.Tensor, n_drafts: torch.Tensor, q: torch.Tensor
     return kept, torch.multinomial(residual, 1, generator=generator).squeeze(1)
 
 
-def draft(engine: Engine, states: list[torch.Tensor], t0: torch.Tensor, limit: torch.Tensor, confidence: float,
+def draft(engine: Engine, states: list[torch.Tensor], t0: torch.Tensor, limit: torch.Tensor,
+          confidence: float | torch.Tensor,
           sampling: SamplingParams, rng, warpers, cache: KVCache, context: MicroContext | None = None,
           lookup: Lookup | None = None):
     """Up to min(K-1, limit) drafts per row from the micro-step decoder: `core.macro_step` with token 0 given
@@ -94,7 +96,7 @@ def draft(engine: Engine, states: list[torch.Tensor], t0: torch.Tensor, limit: t
     # t0 + at most `limit` drafts, each only while P(every draft so far is kept) > confidence
     limits = Limits(torch.full((1, 1), -1, device=t0.device), limit + 1, confidence, path=True)
     step_tok, step_len, _ = macro_step(engine, states, live, gen_len, limits, pick, cache, context=context,
-                                       lookup=lookup)
+                                       lookup=lookup, lookup_width=lookup.width if lookup is not None else 0)
     n = step_len - 1
     d = int(n.max()) if bsz else 0
     drafts = step_tok[:, 1 : 1 + d]
@@ -143,7 +145,9 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
     gen.stats.unmerged = merger is None
     start_t = time.perf_counter()
     # Drafts of the last step may be written past the budget: k slots more.
-    states, cache, micro_cache, valid, lengths = engine.start(gen, extra=k)
+    # Lookup drafts: up to the engine's `lookup_drafts` in verify mode; K-1 in compress mode (the merger's steps).
+    most = k - 1 if merger is not None else max(k - 1, engine.lookup_drafts)
+    states, cache, micro_cache, valid, lengths = engine.start(gen, extra=1 + most)
     width, max_len = int(lengths.max()), valid.shape[1]
     merged_len = torch.zeros(bsz, max_len, dtype=torch.long, device=dev)  # tokens merged into each entry (0: none)
     size = model.config.merge_window
@@ -154,8 +158,13 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
     new = [[t] for t in t0.tolist()]
     # Lookup drafts (the checkpoint's `lookup`, or the engine's): each row's prompt and output so far, indexed.
     indexes = [NgramIndex(p, engine.lookup) for p in gen.prompts] if engine.lookup else None
-    lookup = Lookup(indexes, k - 1) if indexes is not None else None
+    lookup = Lookup(indexes, most) if indexes is not None else None
     cache_len = torch.full((bsz,), width, device=dev)  # entries in use per row: t0 of the coming pass goes here
+    # Greedy verify mode: each row drafts while its drafts pay, against this engine's measured step costs at this
+    # batch. Sampled rows always draft: which random numbers a seeded request draws must not depend on timings.
+    policy = ([RowDrafts() for _ in range(bsz)] if merger is None and engine.draft_policy and k > 1
+              and gen.sampling.greedy else None)
+    costs = engine.step_costs(bsz)
     next_pos = lengths.clone()  # position id of t0
     for step in range(gen.max_new_tokens):
         for b, toks in enumerate(new):
@@ -171,13 +180,26 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
         # Drafts may not run past the token budget: the pass adds the kept drafts and one token of the base's.
         left = torch.tensor([0 if d else gen.max_new_tokens - len(t) - 1 for d, t in zip(done, gen.tokens)], device=dev)
         alive = torch.tensor([not d for d in done], device=dev)
-        # Verify rows draft only in a batch of at most `draft_rows` rows (every row is computed, finished or not);
-        # compress rows always draft: their steps are what the merger compresses.
-        if k > 1 and (merger is not None or engine.draft_rows is None or bsz <= engine.draft_rows):
+        # Verify rows draft only in a batch of at most `draft_rows` rows (every row is computed, finished or not),
+        # and (`draft_policy`) only while their drafts pay; compress rows always draft: their steps are what the
+        # merger compresses.
+        step_t = time.perf_counter()
+        wants = [r.wants(costs) for r in policy] if policy is not None else [(True, True)] * bsz
+        confidence = gen.confidence
+        if policy is not None:  # a row without micro-step drafts: confidence 1.0; without lookup: no index
+            left = left * torch.tensor([a or b for a, b in wants], device=dev)
+            confidence = torch.tensor([gen.confidence if b else 1.0 for _, b in wants], device=dev)
+            if lookup is not None:
+                lookup.indexes = [ix if a else None for ix, (a, _) in zip(indexes, wants)]
+        micro_calls = 0
+        if (k > 1 and (merger is not None or engine.draft_rows is None or bsz <= engine.draft_rows)
+                and any(a or b for a, b in wants)):
             ctx = micro_context(engine, cache, cache_len, next_pos - 1, valid)  # next_pos - 1: t0's state
-            drafts, n_drafts, q = draft(engine, states, t0, left, gen.confidence, gen.sampling, rng, warpers,
+            drafts, n_drafts, q = draft(engine, states, t0, left, confidence, gen.sampling, rng, warpers,
                                         micro_cache, ctx, lookup=lookup)
             looked = lookup.counts if lookup is not None else None  # lookup drafts per row (set by this draft)
+            from_micro = n_drafts if looked is None else torch.where(looked > 0, 0, n_drafts)
+            micro_calls = int(from_micro.max()) if bsz else 0  # a micro-step call gives every row going on a token
         else:
             drafts, n_drafts, q = torch.zeros(bsz, 0, dtype=torch.long, device=dev), left * 0, None
             looked = None
@@ -205,6 +227,12 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
         if window is not None:
             gen.stats.window_entries = window.extra_entries()
         kept_l, t0_l, drafts_l = kept.tolist(), t0.tolist(), drafts.tolist()  # the one transfer per step
+        if policy is not None:
+            costs.observe(drafts.shape[1], micro_calls, time.perf_counter() - step_t)
+            n_l, looked_l = n_drafts.tolist(), (looked.tolist() if looked is not None else [0] * bsz)
+            for b, row in enumerate(policy):
+                if n_l[b] and not done[b]:
+                    row.observe(n_l[b], kept_l[b], looked_l[b] > 0, costs)
         new = [[] if done[b] else drafts_l[b][: kept_l[b]] + [t0_l[b]] for b in range(bsz)]
         next_pos += (1 + kept) * alive
 
@@ -228,7 +256,9 @@ def check_pass(engine: Engine, embeds: torch.Tensor, first_pos: torch.Tensor, ca
     mask = mask[:, None]
     if merged_len is not None:  # per layer: -inf where hidden, the merger's bias on merged entries
         mask = merged_mask(engine.model.merger, mask, merged_len[:, :end], engine.dtype)
-    return engine._base(embeds, first_pos[:, None] + offsets, cache, RowSlots(slots, end), mask, merged, last=False)
+    # One row writes its slots as a plain slice (cheaper than a scatter: about 0.6 ms a step on the default)
+    where = int(cache_len[0]) if embeds.shape[0] == 1 else RowSlots(slots, end)
+    return engine._base(embeds, first_pos[:, None] + offsets, cache, where, mask, merged, last=False)
 
 
 def settle(merger: KVMerger | None, states: list[torch.Tensor], kept: torch.Tensor, cache: KVCache,

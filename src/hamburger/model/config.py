@@ -138,6 +138,9 @@ def check_draft_rows(rows: int | str | None) -> int | str | None:
 
 # Lookup drafts match n-grams of at most this many tokens (the longest first); `lookup` is the shortest.
 LOOKUP_MAX_NGRAM = 3
+# Verify mode drafts up to this many tokens by lookup (the micro-step decoder drafts at most K-1; compress mode
+# keeps K-1 for lookup too: its merger takes steps of at most K tokens).
+LOOKUP_DRAFTS = 7
 
 
 def check_lookup(ngram: int) -> int:

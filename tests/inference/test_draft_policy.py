@@ -1,0 +1,153 @@
+"""The draft policy without a model: step costs fitted from given timings, and the per-row decision."""
+
+from __future__ import annotations
+
+import pytest
+
+from hamburger.inference.draft_policy import MAX_WAIT, RowDrafts, SourceRecord, StepCosts, pays
+
+
+def fitted(a: float, b: float, c: float, shapes=((0, 0), (3, 3), (1, 0), (2, 1), (3, 0), (0, 0))) -> StepCosts:
+    """Costs fitted to exact timings a + b * drafts + c * micro_calls over a few step shapes, repeated."""
+    costs = StepCosts()
+    for _ in range(20):
+        for d, m in shapes:
+            costs.observe(d, m, a + b * d + c * m)
+    return costs
+
+
+def test_costs_recover_a_linear_cost_model():
+    costs = fitted(0.030, 0.002, 0.005)
+    assert costs.predict(0, 0) == pytest.approx(0.030, rel=0.02)
+    assert costs.predict(3, 3) == pytest.approx(0.030 + 0.006 + 0.015, rel=0.02)
+    assert costs.plain_seen
+
+
+def test_costs_before_any_step_and_after_one_take_the_prior_shape():
+    costs = StepCosts()
+    assert costs.predict(0, 0) is None
+    costs.observe(0, 0, 0.02)
+    assert costs.predict(0, 0) == pytest.approx(0.02, rel=0.05)
+    assert costs.predict(3, 0) > costs.predict(0, 0)  # the prior's slope until drafting steps are timed
+
+
+def test_a_new_row_runs_a_plain_step_first_then_drafts():
+    costs, row = StepCosts(), RowDrafts()
+    assert row.wants(costs) == (False, False)  # nothing timed yet: one plain step
+    costs.observe(0, 0, 0.03)
+    assert row.wants(costs) == (True, True)
+
+
+@pytest.mark.parametrize(("kept", "b", "c", "micro", "expected"), [
+    (2.0, 0.001, 0.004, True, True),    # fp16-like costs, well-kept drafts: drafting pays
+    (0.1, 0.001, 0.004, True, False),   # micro drafts rarely kept: 1.1 tokens for 1.5x the time
+    (0.3, 0.001, 0.004, False, True),   # lookup drafts cost only the wider pass: 0.3 kept pays
+    (1.0, 0.020, 0.004, False, False),  # float32-like costs: 3 drafted positions cost 3x a plain step
+    (3.0, 0.020, 0.000, False, True),   # ... unless nearly all are kept
+])
+def test_pays_compares_tokens_per_second(kept, b, c, micro, expected):
+    costs = fitted(0.030, b, c)
+    source = SourceRecord(kept=kept, drafted=3.0)
+    # (1 + kept) / (a + 3b + 3c) against 1 / a (no c for lookup drafts: no micro-step calls)
+    assert pays(source, costs, micro=micro) is expected
+    assert ((1 + kept) * 0.030 > 0.030 + 3 * b + 3 * (c if micro else 0)) is expected
+
+
+def test_a_source_that_does_not_pay_waits_twice_as_long_each_time_then_resumes_when_it_pays():
+    costs = fitted(0.030, 0.002, 0.005)
+    row = RowDrafts()
+    waits = []
+    for _ in range(7):  # every micro-step probe keeps nothing
+        assert row.wants(costs)[1]
+        row.observe(3, 0, False, costs)
+        wait = 0
+        while not row.wants(costs)[1]:
+            wait += 1
+        waits.append(wait)
+    assert waits == [0, 1, 2, 4, 8, 16, MAX_WAIT]  # the first: the prior's 1 kept still outweighs one 0
+    assert row.lookup.wait == 0 and row.lookup.backoff == 1  # lookup drafts are judged apart
+    for _ in range(3):  # the micro drafts turned good: all three kept at every probe
+        row.observe(3, 3, False, costs)
+    assert row.micro.backoff == 1 and row.micro.wait == 0 and row.wants(costs) == (True, True)
+
+
+def test_the_running_mean_follows_the_kept_drafts():
+    costs = fitted(0.030, 0.002, 0.005)
+    row = RowDrafts()
+    for _ in range(30):
+        row.observe(3, 2, True, costs)
+    assert row.lookup.kept == pytest.approx(2.0, abs=1e-3) and row.lookup.drafted == pytest.approx(3.0, abs=1e-3)
+    assert row.micro.kept == 1.0  # untouched
+    assert pays(row.lookup, costs, micro=False)
+
+
+# --- the policy in the engine and the scheduler (tiny random models) -----------------------------------------
+
+def _costly_drafts(monkeypatch, engine, rows: int) -> None:
+    """Step costs where a drafted position costs 10x a plain step, frozen (real timings ignored)."""
+    engine._step_costs[rows] = fitted(0.01, 0.1, 0.1)
+    monkeypatch.setattr(StepCosts, "observe", lambda self, *a: None)
+
+
+def test_engine_rows_stop_drafting_when_drafts_do_not_pay_and_keep_the_base_output(monkeypatch):
+    import torch
+
+    from conftest import base_greedy, hamburger
+    from hamburger.inference.engine import Engine
+
+    model = hamburger(k=4)
+    prompts = [[5, 17, 33, 8, 60, 12, 9]]
+    with torch.inference_mode():
+        always = Engine(model, draft_rows=None, draft_policy=False).generate(prompts, max_new_tokens=40,
+                                                                            confidence=0.01, mode="verify")
+        engine = Engine(model, draft_rows=None, draft_policy=True)
+        _costly_drafts(monkeypatch, engine, 1)
+        policed = engine.generate(prompts, max_new_tokens=40, confidence=0.01, mode="verify")
+    assert policed.tokens == always.tokens == [base_greedy(model, prompts[0], 40)]
+    assert always.stats.drafted_tokens > 40  # at confidence 0.01 every step drafts K-1 tokens
+    # probes at waits of 0, 1, 2, 4, 8, 16 steps: at most 6 drafting steps of 3 drafts in 40 tokens
+    assert 0 < policed.stats.drafted_tokens <= 6 * 3
+
+
+def test_scheduler_rows_stop_drafting_when_drafts_do_not_pay_and_keep_the_base_output(monkeypatch):
+    import torch
+
+    from conftest import base_greedy, hamburger
+    from hamburger.inference.scheduler import Scheduler
+
+    model = hamburger(k=4)
+    prompt = [5, 17, 33, 8, 60, 12, 9]
+
+    def run(policy: bool):
+        sched = Scheduler(model, max_batch_size=2, max_len=64, draft_rows=None, draft_policy=policy)
+        if policy:
+            _costly_drafts(monkeypatch, sched.engine, 1)
+        sched.submit(prompt, 40, confidence=0.01, mode="verify")
+        tokens, stats = [], None
+        with torch.inference_mode():
+            while sched.has_work():
+                for event in sched.step():
+                    tokens += event.tokens
+                    stats = event.stats
+        return tokens, stats
+
+    (always, s_always), (policed, s_policed) = run(False), run(True)
+    assert policed == always == base_greedy(model, prompt, 40)
+    assert s_always.drafted_tokens > 40
+    assert 0 < s_policed.drafted_tokens <= 6 * 3
+
+
+def test_verify_with_the_policy_on_real_timings_is_the_base_output(arch):
+    import torch
+
+    from conftest import base_greedy, hamburger
+    from hamburger.inference.engine import Engine
+
+    model = hamburger(arch, k=4)
+    model.config.lookup = 1
+    prompts = [[5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6], [7, 90, 23, 23, 51]]
+    engine = Engine(model, draft_rows=None, draft_policy=True)
+    with torch.inference_mode():
+        for _ in range(2):  # the second time with the costs the first one measured
+            out = engine.generate(prompts, max_new_tokens=24, confidence=0.05, mode="verify")
+            assert out.tokens == [base_greedy(model, p, 24) for p in prompts]
