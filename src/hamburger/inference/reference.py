@@ -207,18 +207,21 @@ def timed(steps: Iterator[StepEvent], stats: GenerationStats) -> Iterator[StepEv
     """Run a decoder's macro-steps under inference mode, and set `stats.decode_s` when they end.
 
     The clock covers the decoder's own work only, not what the consumer does between steps; the decoder
-    sets `stats.prefill_s` (time to first token) itself.
+    sets `stats.prefill_s` (time to first token) itself. A consumer that stops early (a stop string) and closes
+    the iterator still gets `decode_s` for the steps it took.
     """
     busy = 0.0
-    while True:
-        start = time.perf_counter()
-        with torch.inference_mode():
-            event = next(steps, None)
-        busy += time.perf_counter() - start
-        if event is None:
-            break
-        yield event
-    stats.decode_s = busy - stats.prefill_s
+    try:
+        while True:
+            start = time.perf_counter()
+            with torch.inference_mode():
+                event = next(steps, None)
+            busy += time.perf_counter() - start
+            if event is None:
+                break
+            yield event
+    finally:
+        stats.decode_s = busy - stats.prefill_s
 
 
 def check_request(prompts: Sequence[Sequence[int]], max_new_tokens: int, forced_steps: Sequence[Sequence[int]] | None,
