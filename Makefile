@@ -7,9 +7,6 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= Explain in two sentences why the sky is blue.
 ARGS ?=
-# `make demo` on an x86 CPU decodes with fp16 weights (FBGEMM; both lanes alike): 2.3-2.7x the float32 speed, and the
-# format in which verify mode's drafts pay on a CPU. DEMO_QUANTIZE= (empty) runs it in float32.
-DEMO_QUANTIZE ?= $(if $(filter x86_64 amd64,$(shell uname -m)),--quantize fp16,)
 
 .PHONY: setup demo generate info serve bench test test-fast clean
 
@@ -32,7 +29,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: setup
-	HF_HUB_OFFLINE=1 $(VENV)/bin/hamburger demo $(DEMO_QUANTIZE) $(ARGS)
+	HF_HUB_OFFLINE=1 $(VENV)/bin/hamburger demo $(ARGS)
 
 generate: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/hamburger generate "$(PROMPT)" $(ARGS)

@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from hamburger.cli import quantize_loaded
 from hamburger.evaluation.bench_systems import bench_messages
 from hamburger.inference.engine import Engine
 from hamburger.inference.scheduler import Scheduler
+from hamburger.loading import quantize_loaded
 from hamburger.model.base import encode_chat
 from hamburger.model.hamburger_model import load_model
 

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 
 import pytest
+import torch
 
 from hamburger.cli import main
+
+DECODING = ("generate", "info", "demo", "serve", "eval", "bench-serve")  # --quantize auto by default
 
 
 def run_json(capsys, *args) -> dict:
@@ -52,19 +56,18 @@ def test_info(capsys, checkpoint, tiny_model_dir):
 
 def test_quantize_another_scheme_on_the_lm_head(capsys, checkpoint):
     """SCHEME/HEAD: int4 projections with an int8 LM head, through generate and info."""
-    from hamburger.cli import build_parser, load_from_args
     from hamburger.inference.qlinear import Int4Linear, Int8Linear
+    from hamburger.loading import load
 
     info = run_json(capsys, "info", "--model", str(checkpoint), "--json", "--quantize", "int4/int8")
     assert info["quantize"] == "int4/int8" and info["group_size"] == 32
-    args = build_parser().parse_args(["generate", "x", "--model", str(checkpoint), "--quantize", "int4/int8"])
-    model, _ = load_from_args(args)
+    model, _ = load(str(checkpoint), quantize="int4/int8")
     assert type(model.base.get_output_embeddings()) is Int8Linear
     assert type(model.base.model.layers[0].mlp.down_proj) is Int4Linear
     line = next(s for s in capsys.readouterr().err.splitlines() if s.startswith("quantize:"))
     assert line.startswith("quantize: int4 (groups of 32), LM head int8: ")
     assert main(["generate", "w5 w6", "--model", str(checkpoint), "--max-new-tokens", "4", "--quantize",
-                 "none/int8", "--json"]) == 0  # the head alone
+                 "none/int8", "--json", "--verbose"]) == 0  # the head alone
     assert "quantize: none, LM head int8: 1 linear layers" in capsys.readouterr().err
 
 
@@ -156,19 +159,19 @@ def test_generate_int8_gives_the_float_greedy_text_where_no_choice_is_a_near_tie
     are compared."""
     import torch
 
-    from hamburger.cli import build_parser, load_from_args
+    from hamburger.loading import load
 
     args = ["generate", "w5 w6 w7", "--model", str(smooth_model_dir), "--raw", "--max-new-tokens", "16", "--json"]
-    float_out = run_json(capsys, *args)
-    assert main(args + ["--quantize", "int8"]) == 0
+    float_out = run_json(capsys, *args, "--quantize", "none")
+    assert main(args + ["--quantize", "int8", "--verbose"]) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out)
     assert out["quantize"] == "int8" and float_out["quantize"] == "none"
     assert captured.err.count("quantize: int8:") == 1 and "MB -> " in captured.err
     assert "linear layers (base 15);" in captured.err  # 2 layers x 7 + the head; a plain base has no micro-step decoder
 
-    float_model, _ = load_from_args(build_parser().parse_args(args))
-    int8_model, _ = load_from_args(build_parser().parse_args(args + ["--quantize", "int8"]))
+    float_model, _ = load(str(smooth_model_dir), quantize="none")
+    int8_model, _ = load(str(smooth_model_dir), quantize="int8")
     tok = float_model.tokenizer
     prompt = tok("w5 w6 w7")["input_ids"]
     ids = torch.tensor([prompt + tok(float_out["text"])["input_ids"]])
@@ -183,7 +186,7 @@ def test_generate_int8_gives_the_float_greedy_text_where_no_choice_is_a_near_tie
 
 def test_generate_quantized_checkpoint_quantizes_the_micro_decoder(capsys, checkpoint):
     assert main(["generate", "w5 w6", "--model", str(checkpoint), "--max-new-tokens", "12", "--confidence", "0.3",
-                 "--quantize", "int8", "--json"]) == 0
+                 "--quantize", "int8", "--json", "--verbose"]) == 0
     captured = capsys.readouterr()
     out = json.loads(captured.out)
     assert out["hamburger"] is True and out["tokens_per_step"] > 1.0
@@ -193,7 +196,7 @@ def test_generate_quantized_checkpoint_quantizes_the_micro_decoder(capsys, check
 
 def test_generate_quantized_int4_runs_and_says_what_it_did(capsys, checkpoint):
     assert main(["generate", "w5 w6", "--model", str(checkpoint), "--max-new-tokens", "8", "--quantize", "int4",
-                 "--group-size", "64", "--json"]) == 0
+                 "--group-size", "64", "--json", "--verbose"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["generated_tokens"] > 0
     line = next(s for s in captured.err.splitlines() if s.startswith("quantize:"))
@@ -202,19 +205,19 @@ def test_generate_quantized_int4_runs_and_says_what_it_did(capsys, checkpoint):
 
 
 def test_info_quantized(capsys, checkpoint):
-    float_info = run_json(capsys, "info", "--model", str(checkpoint), "--json")
+    float_info = run_json(capsys, "info", "--model", str(checkpoint), "--json", "--quantize", "none")
     info = run_json(capsys, "info", "--model", str(checkpoint), "--json", "--quantize", "int4")
     assert info["parameters"] == float_info["parameters"]  # the float model's counts
     assert info["quantize"] == "int4" and info["group_size"] == 32
     assert set(info["quantized_layers"]) == {"base", "micro"}
     assert info["quantized_weights_mb"] < info["weights_mb"] == float_info["weights_mb"]
-    assert main(["info", "--model", str(checkpoint), "--quantize", "int8"]) == 0
+    assert main(["info", "--model", str(checkpoint), "--quantize", "int8", "--verbose"]) == 0
     captured = capsys.readouterr()
     assert "quantized_weights_mb" in captured.out and "quantize: int8:" in captured.err
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--quantize", "int3"], "--quantize must be one of none, fp16, int8, int4 (or SCHEME/HEAD"),
+    (["--quantize", "int3"], "--quantize must be one of auto, none, fp16, int8, int4 (or SCHEME/HEAD"),
     (["--quantize", "int4/int3"], "got 'int4/int3'"),
     (["--quantize", "int4/int8/int8"], "--quantize must be one of"),
     (["--quantize", "int8,int4"], "--quantize must be one of"),  # a comma list is bench's
@@ -236,8 +239,8 @@ def test_int4_on_cuda_needs_bfloat16():
     """Checked from the arguments alone, before any loading (no GPU needed to test it)."""
     import torch
 
-    from hamburger.cli import check_quantize
     from hamburger.errors import HamburgerError
+    from hamburger.loading import check_quantize
 
     with pytest.raises(HamburgerError, match="--dtype bfloat16"):
         check_quantize("int4", 32, torch.device("cuda"), torch.float32)
@@ -246,12 +249,12 @@ def test_int4_on_cuda_needs_bfloat16():
 
 
 def test_only_decoding_commands_take_quantize():
-    from hamburger.cli import QUANTIZE_COMMANDS, build_parser
+    from hamburger.cli import build_parser
 
     parser = build_parser()
     commands = next(a for a in parser._actions if a.dest == "command").choices
     # distill decodes too (the teacher's replies come from the fast engine); training commands never quantize
-    for name in (*QUANTIZE_COMMANDS, "bench", "distill"):
+    for name in (*DECODING, "bench", "distill"):
         assert "--quantize" in commands[name]._option_string_actions, name
     for name in ("train", "train-drafter", "train-merger", "segment"):
         assert "--quantize" not in commands[name]._option_string_actions, name
@@ -261,8 +264,182 @@ def test_eval_and_demo_decode_the_quantized_model(capsys, tmp_path, checkpoint):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "w5 w6 w7"}) + "\n")
     assert main(["eval", "--model", str(checkpoint), "--tasks", "prompts", "--prompts", str(prompts),
-                 "--max-new-tokens", "4", "--quantize", "int8"]) == 0
+                 "--max-new-tokens", "4", "--quantize", "int8", "--verbose"]) == 0
     assert "quantize: int8: 57 linear layers (base 29, micro 28)" in capsys.readouterr().err
     assert main(["demo", "--model", str(checkpoint), "--max-new-tokens", "4", "--prompt", "w5 w6",
-                 "--quantize", "int4"]) == 0
+                 "--quantize", "int4", "--verbose"]) == 0
     assert "quantize: int4 (groups of 32)" in capsys.readouterr().err
+
+
+# --- defaults that deliver, and what the CLI says ----------------------------------------------------------------
+
+
+def start_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if line.startswith("hamburger: ") and "error" not in line]
+
+
+def test_quantize_auto_resolves_by_device_and_dtype():
+    from hamburger.errors import HamburgerError
+    from hamburger.inference.qlinear import fp16_unavailable
+    from hamburger.loading import parse_schemes, resolve_device, resolve_quantize
+
+    assert parse_schemes("auto,int8", many=True) == ["auto", "int8"]  # bench's comma list takes it too
+    for bad in ("auto/int8", "auto+bf16"):  # auto is a whole spec
+        with pytest.raises(HamburgerError, match="--quantize must be"):
+            parse_schemes(bad)
+    expected = "fp16" if fp16_unavailable("cpu") is None else "none"
+    assert resolve_quantize("auto", "cpu") == expected
+    assert resolve_quantize("auto", "cpu", "bfloat16") == "none"  # fp16 packed weights compute in float32 only
+    assert resolve_quantize("auto", "meta") == "none"
+    assert resolve_quantize("int8", "meta") == "int8"  # an explicit scheme is never changed
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_decoding_defaults_are_auto_and_one_line_says_what_runs(capsys, checkpoint, tiny_model_dir):
+    from hamburger.cli import build_parser
+    from hamburger.inference.qlinear import fp16_unavailable
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for name in DECODING:
+        assert commands[name].get_default("quantize") == "auto", name
+    for name in (*DECODING, "train-drafter", "segment"):
+        assert commands[name].get_default("device") == "auto", name
+    auto = "fp16" if fp16_unavailable("cpu") is None else "none"
+    out = run_json(capsys, "generate", "w5 w6", "--model", str(checkpoint), "--max-new-tokens", "3", "--json")
+    assert out["quantize"] == auto
+    captured = run_and_capture(capsys, "generate", "w5 w6", "--model", str(checkpoint), "--max-new-tokens", "3",
+                               "--mode", "verify")
+    weights = "fp16" if auto == "fp16" else "float32"
+    assert start_lines(captured.err) == [f"hamburger: cpu ({torch.get_num_threads()} threads), {weights} weights "
+                                         f"(auto), verify mode: the output of the {weights} base"]
+    assert "quantize:" not in captured.err  # the quantization's details only with --verbose
+    captured = run_and_capture(capsys, "generate", "w5 w6", "--model", str(tiny_model_dir), "--max-new-tokens", "3",
+                               "--quantize", "none")
+    [line] = start_lines(captured.err)
+    assert "float32 weights, a base model (one token per step): the output of the float32 base" in line
+    assert "(auto)" not in line
+
+
+def run_and_capture(capsys, *args):
+    capsys.readouterr()
+    assert main(list(args)) == 0
+    return capsys.readouterr()
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"hamburger {version('hamburger')}"
+
+
+def test_reference_engine_resolves_the_checkpoints_mode_first(capsys, tmp_path, checkpoint):
+    """The mode is the checkpoint's before the engine is asked (it once said "None mode runs on the fast engine
+    only"); a checkpoint whose default is verify gets a message naming --mode trust."""
+    out = run_json(capsys, "generate", "w5", "--model", str(checkpoint), "--engine", "reference",
+                   "--max-new-tokens", "3", "--json")
+    assert out["mode"] == "trust" and out["generated_tokens"] > 0  # the checkpoint's default: trust
+    config = json.loads((checkpoint / "config.json").read_text())
+    config["hamburger"]["default_mode"] = "verify"
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    assert main(["generate", "w5", "--model", str(checkpoint), "--engine", "reference"]) == 2
+    err = capsys.readouterr().err
+    assert "default mode, verify," in err and "add --mode trust" in err and "None" not in err
+    out = run_json(capsys, "generate", "w5", "--model", str(checkpoint), "--engine", "reference", "--mode", "trust",
+                   "--max-new-tokens", "3", "--json")
+    assert out["mode"] == "trust"
+
+
+def test_parser_imports_no_torch_and_help_is_fast():
+    code = ("import sys, time; t = time.perf_counter(); from hamburger.cli import build_parser; "
+            "build_parser().format_help(); print(time.perf_counter() - t, "
+            "sorted(m for m in ('torch', 'transformers', 'fastapi') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    seconds, heavy = proc.stdout.split(maxsplit=1)
+    assert heavy.strip() == "[]"
+    assert float(seconds) < 1.0
+
+
+def test_the_parsers_literals_match_the_library():
+    """Building the parser imports no torch, so it repeats a few of the library's names: they must not drift."""
+    from hamburger.cli import common
+    from hamburger.evaluation import bench_systems, evaluate
+    from hamburger.inference import admission, engine, quantize
+    from hamburger.loading import DTYPES
+    from hamburger.model import base, merger
+    from hamburger.training import sources
+
+    assert common.DEFAULT_MODEL == base.DEFAULT_MODEL and common.DTYPES == DTYPES
+    assert (common.SCHEMES, common.GROUP_SIZES) == (quantize.SCHEMES, quantize.GROUP_SIZES)
+    assert common.ENGINES == engine.ENGINES and common.PREFILL_TOKENS == admission.PREFILL_TOKENS
+    assert common.BUILTIN_SOURCES == sources.BUILTIN and common.MERGER_WEIGHTS == merger.WEIGHTS
+    assert (common.TASKS, common.DEFAULT_TASKS, common.MAX_NEW_TOKENS) == (
+        evaluate.TASKS, evaluate.DEFAULT_TASKS, evaluate.MAX_NEW_TOKENS)
+    assert (common.BENCH_SETS, common.BENCH_SYSTEMS) == (bench_systems.SETS, bench_systems.SYSTEMS)
+
+
+@pytest.mark.parametrize("args,hint", [
+    (["generate", "x", "--max-tokens", "10"],
+     "unrecognized arguments: --max-tokens 10 (did you mean --max-new-tokens?)"),
+    (["serve", "--max-batches=4"], "(did you mean --max-batch-size?)"),
+    (["generate", "x", "--zzzz"], "unrecognized arguments: --zzzz\n"),
+])
+def test_unknown_option_gets_a_hint(capsys, args, hint):
+    with pytest.raises(SystemExit) as exit_:
+        main(args)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert hint in err and f"hamburger {args[0]}: error:" in err
+
+
+def test_every_subcommands_help_shows_the_defaults():
+    from hamburger.cli import build_parser
+    from hamburger.cli.common import DefaultsFormatter
+
+    commands = next(a for a in build_parser()._actions if a.dest == "command").choices
+    for name, parser in commands.items():
+        assert parser.formatter_class is DefaultsFormatter, name
+        text = " ".join(parser.format_help().split())
+        for action in parser._actions:
+            shown = action.default is not None and action.default is not False and action.default != argparse.SUPPRESS
+            if action.option_strings and shown:
+                assert f"default: {action.default}" in text or "default" in (action.help or ""), (name, action.dest)
+    generate = " ".join(commands["generate"].format_help().split())
+    assert "(default: 256)" in generate and "(default: auto)" in generate
+    assert "--warmup WARMUP default: 50" in " ".join(commands["train-drafter"].format_help().split())
+
+
+# --- generate --stop, --quiet ----------------------------------------------------------------------------------
+
+
+def test_generate_stops_before_a_stop_text(capsys, checkpoint):
+    args = ["generate", "w5 w6", "--model", str(checkpoint), "--max-new-tokens", "24", "--confidence", "0.3", "--json"]
+    full = run_json(capsys, *args)
+    words = full["text"].split()
+    assert len(words) >= 4, full["text"]
+    stop = " " + words[2]  # a text the greedy reply reaches after a few steps
+    cut = full["text"][:full["text"].index(stop)]
+    out = run_json(capsys, *args, "--stop", "no such text", "--stop", stop)
+    assert out["text"] == cut and out["stopped"] is True
+    assert out["generated_tokens"] < full["generated_tokens"]  # decoding ended there
+    assert out["decode_s"] > 0  # the clock of the steps taken
+    assert main(args[:-1] + ["--stop", stop]) == 0
+    assert capsys.readouterr().out == cut + "\n"  # streamed: nothing past the stop text, even held back
+    assert main(args + ["--stop", ""]) == 2
+
+
+def test_quiet_prints_no_start_line_and_no_progress_bar(capsys, checkpoint):
+    from transformers.utils import logging
+
+    logging.enable_progress_bar()
+    try:
+        captured = run_and_capture(capsys, "generate", "w5", "--model", str(checkpoint), "--max-new-tokens", "2")
+        assert len(start_lines(captured.err)) == 1
+        assert not logging.is_progress_bar_enabled()  # stderr is not a terminal here: no bars
+        captured = run_and_capture(capsys, "generate", "w5", "--model", str(checkpoint), "--max-new-tokens", "2",
+                                   "--quiet")
+        assert start_lines(captured.err) == []
+    finally:
+        logging.enable_progress_bar()

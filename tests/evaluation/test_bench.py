@@ -52,7 +52,7 @@ def test_bench_prompt_sets_are_held_out_and_long():
     (["--sets", "poems"], "unknown prompt sets"),
     (["--runs", "0"], ">= 1"),
     (["--confidence", "1.5"], "confidence"),
-    (["--quantize", "none,int3"], "--quantize must be a comma list from none, fp16, int8, int4"),
+    (["--quantize", "none,int3"], "--quantize must be a comma list from auto, none, fp16, int8, int4"),
     (["--quantize", "int4", "--group-size", "48"], "group_size must be one of"),
 ])
 def test_bench_bad_input(checkpoint, capsys, args, message):

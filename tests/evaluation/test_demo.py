@@ -4,29 +4,36 @@ from __future__ import annotations
 
 import io
 
+import torch
+
 from hamburger.cli import main
 from hamburger.inference.qlinear import fp16_unavailable
 
 
 def test_demo_runs_built_in_prompts(checkpoint, capsys):
-    assert main(["demo", "--model", str(checkpoint), "--max-new-tokens", "8", "--confidence", "0.3"]) == 0
-    out = capsys.readouterr().out
+    assert main(["demo", "--model", str(checkpoint), "--max-new-tokens", "8", "--confidence", "0.3",
+                 "--quantize", "none"]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
     assert out.count("the base's decode tokens/s") == 3  # one line per built-in prompt
     assert "KV entries" in out and "forwards" in out
-    assert "--quantize fp16 decodes both lanes" in out  # the CPU's speed tip, only when not quantized
-    if fp16_unavailable("cpu") is None:  # FBGEMM (x86)
-        assert main(["demo", "--model", str(checkpoint), "--max-new-tokens", "2", "--quantize", "fp16"]) == 0
-        assert "--quantize fp16 decodes" not in capsys.readouterr().out
+    # the CPU's speed tip, only where float weights ran and fp16 could (FBGEMM, x86)
+    assert ("--quantize fp16 decodes both lanes" in out) == (fp16_unavailable("cpu") is None)
+    assert [line for line in captured.err.splitlines() if line.startswith("hamburger: ")] == [
+        f"hamburger: cpu ({torch.get_num_threads()} threads), float32 weights, trust mode: HAMburger's steps, drafts "
+        "kept unchecked (close to the float32 base's output, not equal)"]
+    assert main(["demo", "--model", str(checkpoint), "--max-new-tokens", "2"]) == 0  # --quantize auto
+    assert "--quantize fp16 decodes" not in capsys.readouterr().out
 
 
 def test_demo_in_verify_mode_says_why_float_weights_draft_nothing(checkpoint, capsys):
     assert main(["demo", "--model", str(checkpoint), "--max-new-tokens", "6", "--mode", "verify",
-                 "--prompt", "hi"]) == 0
+                 "--prompt", "hi", "--quantize", "none"]) == 0
     out = capsys.readouterr().out
     assert "drafted nothing" in out and "--mode trust is HAMburger" in out  # float32 on a CPU: no drafts
-    if fp16_unavailable("cpu") is None:
+    if fp16_unavailable("cpu") is None:  # --quantize auto: fp16 weights, with which drafts pay
         assert main(["demo", "--model", str(checkpoint), "--max-new-tokens", "6", "--mode", "verify",
-                     "--prompt", "hi", "--quantize", "fp16"]) == 0
+                     "--prompt", "hi"]) == 0
         out = capsys.readouterr().out
         assert "drafted nothing" not in out and "--mode trust is HAMburger" in out
 

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import socket
 import struct
@@ -370,7 +371,8 @@ def test_clients_that_leave_early_leave_one_line_and_no_traceback(checkpoint, tm
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     with open(log, "wb") as stderr:
         proc = subprocess.Popen([sys.executable, "-m", "hamburger.cli", "serve", "--model", str(checkpoint), "--port",
-                                 str(port), "--max-len", "128", "--api-key", KEY], env=env, stderr=stderr)
+                                 str(port), "--max-len", "128", "--api-key", KEY, "--no-access-log"], env=env,
+                                stderr=stderr)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_up(proc, url)
@@ -488,7 +490,71 @@ def test_serve_interleaves_the_prefill_unless_told_not_to(flags, interleave, mon
         raise Stop
 
     monkeypatch.setattr(server, "Service", service)
-    monkeypatch.setattr("hamburger.cli.load_from_args", lambda args: (None, True))
+    monkeypatch.setattr("hamburger.cli.serve.load_model", lambda args: (None, True, "none"))
     with pytest.raises(Stop):
         main(["serve", *flags])
     assert seen["interleave"] is interleave
+
+
+def test_serve_passes_its_mode_lookup_and_access_log_on(monkeypatch):
+    import hamburger.serving.server as server
+    from hamburger.cli import main
+
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def app(service, access_log):
+        seen["access_log"] = access_log
+        raise Stop
+
+    monkeypatch.setattr(server, "Service", lambda *args, **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(server, "create_app", app)
+    monkeypatch.setattr("hamburger.cli.serve.load_model", lambda args: (None, True, "none"))
+    with pytest.raises(Stop):
+        main(["serve"])
+    assert seen["default_mode"] is None and seen["lookup"] is None and seen["access_log"] is True
+    with pytest.raises(Stop):
+        main(["serve", "--mode", "verify", "--lookup", "0", "--no-access-log"])
+    assert seen["default_mode"] == "verify" and seen["lookup"] == 0 and seen["access_log"] is False
+
+
+def test_the_servers_mode_and_lookup_are_its_own_not_the_checkpoints(model, monkeypatch):
+    """`serve --mode verify`: requests that name no mode run verify; one that names trust runs trust. `--lookup`
+    reaches the scheduler's engine and leaves the model's config alone. Compress without a merger: refused."""
+    service = Service(model, "tiny", max_batch_size=2, max_len=64, default_mode="verify", lookup=2)
+    assert service.scheduler.engine.lookup == 2 and model.config.lookup == 0
+    modes = []
+    submit = service.scheduler.submit
+    monkeypatch.setattr(service.scheduler, "submit", lambda *a, **kw: modes.append(kw["mode"]) or submit(*a, **kw))
+    with BackgroundServer(service) as srv:
+        body = {"model": "tiny", "prompt": "w3 w4", "max_tokens": 3}
+        assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 200
+        assert httpx.post(srv.url + "/v1/completions", json={**body, "mode": "trust"}).status_code == 200
+    assert modes == ["verify", "trust"]
+    assert Service(model, "tiny", max_len=64).default_mode == model.config.default_mode == "trust"
+    with pytest.raises(HamburgerError, match="compress mode needs a KV merger"):
+        Service(model, "tiny", max_len=64, default_mode="compress")
+
+
+def test_access_log_has_one_line_per_request(model, capsys):
+    service = Service(model, "tiny", max_batch_size=2, max_len=64)
+    with BackgroundServer(service, access_log=True) as srv:
+        capsys.readouterr()
+        body = {"model": "tiny", "prompt": "w3 w4", "max_tokens": 4}
+        plain = httpx.post(srv.url + "/v1/completions", json=body).json()["usage"]["completion_tokens"]
+        stream = {"model": "tiny", "messages": messages(1), "max_tokens": 5, "stream": True,
+                  "stream_options": {"include_usage": True}}
+        with httpx.stream("POST", srv.url + "/v1/chat/completions", json=stream) as resp:
+            chunks = [json.loads(line[6:]) for line in resp.iter_lines() if line.startswith("data: {")]
+        streamed = chunks[-1]["usage"]["completion_tokens"]
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert httpx.post(srv.url + "/v1/completions", json={**body, "model": "nope"}).status_code == 404
+    lines = capsys.readouterr().err.splitlines()  # the server has stopped: every request has been answered
+    pattern = r"\d+\.\d\d s"
+    assert len(lines) == 4, lines
+    assert re.fullmatch(rf"POST /v1/completions 200 {plain} tokens {pattern}", lines[0]), lines
+    assert re.fullmatch(rf"POST /v1/chat/completions 200 {streamed} tokens {pattern}", lines[1]), lines
+    assert re.fullmatch(rf"GET /health 200 {pattern}", lines[2]), lines
+    assert re.fullmatch(rf"POST /v1/completions 404 {pattern}", lines[3]), lines

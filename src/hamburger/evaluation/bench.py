@@ -34,31 +34,22 @@ on all of them alike and the ratios measured side by side hold.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import torch
 
-from hamburger.errors import HamburgerError
-from hamburger.evaluation.bench_costs import profile_steps, step_costs
-from hamburger.evaluation.bench_report import find, plot, print_table
+from hamburger.evaluation.bench_costs import step_costs
+from hamburger.evaluation.bench_report import find
 from hamburger.evaluation.bench_systems import (
     BATCH1_ONLY,
     HAMBURGER,
-    SETS,
-    SYSTEMS,
     TRAINED_ONLY,
     ForcedSteps,
-    bench_messages,
     kv_bytes_per_entry,
     make_system,
     measure,
 )
 from hamburger.inference.llamacpp import Unavailable
-from hamburger.model.config import DRAFT_ROWS, parse_draft_rows
 
 # --- the run ------------------------------------------------------------------------------------------------
 
@@ -81,14 +72,16 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
               confidences: Sequence[float], max_new: int, runs: int, compile: bool = False,
               log: Callable[[str], None] = lambda s: None, forced: ForcedSteps | None = None,
               verify_confidence: float | None = None, schemes: Sequence[str] = ("none",),
-              load_quantized: Callable[[str], object] | None = None, draft_rows: int | str | None = "auto") -> dict:
+              load_quantized: Callable[[str], object] | None = None, draft_rows: int | str | None = "auto",
+              lookup: int | None = None) -> dict:
     """Every system at every batch size (HAMburger at every confidence), under every quantization scheme: rows,
     a summary and the KV curve.
 
     `hamburger_model` is the float model (scheme "none"); `load_quantized(scheme)` gives a freshly loaded model
     quantized with that scheme (a copy would share the slot adapters' hooks with the float model). Schemes run
     one after the other, the quantized model freed before the next. `draft_rows`: verify mode drafts only while
-    at most that many rows decode (`Engine`).
+    at most that many rows decode (`Engine`); `lookup`: verify and compress mode's lookup drafts (`Engine`; None:
+    the checkpoint's).
     """
     from hamburger.inference.quantize import model_bytes
     from hamburger.model.hamburger_model import HamburgerModel
@@ -115,7 +108,7 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
                 record: dict = {}
                 try:
                     system = make_system(name, model, plain, conf or 1.0, compile, forced, verify_confidence, record,
-                                         draft_rows)
+                                         draft_rows, lookup)
                 except Unavailable as exc:
                     skipped[name + suffix] = str(exc)
                     log(f"{name}{suffix}: skipped ({exc})")
@@ -237,107 +230,3 @@ def describe_device(device: torch.device) -> str:
     import platform
 
     return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__})"
-
-
-# --- the command ----------------------------------------------------------------------------------------------
-
-
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError as exc:
-        raise HamburgerError(f"{what} must be a comma list of integers, got {text!r}") from exc
-    if not values or any(v < 1 for v in values):
-        raise HamburgerError(f"{what} must be positive integers, got {text!r}")
-    return values
-
-
-def cmd_bench(args: argparse.Namespace) -> int:
-    from hamburger.cli import load_from_args, parse_schemes, quantize_loaded
-    from hamburger.evaluation.evaluate import parse_confidences
-    from hamburger.model.base import encode_chat
-
-    batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
-    schemes = parse_schemes(args.quantize, many=True)
-    if args.max_new_tokens < 1 or args.runs < 1 or args.prompts_per_set < 1:
-        raise HamburgerError("--max-new-tokens, --runs and --prompts-per-set must be >= 1")
-    systems = [s.strip() for s in (args.systems or ",".join(SYSTEMS)).split(",") if s.strip()]
-    if unknown := [s for s in systems if s not in SYSTEMS]:
-        raise HamburgerError(f"unknown systems {unknown}: choose from {', '.join(SYSTEMS)}")
-    sets = [s.strip() for s in args.sets.split(",") if s.strip()]
-    if unknown := [s for s in sets if s not in SETS]:
-        raise HamburgerError(f"unknown prompt sets {unknown}: choose from {', '.join(SETS)}")
-    if args.json and Path(args.json).exists() and not args.force:
-        raise HamburgerError(f"{args.json} exists: pass --force to overwrite it")
-    model, trained = load_from_args(args, quantize=False)  # checks every scheme against --device/--dtype first
-
-    def load_quantized(scheme: str):
-        log(f"loading the model again, quantized {scheme}")
-        quantized, _ = load_from_args(args, quantize=False)
-        quantize_loaded(quantized, scheme, args.group_size)
-        return quantized
-
-    def log(s: str) -> None:
-        print(f"bench: {s}", file=sys.stderr, flush=True)
-
-    forced = ForcedSteps(args.forced_steps, model.config.max_step_tokens) if args.forced_steps else None
-    if not args.forced_steps:
-        systems = [s for s in systems if s != "hamburger_forced"]
-    if not trained:
-        systems = [s for s in systems if s not in TRAINED_ONLY]
-        print(f"note: {args.model} is a base model, not a HAMburger checkpoint: HAMburger systems are skipped",
-              file=sys.stderr)
-    elif args.systems is None and model.merger is None and "hamburger_compress" in systems:
-        systems.remove("hamburger_compress")  # named explicitly, it fails with the reason instead
-        print("note: the checkpoint has no KV merger: hamburger_compress is skipped", file=sys.stderr)
-    confidences = parse_confidences(args.confidence) or [model.config.default_confidence]
-    messages = [m for name in sets for m in bench_messages(name, args.prompts_per_set)]
-    prompts = [encode_chat(model.tokenizer, m) for m in messages]
-    result = run_bench(model, prompts, systems, batch_sizes, confidences, args.max_new_tokens, args.runs,
-                       args.compile, log=log, forced=forced, verify_confidence=args.verify_confidence,
-                       schemes=schemes, load_quantized=load_quantized, draft_rows=args.draft_rows)
-    result.update(model=args.model, dtype=args.dtype, sets=sets, prompts=len(prompts), runs=args.runs,
-                  max_new_tokens=args.max_new_tokens, compile=args.compile, quantize=schemes,
-                  draft_rows="all" if args.draft_rows is None else args.draft_rows,
-                  group_size=args.group_size)
-    if args.profile:
-        result["profile"] = profile_steps(model, max(prompts, key=len))
-    print_table(result)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    if args.plot:
-        for path in plot(result, Path(args.plot)):
-            print(f"wrote {path}", file=sys.stderr)
-    return 0
-
-
-def register(sub, add_model_args) -> None:
-    from hamburger.cli import add_lookup_arg, add_quantize_args
-
-    p = sub.add_parser("bench", help="decode speed, TTFT, KV entries and memory against HF generate, prompt lookup, "
-                       "INT8 speculative decoding and the base in the same engine")
-    add_model_args(p)
-    p.add_argument("--systems", default=None, help=f"comma list from {', '.join(SYSTEMS)} (default: all that apply)")
-    p.add_argument("--sets", default=",".join(SETS), help=f"prompt sets, from {', '.join(SETS)}")
-    p.add_argument("--prompts-per-set", type=int, default=1)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-sizes", default="1,16")
-    p.add_argument("--confidence", default=None, help="one value or a comma sweep (the sweep runs at batch 1)")
-    p.add_argument("--verify-confidence", type=float, default=None,
-                   help="hamburger_verify and hamburger_compress drafting threshold (default: the checkpoint's verify confidence)")
-    p.add_argument("--draft-rows", type=parse_draft_rows, default="auto", metavar="N",
-                   help="hamburger_verify drafts only in batches of at most N rows; beyond, its steps are plain base "
-                        f"steps. 'auto' (default): {DRAFT_ROWS} on a GPU and with fp16 weights on a CPU, 0 with float "
-                        "weights on a CPU (measured on 2 cores); 'all': at every batch size")
-    add_lookup_arg(p)
-    p.add_argument("--runs", type=int, default=3, help="timed runs per system (the median is reported)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the fast engine's passes (base and micro-steps): 1.2-1.3x faster "
-                        "steps on a CPU after minutes of compiling at first use (docs/engine.md)")
-    add_quantize_args(p, many=True)
-    p.add_argument("--forced-steps", default=None, metavar="SEGMENTED_JSONL",
-                   help="adds the system hamburger_forced: step lengths drawn from this data's segmentation")
-    p.add_argument("--profile", action="store_true", help="also profile macro-steps of 2 tokens (torch.profiler)")
-    p.add_argument("--json", default=None)
-    p.add_argument("--force", action="store_true", help="overwrite the --json file")
-    p.add_argument("--plot", default=None, help="write PNG plots to this folder")
-    p.set_defaults(func=cmd_bench)

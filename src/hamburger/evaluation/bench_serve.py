@@ -17,10 +17,8 @@ import gc
 import json
 import sys
 import time
-from pathlib import Path
 
 from hamburger.errors import HamburgerError
-from hamburger.model.config import MODES
 
 COLUMNS = ("model", "conc", "req/s", "out tok/s", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99", "tok/step")
 
@@ -98,7 +96,8 @@ def _bodies(args: argparse.Namespace, model_name: str, mode: str) -> list[dict]:
              "stream_options": {"include_usage": True}, "temperature": 0, **extra} for i in range(args.requests)]
 
 
-def _bench_model(args: argparse.Namespace, name: str, levels: list[int]) -> list[dict]:
+def bench_model(args: argparse.Namespace, name: str, levels: list[int]) -> list[dict]:
+    """The rows of one model: served in-process (or at --url) in each of --modes at each concurrency level."""
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     label = lambda mode: name if modes == ["trust"] else f"{name} [{mode}]"  # noqa: E731
     bodies = {m: _bodies(args, "default" if args.url is None else name, m) for m in modes}
@@ -106,16 +105,21 @@ def _bench_model(args: argparse.Namespace, name: str, levels: list[int]) -> list
     if args.url is not None:
         return [dict(model=label(m), mode=m, **asyncio.run(_run(args.url, bodies[m], c, args.api_key)))
                 for m in modes for c in levels]
-    from hamburger.cli import load_from_args
-    from hamburger.serving.server import BackgroundServer, Service, decode_threads
+    from hamburger.loading import describe_run, load, resolve_device, resolve_quantize
+    from hamburger.serving.server import BackgroundServer, Service
+    from hamburger.serving.service import decode_threads
 
-    threads = decode_threads(args.decode_threads, args.device)
-    model, trained = load_from_args(argparse.Namespace(**{**vars(args), "model": name}))
+    device = resolve_device(args.device)
+    threads = decode_threads(args.decode_threads, device)
+    scheme = resolve_quantize(args.quantize, device, args.dtype)
+    model, trained = load(name, args.base, args.dtype, str(device), scheme, args.group_size, quiet=not args.verbose)
     service = Service(model, name, max_batch_size=max(levels), max_queue=args.requests + 1, max_len=args.max_len,
-                      decode_threads=threads)
+                      decode_threads=threads, lookup=args.lookup)
     rows = []
     with BackgroundServer(service) as server:
-        log(f"{name} ({'HAMburger' if trained else 'base, one token per step'}) on {server.url}")
+        if not args.quiet:
+            auto = args.quantize == "auto"
+            log(f"{name} on {server.url}: {describe_run(model, trained, scheme, auto, args.modes, args.lookup)}")
         for m in modes:
             for c in levels:
                 rows.append(dict(model=label(m), mode=m, hamburger=trained,
@@ -138,54 +142,3 @@ def print_table(rows: list[dict]) -> None:
     widths = [max(len(line[i]) for line in body) for i in range(len(COLUMNS))]
     for line in body:
         print("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths))))
-
-
-def cmd_bench_serve(args: argparse.Namespace) -> int:
-    try:
-        import httpx  # noqa: F401 - the load clients
-    except ImportError as exc:
-        raise HamburgerError("bench-serve needs httpx: pip install httpx") from exc
-    try:
-        levels = sorted({int(c) for c in args.concurrency.split(",")})
-    except ValueError:
-        raise HamburgerError(f"--concurrency must be a comma list of integers, got {args.concurrency!r}") from None
-    if not levels or levels[0] < 1 or args.requests < 1 or args.max_tokens < 1:
-        raise HamburgerError("--concurrency levels, --requests and --max-tokens must be >= 1")
-    if args.url is not None and (args.quantize != "none" or args.decode_threads is not None):
-        raise HamburgerError("--quantize and --decode-threads apply to the in-process server; a server at --url was "
-                             "started with its own (hamburger serve --quantize ... --decode-threads ...)")
-    names = [m.strip() for m in (args.models or args.model).split(",") if m.strip()]
-    bad = [m for m in args.modes.split(",") if m.strip() not in MODES]
-    if bad or not args.modes.strip():
-        raise HamburgerError(f"--modes is a comma list of {', '.join(MODES)} (the server's modes), got {args.modes!r}")
-    rows = [row for name in names for row in _bench_model(args, name, levels)]
-    print_table(rows)
-    if args.json:
-        meta = {k: getattr(args, k) for k in ("requests", "max_tokens", "sets", "dtype", "device", "confidence", "modes", "url",
-                                      "quantize", "decode_threads")}
-        Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
-    return 0
-
-
-def register(sub, add_model_args) -> None:
-    from hamburger.cli import add_lookup_arg  # noqa: PLC0415 - the CLI imports this module
-
-    p = sub.add_parser("bench-serve", help="load benchmark of the server: req/s, tokens/s, TTFT and TPOT percentiles")
-    add_model_args(p)
-    from hamburger.serving.server import add_decode_threads_arg
-
-    add_decode_threads_arg(p)  # the in-process server's
-    p.add_argument("--models", default=None,
-                   help="comma list of models served in turn, e.g. default,SmolLM2-135M-Instruct (default: --model)")
-    p.add_argument("--url", default=None, help="benchmark a server already running there instead of starting one")
-    p.add_argument("--api-key", default=None, help="with --url: the server's API key")
-    p.add_argument("--requests", type=int, default=64, help="requests at each concurrency level")
-    p.add_argument("--concurrency", default="1,8,32", help="comma list of concurrent clients")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--max-len", type=int, default=1024, help="KV entries per batch row of the in-process server")
-    p.add_argument("--confidence", type=float, default=None, help="sent with each request (default: the server's)")
-    add_lookup_arg(p)
-    p.add_argument("--modes", default="trust", help="comma list of trust,verify,compress: each model served in each mode")
-    p.add_argument("--sets", default="chat,code,math", help="built-in prompt sets (hamburger.evaluation.bench)")
-    p.add_argument("--json", default=None, help="write the rows here")
-    p.set_defaults(func=cmd_bench_serve)

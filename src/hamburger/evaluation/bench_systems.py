@@ -185,11 +185,11 @@ class ForcedSteps:
 
 def make_system(name: str, hamburger_model, plain_model, confidence: float, compile: bool,
                 forced: ForcedSteps | None = None, verify_confidence: float | None = None,
-                record: dict | None = None, draft_rows: int | str | None = "auto",
+                record: dict | None = None, draft_rows: int | str | None = "auto", lookup: int | None = None,
                 ) -> Callable[[list[list[int]], int], GenerationStats]:
     """A function (prompts, max_new_tokens) -> GenerationStats for one named system; with `record`, each call
     also notes every prompt's generated tokens there (prompt tuple -> tokens). `draft_rows`: `Engine`'s, for
-    hamburger_verify."""
+    hamburger_verify; `lookup`: `Engine`'s, for hamburger_verify and hamburger_compress."""
     from hamburger.inference.engine import Engine, ReferenceEngine
     from hamburger.inference.reference import eos_ids
 
@@ -229,7 +229,7 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
                                                                 forced_steps=forced.draw(len(prompts), n),
                                                                 mode="trust"))
     if name in ("hamburger_verify", "hamburger_compress"):
-        engine = Engine(hamburger_model, compile=compile, draft_rows=draft_rows)
+        engine = Engine(hamburger_model, compile=compile, draft_rows=draft_rows, lookup=lookup)
         mode = name.removeprefix("hamburger_")
         if mode == "compress":
             from hamburger.inference.engine import check_merger

@@ -8,8 +8,6 @@ while it works, so neither is slowed by the other or by the drawing.
 
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -20,7 +18,6 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from hamburger.errors import HamburgerError
 from hamburger.inference.stats import GenerationStats
 
 PROMPTS = (
@@ -128,75 +125,3 @@ def side_by_side(console: Console, prompt: str, messages: list[dict], engines: d
         live.update(render(prompt, [base, ham], f"HAMburger: {ratio:.2f}× the base's decode tokens/s, "
                                                f"{kv:.2f}× its KV entries", legend))
     return base, ham
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from hamburger.cli import load_from_args
-    from hamburger.inference.engine import make_engine
-    from hamburger.model.config import check_confidence
-    from hamburger.model.hamburger_model import HamburgerModel
-
-    if args.max_new_tokens <= 0:
-        raise HamburgerError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.confidence is not None:
-        check_confidence(args.confidence)
-    model, trained = load_from_args(args)
-    if not trained:
-        raise HamburgerError(f"{args.model} is a base model: the demo compares a HAMburger checkpoint with its base "
-                             "(leave --model out for the shipped default)")
-    mode = args.mode or model.config.default_mode
-    default = model.config.default_confidence if mode == "trust" else model.config.verify_confidence
-    if mode == "compress":
-        from hamburger.inference.engine import check_merger  # noqa: PLC0415
-
-        check_merger(model)
-    confidence = default if args.confidence is None else args.confidence
-    engines = {"base": make_engine(HamburgerModel.plain(model.base, model.tokenizer), args.engine, args.compile),
-               "hamburger": make_engine(model, args.engine, args.compile)}
-    console = Console()
-    if not args.chat:
-        for prompt in args.prompt or PROMPTS:
-            side_by_side(console, prompt, [{"role": "user", "content": prompt}], engines, confidence,
-                         args.max_new_tokens, mode)
-            console.print()
-        ham = engines["hamburger"]
-        if mode == "verify" and getattr(ham, "draft_rows", 1) == 0:
-            console.print("[dim]Verify mode drafted nothing here: with float32 weights on a CPU a base pass over a few "
-                          "positions costs about as much as that many passes, so drafts cannot pay. --quantize fp16 "
-                          "decodes both lanes about 2.3x faster and lets verify mode draft (make demo "
-                          "ARGS=\"--quantize fp16\").[/dim]")
-        elif getattr(args, "quantize", "none") == "none" and next(model.parameters()).device.type == "cpu":
-            console.print("[dim]On a CPU, --quantize fp16 decodes both lanes about 2.3x faster (float16 weights, "
-                          "float32 compute; see the README).[/dim]")
-        if mode == "trust":
-            console.print("[dim]--mode verify gives exactly the base's text: the base checks the micro-step "
-                          "decoder's drafts (make demo ARGS=\"--mode verify --quantize fp16\").[/dim]")
-        elif mode == "verify":
-            console.print("[dim]--mode trust is HAMburger as in the paper: drafts kept unchecked and each step smashed "
-                          "into one KV entry (on this checkpoint about one token per step, close to the base's text "
-                          "but not equal).[/dim]")
-        return 0
-    console.print("[bold]Chat with both models (an empty line or Ctrl-D ends).[/bold]")
-    while True:
-        try:
-            prompt = input("you> ") if sys.stdin.isatty() else sys.stdin.readline()
-        except EOFError:
-            return 0
-        if not prompt.strip():
-            return 0
-        side_by_side(console, prompt.strip(), [{"role": "user", "content": prompt.strip()}], engines, confidence,
-                     args.max_new_tokens, mode)
-        console.print()
-
-
-def register(sub, add_model_args) -> None:
-    from hamburger.cli import add_engine_args
-
-    p = sub.add_parser("demo", help="stream a prompt side by side: the base model and HAMburger, with live figures")
-    add_model_args(p)
-    add_engine_args(p)
-    p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable); default: three built-in")
-    p.add_argument("--chat", action="store_true", help="type your own prompts")
-    p.add_argument("--confidence", type=float, default=None, help="default: the checkpoint's")
-    p.add_argument("--max-new-tokens", type=int, default=160)
-    p.set_defaults(func=cmd_demo)

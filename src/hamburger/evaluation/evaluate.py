@@ -30,7 +30,6 @@ from hamburger.evaluation.tasks import (
     answer_correct,
     base_nll,
     humaneval_program,
-    load_items,
     run_humaneval_test,
     token_agreement,
 )
@@ -53,14 +52,16 @@ PROGRESS_EVERY_S = 30.0  # stderr not a terminal (a log file): a plain progress 
 
 def run_system(model: HamburgerModel, prompts: list[list[int]], max_new_tokens: int, confidence: float,
                batch_size: int, advance: Callable[[int], None] = lambda n: None, engine: str = "auto",
-               mode: str = "trust") -> tuple[list[list[int]], list[list[int]], GenerationStats]:
+               mode: str = "trust", lookup: int | None = None,
+               ) -> tuple[list[list[int]], list[list[int]], GenerationStats]:
     """Greedy tokens and step lengths of every prompt (batches of similar prompt length), and the batches'
-    `GenerationStats` summed field by field (counts and seconds add up; the measures derive from the sums)."""
+    `GenerationStats` summed field by field (counts and seconds add up; the measures derive from the sums).
+    `lookup`: verify and compress mode's lookup drafts (`Engine`; None: the checkpoint's)."""
     from hamburger.inference.engine import make_engine
 
     # Verify mode drafts at every batch size here: eval reports what the drafts give (tokens per base forward),
     # which the engine's speed rule (`draft_rows`: only while few rows decode) would hide at batch 16.
-    decoder = make_engine(model, engine, draft_rows=None)
+    decoder = make_engine(model, engine, draft_rows=None, lookup=lookup)
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less left padding per batch
     tokens: list[list[int]] = [[] for _ in prompts]
@@ -141,7 +142,7 @@ def evaluate_task(task: str, items: list[Prompt], model: HamburgerModel, base_sy
         step = _progress(progress, f"{task} {name}", total)
         system = base_system if name == "base" else model
         tokens, steps, stats = run_system(system, prompts, max_new, confidence, args.batch_size, step,
-                                          getattr(args, "engine", "auto"), mode)
+                                          getattr(args, "engine", "auto"), mode, getattr(args, "lookup", None))
         base_tokens = base_tokens or tokens
         texts = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
         correct = score(task, items, texts, args.test_timeout, step)
@@ -168,7 +169,7 @@ def evaluate_task(task: str, items: list[Prompt], model: HamburgerModel, base_sy
     return rows, per_item
 
 
-# --- the command -------------------------------------------------------------------------------------------
+# --- tables and options ------------------------------------------------------------------------------------
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -195,7 +196,7 @@ def table_cells(rows: list[dict], tasks: Sequence[str]) -> tuple[list[str], list
     return header, body
 
 
-def _print_table(header: list[str], body: list[list[str]], title: str) -> None:
+def print_table(header: list[str], body: list[list[str]], title: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -250,26 +251,6 @@ def parse_confidences(text: str | None) -> list[float] | None:
     return list(dict.fromkeys(check_confidence(v) for v in values))
 
 
-def _check_args(args: argparse.Namespace) -> tuple[list[str], list[float] | None]:
-    tasks = parse_tasks(args.tasks, args.prompts)
-    confidences = parse_confidences(args.confidence)
-    for name in ("limit", "max_new_tokens", "batch_size", "gsm_per_template"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise HamburgerError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if args.test_timeout <= 0:
-        raise HamburgerError(f"--test-timeout must be > 0, got {args.test_timeout}")
-    if args.json:
-        path = Path(args.json)
-        if path.is_dir() or (path.exists() and not args.force):
-            raise HamburgerError(f"{path} exists" + ("" if path.is_dir() else ": pass --force to overwrite it"))
-        try:  # a new folder is made (e.g. runs/eval/); nothing existing is touched
-            path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise HamburgerError(f"cannot write {path}: {exc.strerror or exc}") from None
-    return tasks, confidences
-
-
 def replot(args: argparse.Namespace) -> int:
     """--from-json: the table and plots of a saved run, without decoding anything again."""
     from hamburger.evaluation.figures import plot_eval
@@ -280,92 +261,7 @@ def replot(args: argparse.Namespace) -> int:
     except (OSError, ValueError, KeyError) as exc:
         raise HamburgerError(f"{args.from_json} is not a `hamburger eval --json` file: {exc}") from exc
     header, body = table_cells(rows, tasks)
-    _print_table(header, body, f"hamburger eval: {saved.get('model')}")
+    print_table(header, body, f"hamburger eval: {saved.get('model')}")
     if args.plot:
         print(f"wrote {plot_eval(rows, args.plot, str(saved.get('model', '')))}", file=sys.stderr)
     return 0
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import Progress
-
-    from hamburger.cli import load_from_args
-    from hamburger.model.hamburger_model import HamburgerModel
-
-    if args.from_json:
-        return replot(args)
-    tasks, confidences = _check_args(args)
-    modes = parse_modes(args.mode)
-    items = {task: load_items(task, args) for task in tasks}  # bad prompt files fail before the model loads
-    for task, found in items.items():
-        if not found:
-            raise HamburgerError(f"task {task!r} has no items")
-    model, trained = load_from_args(args)
-    if trained:
-        base_system = HamburgerModel.plain(model.base, model.tokenizer)  # the same base weights, one token per step
-        systems = [("base", 1.0, "trust")]
-        if "trust" in modes:
-            systems += [(f"hamburger@{c:g}", c, "trust") for c in confidences or [model.config.default_confidence]]
-        for mode in ("verify", "compress"):  # drafts checked by the base: one system at the verify confidence
-            if mode in modes:
-                systems.append((f"{mode}@{model.config.verify_confidence:g}", model.config.verify_confidence, mode))
-        if "compress" in modes:
-            from hamburger.inference.engine import check_merger  # noqa: PLC0415
-
-            check_merger(model)  # before any task runs
-    else:
-        print(f"note: {args.model} is a base model, not a HAMburger checkpoint: evaluating the base only",
-              file=sys.stderr)
-        base_system, systems = model, [("base", 1.0, "trust")]
-    rows: list[dict] = []
-    per_item: list[dict] = []
-    with Progress(console=Console(stderr=True)) as progress:
-        for task in tasks:
-            task_rows, task_items = evaluate_task(task, items[task], model, base_system, systems, args, progress)
-            rows += task_rows
-            per_item += task_items
-    header, body = table_cells(rows, tasks)
-    _print_table(header, body, f"hamburger eval: {args.model}")
-    if args.json:
-        try:  # mode "x": a file that appeared during the run is not overwritten either
-            with open(args.json, "w" if args.force else "x", encoding="utf-8") as f:
-                json.dump({"model": args.model, "hamburger": trained, "tasks": tasks, "seed": args.seed, "rows": rows,
-                           "table": {"columns": header, "rows": body}, "per_item": per_item}, f, indent=1)
-        except OSError as exc:
-            raise HamburgerError(f"could not write {args.json}: {exc}") from exc
-    if args.plot:
-        from hamburger.evaluation.figures import plot_eval
-
-        print(f"wrote {plot_eval(rows, args.plot, args.model)}", file=sys.stderr)
-    return 0
-
-
-def register(sub, add_model_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Add `hamburger eval` to the CLI's subparsers."""
-    from hamburger.cli import add_lookup_arg  # noqa: PLC0415 - the CLI imports this module
-
-    parser = sub.add_parser("eval", help="task quality and fidelity to the base: HumanEval, GSM, chat, your prompts")
-    add_model_args(parser)
-    parser.add_argument("--tasks", default=None, help=f"comma list from {','.join(TASKS)} "
-                        f"(default: {','.join(DEFAULT_TASKS)}; with --prompts: prompts)")
-    parser.add_argument("--confidence", default=None,
-                        help="one confidence or a comma sweep, e.g. 0.5,0.6,0.7,0.8,0.9 (default: the checkpoint's)")
-    parser.add_argument("--mode", default="trust", help="trust (the confidence sweep), verify (lossless drafts "
-                        "checked by the base, at the checkpoint's verify confidence), or trust,verify")
-    add_lookup_arg(parser)
-    parser.add_argument("--limit", type=int, default=None, help="items per task (a seeded random subset)")
-    parser.add_argument("--max-new-tokens", type=int, default=None,
-                        help="per reply; default " + ", ".join(f"{t} {n}" for t, n in MAX_NEW_TOKENS.items()))
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--engine", choices=("auto", "fast", "reference"), default="auto",
-                        help="decoder: fast (static caches, Llama-style models), reference (transformers), auto")
-    parser.add_argument("--prompts", default=None, help="JSONL of your prompts (`messages` or `prompt` per line)")
-    parser.add_argument("--gsm-per-template", type=int, default=3, help="GSM variants per held-out template")
-    parser.add_argument("--test-timeout", type=float, default=10.0, help="seconds per HumanEval test program")
-    parser.add_argument("--json", default=None, help="write rows, the table and per-item outputs to this file")
-    parser.add_argument("--force", action="store_true", help="overwrite the --json file if it exists")
-    parser.add_argument("--plot", default=None, help="write the quality vs KV compression figure to this folder")
-    parser.add_argument("--from-json", default=None, help="print the table (and --plot) of a saved --json run")
-    parser.add_argument("--seed", type=int, default=0, help="chooses the --limit subset (decoding is greedy)")
-    parser.set_defaults(func=cmd_eval)

@@ -9,11 +9,9 @@ Streaming sends one server-sent event per macro-step and ends with `data: [DONE]
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
-import signal
 import sys
 import threading
 import time
@@ -34,20 +32,18 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect
 
 from hamburger.errors import HamburgerError
-from hamburger.inference.admission import PREFILL_TOKENS, RequestEvent
-from hamburger.model.config import DRAFT_ROWS, check_confidence, parse_draft_rows
+from hamburger.inference.admission import RequestEvent
+from hamburger.inference.stops import TextStream
 from hamburger.serving.openai_api import (
     ApiError,
     ChatRequest,
     CompletionRequest,
     Reply,
-    TextStream,
     parse,
     usage,
 )
-from hamburger.serving.service import Handle, Service, T, decode_threads
+from hamburger.serving.service import Handle, Service, T
 
-DEFAULT_MAX_LEN = 2048  # per row: 8 rows of SmolLM2-135M then hold 0.7 GB of float32 keys and values
 CLIENT_CLOSED = 499  # nginx's "client closed request": the status of an answer nobody is left to read
 log = logging.getLogger("uvicorn.error")  # uvicorn's own: our one-line warnings look like its and share its level
 async def _steps(handle: Handle, text: TextStream) -> AsyncIterator[tuple[str, str | None, RequestEvent]]:
@@ -71,7 +67,13 @@ def _sse(obj: dict | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
 
 
-async def _stream(steps: AsyncIterator, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
+def _note_tokens(request: Request, event: RequestEvent | None) -> None:
+    """The request's generated tokens, for its access log line (`AccessLog`)."""
+    if event is not None:
+        request.state.generated_tokens = event.stats.generated_tokens
+
+
+async def _stream(request: Request, steps: AsyncIterator, reply: Reply, include_usage: bool) -> AsyncIterator[str]:
     first, event = True, None
     try:
         async for delta, reason, event in steps:
@@ -87,6 +89,7 @@ async def _stream(steps: AsyncIterator, reply: Reply, include_usage: bool) -> As
         yield _sse(exc.body())
     finally:
         await steps.aclose()  # on a disconnect, cancels the request now rather than when collected
+        _note_tokens(request, event)
     if include_usage and event is not None:
         yield _sse(reply.usage_chunk(usage(event.stats)))
     yield _sse("[DONE]")
@@ -134,14 +137,45 @@ async def _complete(service: Service, request: Request, chat: bool) -> Response:
     steps = _steps(handle, TextStream(service.tokenizer, body.stops()))
     if body.stream:
         include = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_stream(steps, reply, include), media_type="text/event-stream")
+        return StreamingResponse(_stream(request, steps, reply, include), media_type="text/event-stream")
     if (done := await _unless_disconnected(request, _collect(steps))) is None:
         return Response(status_code=CLIENT_CLOSED)
     text, reason, event = done
+    _note_tokens(request, event)
     return JSONResponse(reply.full(text, reason, usage(event.stats)))
 
 
-def create_app(service: Service) -> FastAPI:
+class AccessLog:
+    """ASGI middleware: one line per request on stderr once its answer has gone out (a stream at its end, not when
+    its headers leave), e.g. `POST /v1/chat/completions 200 48 tokens 0.84 s`: method, path, status, generated
+    tokens where the request generated any, seconds. Printed, not logged: uvicorn's loggers run at warning here."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.perf_counter(), [500]  # 500 unless an answer starts: the error handler's, outside us
+        state = scope.setdefault("state", {})  # what `request.state` of the handlers reads and writes
+
+        async def sending(message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            tokens = state.get("generated_tokens")
+            print(f"{scope['method']} {scope['path']} {status[0]}" + (f" {tokens} tokens" if tokens is not None else "")
+                  + f" {time.perf_counter() - start:.2f} s", file=sys.stderr, flush=True)
+
+
+def create_app(service: Service, access_log: bool = False) -> FastAPI:
+    """The HTTP side of `service`; `access_log`: one line per request on stderr (`AccessLog`)."""
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         service.start(asyncio.get_running_loop())
@@ -149,6 +183,8 @@ def create_app(service: Service) -> FastAPI:
         service.stop()
 
     app = FastAPI(title="HAMburger", lifespan=lifespan)
+    if access_log:
+        app.add_middleware(AccessLog)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -206,7 +242,7 @@ def create_app(service: Service) -> FastAPI:
 class BackgroundServer:
     """The app on a free loopback port in a thread, for the benchmark and the tests: `with BackgroundServer(s) as srv`."""
 
-    def __init__(self, service: Service, host: str = "127.0.0.1") -> None:
+    def __init__(self, service: Service, host: str = "127.0.0.1", access_log: bool = False) -> None:
         import socket
 
         import uvicorn
@@ -214,7 +250,8 @@ class BackgroundServer:
         with socket.socket() as sock:
             sock.bind((host, 0))
             port = sock.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(create_app(service), host=host, port=port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn.Config(create_app(service, access_log), host=host, port=port,
+                                                    log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, name="hamburger-http", daemon=True)
         self.service, self.url = service, f"http://{host}:{port}"
 
@@ -230,70 +267,3 @@ class BackgroundServer:
     def __exit__(self, *exc) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=30)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from hamburger.cli import load_from_args
-
-    for name in ("port", "max_batch_size", "max_queue", "max_len", "prefill_tokens"):
-        value = getattr(args, name)
-        if value is not None and value < (0 if name == "port" else 1):
-            raise HamburgerError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if args.default_confidence is not None:
-        check_confidence(args.default_confidence)
-    threads = decode_threads(args.decode_threads, args.device)
-    model, trained = load_from_args(args)
-    service = Service(model, args.model, args.max_batch_size, args.max_queue, args.max_len or DEFAULT_MAX_LEN,
-                      args.default_confidence, args.api_key, prefill_tokens=args.prefill_tokens,
-                      interleave_prefill=args.interleave_prefill, decode_threads=threads, draft_rows=args.draft_rows)
-    config = uvicorn.Config(create_app(service), host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    # uvicorn re-raises the SIGTERM it handled after its graceful shutdown; a no-op handler makes that a clean exit 0.
-    signal.signal(signal.SIGTERM, lambda *_: None)
-    kind = "HAMburger checkpoint" if trained else "base model, one token per step"
-    print(f"hamburger: serving {args.model} ({kind}) on http://{args.host}:{args.port}/v1 "
-          f"({args.max_batch_size} rows x {service.scheduler.max_len} tokens"
-          + (f"; decode on {threads} of {service.scheduler.prefill_threads} threads" if threads else "") + ")",
-          file=sys.stderr, flush=True)
-    uvicorn.Server(config).run()
-    return 0
-
-
-def add_decode_threads_arg(p) -> None:
-    p.add_argument("--decode-threads", type=int, default=None, metavar="N",
-                   help="torch threads for decode passes (prefill passes use all); default on a CPU: one fewer than "
-                        "torch's, so the HTTP side keeps a core; 0: all")
-
-
-def register(sub, add_model_args) -> None:
-    from hamburger.cli import add_lookup_arg  # noqa: PLC0415 - the CLI imports this module
-
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server with streaming and continuous batching")
-    add_model_args(p)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch-size", type=int, default=8, help="rows of the batch (requests decoded together)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429")
-    p.add_argument("--max-len", type=int, default=None,
-                   help=f"KV entries per row (prompt + max_tokens); default: the model's context, at most {DEFAULT_MAX_LEN}")
-    p.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
-                   help="waiting prompts are prefilled together, shortest first, in passes of at most this many padded "
-                        "tokens (1: each alone)")
-    p.add_argument("--interleave-prefill", action=argparse.BooleanOptionalAction, default=True,
-                   help="one prefill pass per step between macro-steps (default), so a burst's shortest prompts get "
-                        "their first tokens early and running requests never wait for a whole burst's prefill; "
-                        "--no-interleave-prefill: prefill every waiting prompt that has a free row in one step")
-    add_decode_threads_arg(p)
-    add_lookup_arg(p)
-    p.add_argument("--draft-rows", type=parse_draft_rows, default="auto", metavar="N",
-                   help="verify-mode requests draft only while at most N requests run; beyond, their steps are plain "
-                        f"base steps, their output the same. 'auto' (default): {DRAFT_ROWS} on a GPU and with fp16 "
-                        "weights on a CPU, 0 with float weights on a CPU (measured on 2 cores); 'all': always")
-    p.add_argument("--default-confidence", type=float, default=None,
-                   help="confidence for requests that do not send one (default: the checkpoint's)")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 endpoints")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests get to finish after SIGTERM before they are cancelled")
-    p.set_defaults(func=cmd_serve)

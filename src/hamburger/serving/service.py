@@ -20,7 +20,7 @@ from hamburger.inference.engine import check_merger
 from hamburger.inference.sampling import SamplingParams
 from hamburger.inference.scheduler import Scheduler
 from hamburger.model.base import encode_chat
-from hamburger.model.config import check_confidence
+from hamburger.model.config import check_confidence, check_lookup, check_mode
 from hamburger.model.hamburger_model import HamburgerModel
 from hamburger.serving.openai_api import (
     ApiError,
@@ -83,11 +83,20 @@ class Service:
     def __init__(self, model: HamburgerModel, name: str, max_batch_size: int = 8, max_queue: int = 64,
                  max_len: int | None = None, default_confidence: float | None = None, api_key: str | None = None,
                  prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = True,
-                 decode_threads: int | None = None, draft_rows: int | str | None = "auto") -> None:
+                 decode_threads: int | None = None, draft_rows: int | str | None = "auto",
+                 default_mode: str | None = None, lookup: int | None = None) -> None:
+        """`default_mode`: the mode of requests that name none (None: the checkpoint's); compress needs the
+        checkpoint's KV merger, checked here. `lookup`: verify and compress requests' lookup drafts (`Engine`;
+        None: the checkpoint's)."""
         self.model, self.tokenizer = model, model.tokenizer
         self.names = list(dict.fromkeys([name, "default"]))
+        self.default_mode = check_mode(model.config.default_mode if default_mode is None else default_mode)
+        if self.default_mode == "compress":
+            check_merger(model)  # before the caches are allocated: every request would fail otherwise
         self.scheduler = Scheduler(model, max_batch_size, max_len, prefill_tokens, interleave_prefill, decode_threads,
                                    draft_rows)
+        if lookup is not None:  # the scheduler builds its engine with the checkpoint's lookup: this run's instead
+            self.scheduler.engine.lookup = check_lookup(lookup)
         self.max_queue, self.api_key = max_queue, api_key
         self.default_confidence = check_confidence(
             model.config.default_confidence if default_confidence is None else default_confidence)
@@ -153,7 +162,7 @@ class Service:
         if body.model not in self.names:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server has {self.names}", "model",
                            "model_not_found")
-        mode = body.mode or self.model.config.default_mode
+        mode = body.mode or self.default_mode
         if mode == "compress":
             try:
                 check_merger(self.model)

@@ -14,7 +14,6 @@ are nearly tied.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import time
@@ -30,14 +29,13 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
-from hamburger.errors import HamburgerError
 from hamburger.inference.engine import ReferenceEngine, make_engine
 from hamburger.inference.reference import eos_ids
 from hamburger.inference.sampling import SamplingParams
 from hamburger.inference.scheduler import Scheduler
 from hamburger.model.base import encode_chat
 from hamburger.model.hamburger_model import HamburgerModel
-from hamburger.training.sources import BUILTIN, Prompt, load_prompts
+from hamburger.training.sources import Prompt
 
 
 def done_ids(path: Path) -> set[str]:
@@ -125,41 +123,3 @@ def distill(
                 print(f"distill {counts['written']}/{len(encoded)} prompts, {counts['tokens']} tokens, "
                       f"{counts['tokens'] / (now - t0):.0f} tok/s, elapsed {now - t0:.0f}s", file=sys.stderr, flush=True)
     return counts
-
-
-def cmd_distill(args: argparse.Namespace) -> int:
-    from hamburger.cli import load_from_args  # noqa: PLC0415 - the CLI depends on us, not the reverse at import
-
-    if args.batch_size < 1 or args.max_new_tokens < 1:
-        raise HamburgerError("--batch-size and --max-new-tokens must be >= 1")
-    sources = [s.strip() for s in args.sources.split(",") if s.strip()]
-    for s in sources:
-        if s not in BUILTIN and not Path(s).exists():
-            raise HamburgerError(f"unknown source {s!r}: use {', '.join(BUILTIN)} or a JSONL file / datasets folder")
-    prompts = load_prompts(sources, split=args.split, per_template=args.per_template, seed=args.seed, limit=args.limit)
-    model, _ = load_from_args(args)
-    sampling = SamplingParams(temperature=args.temperature, seed=args.seed)
-    counts = distill(model, prompts, Path(args.out), args.batch_size, args.max_new_tokens, sampling, engine=args.engine)
-    print(json.dumps(counts), file=sys.stderr)
-    return 0
-
-
-def register(sub, add_model_args) -> None:
-    p = sub.add_parser("distill", help="generate the base model's replies to offline prompts (resumable JSONL)")
-    p.add_argument("--sources", default="gsm,chat,code", help=f"comma list of {', '.join(BUILTIN)} and/or JSONL files")
-    p.add_argument("--split", default="train", choices=("train", "heldout"))
-    p.add_argument("--out", required=True, help="JSONL to append to (an existing file is resumed, never truncated)")
-    add_model_args(p)
-    from hamburger.cli import add_quantize_args  # noqa: PLC0415 - the CLI imports this module first
-
-    add_quantize_args(p)
-    p.add_argument("--engine", choices=("auto", "fast", "reference"), default="auto",
-                   help="fast: static KV caches (Llama, Mistral, Qwen2, Qwen3); reference: transformers, any model; "
-                   "auto: fast where supported")
-    p.add_argument("--batch-size", type=int, default=32, help="prompts per batch (sorted by length)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--per-template", type=int, default=10, help="GSM variants generated per template")
-    p.add_argument("--limit", type=int, default=None, help="at most this many prompts per source")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_distill)

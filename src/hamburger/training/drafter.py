@@ -17,11 +17,9 @@ schedule, the step and the RNG, so an interrupted run resumes exactly; the base 
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -33,9 +31,10 @@ from transformers import DynamicCache
 
 from hamburger.errors import HamburgerError
 from hamburger.model.hamburger_model import HamburgerModel
+from hamburger.training.args import DrafterArgs
 from hamburger.training.examples import read_examples, split_eval
 from hamburger.training.precision import bf16_autocast
-from hamburger.training.tracking import Tracker, check_tracker
+from hamburger.training.tracking import Tracker
 
 
 def trained_modules(model: HamburgerModel) -> tuple[str, str]:
@@ -43,29 +42,6 @@ def trained_modules(model: HamburgerModel) -> tuple[str, str]:
     one (trust mode's `stop_head` then stays as it was), else its only stop head. The embedder and slot adapters
     are not touched by this objective."""
     return ("micro", "draft_stop_head" if model.draft_stop_head is not None else "stop_head")
-
-
-@dataclass
-class DrafterArgs:
-    data: str
-    out: str
-    max_steps: int = 2000  # one example (up to `positions` positions) per step
-    positions: int = 128  # response positions sampled per example per step
-    max_len: int = 512  # tokens of an example read (prompt included)
-    lr: float = 2e-4
-    warmup: int = 50
-    stop_weight: float = 0.5
-    eval_fraction: float = 0.05  # the same held-out split as `hamburger train`
-    eval_examples: int = 40
-    eval_every: int = 250
-    save_every: int = 100
-    gate_lr: float = 1e-2  # the context gates' learning rate (they start closed; at `lr` they would barely open)
-    micro_context: int = -1  # > 0: the micro-step decoder attends to that many latest base positions; -1: as the checkpoint
-    micro_layers: int = 0  # > 0: keep only the micro-step decoder's last that many layers (a cheaper micro-step); 0: all
-    bf16: bool = True  # autocast the training passes (not the evaluation) where the CPU or GPU has bf16
-    seed: int = 0
-    report_to: str = "none"  # an accelerate tracker (tensorboard, wandb, mlflow, ...) that also gets the metrics
-    draft_stop_head: bool = False  # train a stop head of verify mode's own (a copy of the trust one to start)
 
 
 @dataclass
@@ -316,69 +292,3 @@ class DrafterTrainer:
                 self.save()
         self.tracker.end()
         return metrics
-
-
-def cmd_train_drafter(args: argparse.Namespace) -> int:
-    dargs = DrafterArgs(**{f: getattr(args, f) for f in DrafterArgs.__dataclass_fields__})
-    if dargs.micro_context < -1:
-        raise HamburgerError(f"--micro-context must be a number of positions >= 0 (or -1: the checkpoint's), "
-                             f"got {dargs.micro_context}")
-    if dargs.micro_layers < 0:
-        raise HamburgerError(f"--micro-layers must be a number of layers >= 1 (or 0: all the checkpoint's), "
-                             f"got {dargs.micro_layers}")
-    read_examples(Path(dargs.data), distilled=True)  # fail on bad data or a missing tracker before loading a model
-    check_tracker(dargs.report_to)
-    out = Path(dargs.out)
-    if out.exists() and any(out.iterdir()) and not args.resume:
-        raise HamburgerError(f"{out} is not empty: pass --resume to continue that run, or pick a new --out")
-    if args.dtype != "float32":
-        raise HamburgerError("train-drafter keeps float32 weights and trains under bf16 autocast (--no-bf16: float32 "
-                             f"compute): leave --dtype out instead of --dtype {args.dtype}")
-    from hamburger.cli import load_from_args  # noqa: PLC0415
-
-    model, trained = load_from_args(args)  # --model, --base, --device
-    if not trained or model.config.max_step_tokens < 2:
-        raise HamburgerError(f"{args.model} is not a HAMburger checkpoint with a micro-step decoder: "
-                             "train one with `hamburger train` first")
-    if dargs.micro_context >= 0 and dargs.micro_context != model.config.micro_context:
-        model.config.micro_context = dargs.micro_context
-        model.micro.set_context(dargs.micro_context)
-        print(f"micro-step decoder: context of {dargs.micro_context} base positions", file=sys.stderr)
-    if dargs.micro_layers and dargs.micro_layers != model.config.micro_layers:
-        if dargs.micro_layers > model.config.micro_layers:
-            raise HamburgerError(f"--micro-layers {dargs.micro_layers}: {args.model} has {model.config.micro_layers} "
-                                 "micro-step layers; a drafter can keep fewer, not add more")
-        model.micro.keep_top(dargs.micro_layers)
-        model.config.micro_layers = dargs.micro_layers
-        print(f"micro-step decoder: its last {dargs.micro_layers} layers", file=sys.stderr)
-    saved = out / "state" / "trainer.json"
-    if args.resume and saved.is_file() and json.loads(saved.read_text())["args"].get("draft_stop_head"):
-        dargs.draft_stop_head = True  # the run being resumed trains a draft stop head
-    if dargs.draft_stop_head and model.draft_stop_head is None:
-        model.add_draft_stop_head()
-        print("stop heads: a draft stop head for verify and compress mode (trust mode keeps its own)", file=sys.stderr)
-    torch.manual_seed(dargs.seed)
-    out.mkdir(parents=True, exist_ok=True)
-    trainer = DrafterTrainer(model, dargs)
-    if args.resume and trainer.resume():
-        print(f"resumed at step {trainer.step}", file=sys.stderr)
-    metrics = trainer.fit()
-    print(json.dumps({"final": metrics, "checkpoint": str(out / "hamburger")}), file=sys.stderr)
-    return 0
-
-
-def register(sub, add_model_args) -> None:
-    p = sub.add_parser("train-drafter", help="distil the micro-step decoder into a drafter for every position "
-                                             "(KL to the frozen base; for --mode verify)")
-    add_model_args(p)
-    p.add_argument("--data", required=True, help="segmented JSONL (hamburger segment), or distilled JSONL (hamburger distill) read unsegmented: the drafter learns at every response position")
-    p.add_argument("--out", required=True, help="run folder: state/ to resume, hamburger/ the checkpoint, log.jsonl")
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--no-bf16", dest="bf16", action="store_false")
-    p.add_argument("--draft-stop-head", action="store_true",
-                   help="train a stop head of verify/compress mode's own and leave trust mode's as it is (so one "
-                        "checkpoint serves both); a checkpoint that has one always trains that one")
-    for name, f in DrafterArgs.__dataclass_fields__.items():
-        if name not in ("data", "out", "bf16", "draft_stop_head"):
-            p.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=f.default)
-    p.set_defaults(func=cmd_train_drafter)

@@ -7,13 +7,11 @@ it starts a new step. Runs data-parallel under `accelerate launch` (each process
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -30,7 +28,7 @@ from hamburger.errors import HamburgerError
 from hamburger.inference.reference import eos_ids
 from hamburger.model.base import encode_chat
 from hamburger.model.hamburger_model import HamburgerModel
-from hamburger.training.teacher import TeacherWriter, teacher_dir, top_k
+from hamburger.training.teacher import TeacherWriter, top_k
 
 
 @dataclass(frozen=True)
@@ -161,85 +159,3 @@ def segment_rows(model: HamburgerModel, rows: list[dict], th: Thresholds, batch_
                 said = time.perf_counter()  # a log file gets a plain line a minute instead of a live bar
                 print(f"segment {done}/{len(order)} examples, elapsed {said - t0:.0f}s", file=sys.stderr, flush=True)
     return [out[i] for i in sorted(out)]
-
-
-def cmd_segment(args: argparse.Namespace) -> int:
-    from accelerate import PartialState  # noqa: PLC0415
-
-    from hamburger.cli import load_from_args  # noqa: PLC0415
-    from hamburger.model.base import fingerprint  # noqa: PLC0415
-
-    th = Thresholds(args.max_step_tokens, args.abs_threshold, args.rel_threshold)
-    if th.max_step_tokens < 1 or args.batch_size < 1:
-        raise HamburgerError("--max-step-tokens and --batch-size must be >= 1")
-    if args.teacher_top_k < 0:
-        raise HamburgerError("--teacher-top-k must be >= 0 (0: no teacher cache)")
-    out = Path(args.out)
-    cache = teacher_dir(out)
-    for path in (out, cache):
-        if path.exists() and not args.force:
-            raise HamburgerError(f"{path} exists: pass --force to replace it")
-    rows = read_chats(Path(args.data))
-    if args.teacher_top_k:
-        seen = Counter(str(row.get("id", i)) for i, row in enumerate(rows))
-        twice = [rid for rid, n in seen.items() if n > 1]
-        if twice:
-            raise HamburgerError(f"--teacher-top-k keys the cache by example id, and {len(twice)} ids repeat in "
-                                 f"{args.data} (e.g. {twice[0]!r})")
-    state = PartialState(cpu=not torch.cuda.is_available())  # cpu=True lets torchrun workers use gloo
-    if state.num_processes > 1 and state.device.type != "cpu":
-        args.device = str(state.device)  # one accelerator per process
-    model, _ = load_from_args(args)
-    mine = rows[state.process_index :: state.num_processes]
-    part = out.with_name(f"{out.name}.part{state.process_index}")
-    building = cache.with_name(cache.name + ".tmp")
-    writer = None
-    if args.teacher_top_k:
-        if state.is_main_process and building.exists():
-            shutil.rmtree(building)  # a crashed run's leftovers
-        state.wait_for_everyone()
-        writer = TeacherWriter(building, args.teacher_top_k, fingerprint(model.base), f"part{state.process_index}")
-    done = segment_rows(model, mine, th, args.batch_size, progress=state.is_local_main_process,
-                        include_unfinished=args.include_unfinished, teacher=writer, teacher_k=args.teacher_top_k)
-    if writer is not None:
-        writer.flush()
-    part.write_text("".join(json.dumps(ex) + "\n" for ex in done))
-    state.wait_for_everyone()
-    if state.is_main_process:
-        parts = [out.with_name(f"{out.name}.part{i}") for i in range(state.num_processes)]
-        examples = [json.loads(line) for p in parts for line in p.read_text().splitlines()]
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text("".join(json.dumps(ex) + "\n" for ex in examples))
-        if cache.exists():  # --force: an old cache would not match the new data
-            shutil.rmtree(cache)
-        tmp.replace(out)
-        if writer is not None:
-            building.replace(cache)
-        for p in parts:
-            p.unlink()
-        summary = summarize(examples, th.max_step_tokens) | {"thresholds": asdict(th), "source": str(args.data),
-                                                              "teacher_top_k": args.teacher_top_k}
-        out.with_name(out.name + ".summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print(json.dumps(summary, indent=2), file=sys.stderr)
-        if writer is not None:
-            print(f"teacher: top-{args.teacher_top_k} of the base at every response token in {cache}/",
-                  file=sys.stderr)
-    return 0
-
-
-def register(sub, add_model_args) -> None:
-    p = sub.add_parser("segment", help="cut distilled replies into steps by the base's entropy")
-    p.add_argument("--data", required=True, help="JSONL of chats (`messages`, or `prompt` + `response`)")
-    p.add_argument("--out", required=True, help="JSONL of {id, input_ids, prompt_len, steps}; a summary lands beside it")
-    add_model_args(p)
-    p.add_argument("--max-step-tokens", type=int, default=4)
-    p.add_argument("--abs-threshold", type=float, default=0.05)
-    p.add_argument("--rel-threshold", type=float, default=0.3)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--include-unfinished", action="store_true", help="also use replies cut off at max_new_tokens")
-    p.add_argument("--teacher-top-k", type=int, default=0, metavar="K",
-                   help="also cache the base's top-K next tokens and log-probabilities at every response token in "
-                        "OUT.teacher/ (safetensors shards), read by `train --kd-weight` instead of a second base "
-                        "forward per batch (32: about 6 bytes x 32 per token)")
-    p.add_argument("--force", action="store_true", help="replace an existing --out file (and its teacher cache)")
-    p.set_defaults(func=cmd_segment)

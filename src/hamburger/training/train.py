@@ -11,13 +11,12 @@ that train (the base is reloaded from its reference, and checked by fingerprint)
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -32,13 +31,13 @@ from rich.progress import (
 from transformers import get_cosine_schedule_with_warmup
 
 from hamburger.errors import HamburgerError
-from hamburger.model.base import fingerprint, load_base
-from hamburger.model.config import HamburgerConfig
+from hamburger.model.base import fingerprint
 from hamburger.model.hamburger_model import (
     NEW_MODULES,
     HamburgerModel,
     is_trained_key,
 )
+from hamburger.training.args import MODES, TrainArgs
 from hamburger.training.data import collate, cut_steps
 from hamburger.training.examples import (
     attach_teacher,
@@ -47,40 +46,8 @@ from hamburger.training.examples import (
     read_examples,
     split_eval,
 )
-from hamburger.training.export import cmd_export
 from hamburger.training.precision import bf16_autocast
-from hamburger.training.teacher import teacher_dir
 from hamburger.training.tracking import check_tracker
-
-MODES = ("frozen", "lora", "full")
-
-
-@dataclass
-class TrainArgs:
-    data: str
-    out: str
-    mode: str = "frozen"
-    epochs: int = 1
-    max_steps: int = 0  # optimizer steps; 0 = as many as the epochs give
-    batch_size: int = 8  # examples per process per micro-batch
-    grad_accum: int = 1
-    lr: float = 1e-4  # new modules
-    base_lr: float = 5e-5  # the base, in full mode
-    warmup_ratio: float = 0.03
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    bucket_pool: int = 32  # global batches per length-sorted pool (length bucketing); 0 = plain random batches
-    eval_fraction: float = 0.05
-    eval_every: int = 100
-    save_every: int = 100
-    bf16: bool = True
-    verified_stops: bool = False  # the stop head also ends a step before a token the micro-decoder gets wrong
-    kd_weight: float = 0.0  # dense loss: KL(unmerged base || model) at every target (frozen mode)
-    state_weight: float = 0.0  # dense loss: merged slots' states regressed onto the unmerged base's (frozen mode)
-    partial_steps: float = 0.0  # probability that a training step of >= 2 tokens is cut in two (`data.cut_steps`)
-    teacher_cache: bool = True  # KD reads DATA.teacher/ (from `segment --teacher-top-k`) when it is there
-    seed: int = 0
-    report_to: str = "none"  # an accelerate tracker (tensorboard, wandb, mlflow, ...) that also gets the metrics
 
 
 def configure_optimizer(model: HamburgerModel, args: TrainArgs) -> torch.optim.Optimizer:
@@ -305,109 +272,3 @@ class Trainer:
             with (self.out / "log.jsonl").open("a") as f:
                 f.write(json.dumps(row) + "\n")
             print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}), file=sys.stderr)
-
-
-def cmd_train(args: argparse.Namespace) -> int:
-    from accelerate import PartialState  # noqa: PLC0415
-
-    targs = TrainArgs(**{f: getattr(args, f) for f in TrainArgs.__dataclass_fields__})
-    read_examples(Path(targs.data))  # fail on bad data or a missing tracker before loading a model
-    check_tracker(targs.report_to)
-    out = Path(targs.out)
-    if out.exists() and any(out.iterdir()) and not args.resume:
-        raise HamburgerError(f"{out} is not empty: pass --resume to continue that run, or pick a new --out")
-    state = PartialState(cpu=not torch.cuda.is_available())
-    device = str(state.device)
-    torch.manual_seed(targs.seed)  # the new modules' initialisation, identical on every process
-    if HamburgerConfig.is_checkpoint(args.model):  # continue training a checkpoint's modules
-        model = HamburgerModel.from_pretrained(args.model, device=device)
-        print(f"continuing the modules of checkpoint {args.model}", file=sys.stderr)
-        if args.slot_adapter_rank and not model.config.slot_adapter_rank:
-            model.attach_slot_adapters(args.slot_adapter_rank)
-    else:
-        base, tokenizer = load_base(args.model, device=device)
-        cfg = HamburgerConfig(max_step_tokens=args.max_step_tokens, micro_layers=args.micro_layers,
-                              lora_rank=args.lora_rank if targs.mode == "lora" else 0,
-                              slot_adapter_rank=args.slot_adapter_rank)
-        model = HamburgerModel.wrap(base, tokenizer, cfg)
-        print(f"fresh modules around base {model.config.base_model}", file=sys.stderr)
-    out.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(model, targs)
-    if targs.kd_weight:
-        print(f"kd teacher: the base's top-{trainer.teacher_top_k} cached in {teacher_dir(Path(targs.data))}/"
-              if trainer.teacher_top_k else "kd teacher: the base, run a second time per batch (cache it with "
-              "`hamburger segment --teacher-top-k 32`)", file=sys.stderr)
-    if args.resume and trainer.resume():
-        print(f"resumed at step {trainer.step}", file=sys.stderr)
-    metrics = trainer.fit()
-    if state.is_main_process:
-        print(json.dumps({"final": metrics, "checkpoint": str(out / "hamburger")}), file=sys.stderr)
-    return 0
-
-
-def register(sub, add_model_args) -> None:
-    e = sub.add_parser("export", help="write a checkpoint for shipping (smaller dtype, LoRA merged)")
-    e.add_argument("checkpoint", help="a HAMburger checkpoint folder (e.g. RUN/hamburger)")
-    e.add_argument("out")
-    e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
-    e.add_argument("--merge-lora", action="store_true")
-    e.add_argument("--micro-vocab", default=None, metavar="SEGMENTED_JSONL",
-                   help="store a shortlist of the most frequent response tokens of this data: the fast engine's "
-                   "micro-steps choose among them (a cheaper LM head)")
-    e.add_argument("--micro-vocab-size", type=int, default=8192)
-    e.add_argument("--slot-adapter-rank", type=int, default=None,
-                   help="cut the slot adapters to this rank (best approximation by SVD) for a smaller checkpoint")
-    e.add_argument("--default-confidence", type=float, default=None,
-                   help="the confidence trust mode uses when none is given (e.g. the best point of an eval sweep)")
-    e.add_argument("--verify-confidence", type=float, default=None,
-                   help="the confidence verify and compress mode draft at when none is given (e.g. the fastest point "
-                   "of `benchmarks/verify_ab.py`)")
-    e.add_argument("--merge-window", type=int, default=None, metavar="W",
-                   help="compress mode keeps the latest W positions' steps unmerged (0: merge each step at once)")
-    e.add_argument("--lookup", type=int, default=None, metavar="N",
-                   help="verify and compress mode draft by lookup where the last N..3 tokens occurred before (0: off)")
-    e.add_argument("--default-mode", choices=("trust", "verify", "compress"), default=None,
-                   help="the mode generate, demo and the server use when none is asked for (bench and eval: "
-                   "the rule in docs/RESULTS.md, the fastest mode within the quality bar)")
-    e.add_argument("--force", action="store_true")
-    e.set_defaults(func=cmd_export)
-
-    p = sub.add_parser("train", help="train the HAMburger modules on segmented data (accelerate launch for DDP)")
-    p.add_argument("--data", required=True, help="segmented JSONL from `hamburger segment`")
-    p.add_argument("--out", required=True, help="run folder: state/ to resume, hamburger/ the checkpoint, log.jsonl")
-    p.add_argument("--model", default="default",
-                   help="a base model to wrap with fresh modules (default: the embedded base), or a HAMburger "
-                   "checkpoint folder whose modules training continues (the shipped one is "
-                   "hamburger/checkpoints/SmolLM2-135M-Instruct in the package)")
-    p.add_argument("--mode", choices=MODES, default="frozen")
-    p.add_argument("--max-step-tokens", type=int, default=4)
-    p.add_argument("--micro-layers", type=int, default=4)
-    p.add_argument("--lora-rank", type=int, default=16, help="adapter rank in --mode lora")
-    p.add_argument("--slot-adapter-rank", type=int, default=0,
-                   help="adapters on the base that act only at merged slots (the base stays exact on plain tokens)")
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--no-bf16", dest="bf16", action="store_false")
-    p.add_argument("--verified-stops", action="store_true",
-                   help="train the stop head to also end a step before a token the micro-step decoder gets wrong")
-    p.add_argument("--kd-weight", type=float, default=0.0,
-                   help="dense loss: KL(unmerged base || model) of the next-token distribution at every target, "
-                   "token 0 after a smashed slot and the micro tokens (--mode frozen)")
-    p.add_argument("--state-weight", type=float, default=0.0,
-                   help="dense loss: each merged slot's states at every layer regressed onto the unmerged base's "
-                   "states at the step's last token (relative squared error; --mode frozen)")
-    p.add_argument("--partial-steps", type=float, default=0.0, metavar="P",
-                   help="cut each training step of >= 2 tokens in two at a random point with probability P, so the "
-                   "base also learns to read step prefixes (inference ends steps early; held-out figures keep "
-                   "the data's steps)")
-    p.add_argument("--no-teacher-cache", dest="teacher_cache", action="store_false",
-                   help="with --kd-weight, run the base for the teacher even where DATA.teacher/ holds a cached one "
-                   "(the full KL instead of the top-k one)")
-    p.add_argument("--report-to", default="none",
-                   help="also send the training and held-out metrics to an accelerate tracker: tensorboard "
-                   "(pip install tensorboard; written under OUT/tracker), wandb, mlflow, ...")
-    for name, f in TrainArgs.__dataclass_fields__.items():
-        if name in ("data", "out", "mode", "bf16", "verified_stops", "kd_weight", "state_weight", "report_to",
-                    "teacher_cache", "partial_steps"):
-            continue
-        p.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=f.default)
-    p.set_defaults(func=cmd_train)

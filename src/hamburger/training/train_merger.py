@@ -3,13 +3,11 @@ response position of segmented data, the base frozen; resumable, with held-out a
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import random
-import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -18,31 +16,9 @@ import torch.nn.functional as F
 from hamburger.errors import HamburgerError
 from hamburger.model.base import fingerprint
 from hamburger.model.merger import WEIGHTS, KVMerger, Layout, forward_layout
+from hamburger.training.args import MergerArgs
 from hamburger.training.examples import read_examples, split_eval
-from hamburger.training.tracking import Tracker, check_tracker
-
-
-@dataclass
-class MergerArgs:
-    data: str
-    out: str
-    max_steps: int = 1000  # optimizer steps of `batch_size` examples each
-    max_minutes: float = 0.0  # stop training after this long (then evaluate and save); 0: no limit
-    batch_size: int = 1
-    lr: float = 0.05  # a thousand logits and biases: large steps are safe (the pilot's rate)
-    max_len: int = 384  # tokens of an example read (prompt included)
-    max_step_tokens: int = 4
-    random_steps: bool = False  # cut responses into uniform random steps of 1..K instead of the data's
-    gates: bool = False
-    channels: bool = False  # softmax weights per channel, not per head
-    merge_window: int = 0  # compress mode's merge_window: steps this close stay unmerged (training and evaluation)
-    init: str = ""  # start from this merger (a merger.safetensors file); with --max-steps 0: evaluate it
-    eval_fraction: float = 0.05  # the same held-out split as `hamburger train`
-    eval_examples: int = 30
-    eval_every: int = 100
-    save_every: int = 100
-    seed: int = 0
-    report_to: str = "none"  # an accelerate tracker (tensorboard, wandb, mlflow, ...) that also gets the metrics
+from hamburger.training.tracking import Tracker
 
 
 def clip_example(ids: list[int], prompt_len: int, steps: list[int], max_len: int) -> tuple[list[int], list[int]]:
@@ -225,41 +201,3 @@ class MergerTrainer:
                 break
         self.tracker.end()
         return metrics
-
-
-def cmd_train_merger(args: argparse.Namespace) -> int:
-    from hamburger.cli import load_from_args  # noqa: PLC0415 - cli imports this module to register it
-
-    margs = MergerArgs(**{f: getattr(args, f) for f in MergerArgs.__dataclass_fields__})
-    read_examples(Path(margs.data))  # fail on bad data or a missing tracker before loading a model
-    check_tracker(margs.report_to)
-    out = Path(margs.out)
-    if out.exists() and any(out.iterdir()) and not args.resume:
-        raise HamburgerError(f"{out} is not empty: pass --resume to continue that run, or pick a new --out")
-    model, _ = load_from_args(args)  # a HAMburger checkpoint stands for its base
-    torch.manual_seed(margs.seed)
-    trainer = MergerTrainer(model.base, margs)
-    if args.resume and trainer.resume():
-        print(f"resumed at step {trainer.step}", file=sys.stderr)
-    metrics = trainer.fit()
-    size = (out / WEIGHTS).stat().st_size if (out / WEIGHTS).is_file() else 0
-    print(json.dumps({"final": metrics, "merger": str(out / WEIGHTS) if size else None, "bytes": size,
-                      "parameters": sum(p.numel() for p in trainer.merger.parameters())}), file=sys.stderr)
-    return 0
-
-
-def register(sub, add_model_args) -> None:
-    p = sub.add_parser("train-merger", help="fit a KV merger ('process, then compress': one KV entry per step) "
-                                            "to a frozen base by KL to its unmerged self")
-    add_model_args(p)
-    p.add_argument("--data", required=True, help="segmented JSONL (the data's steps, or --random-steps)")
-    p.add_argument("--out", required=True, help=f"run folder: {WEIGHTS}, state/ to resume, log.jsonl")
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--random-steps", action="store_true", help="cut responses into random steps of 1..K")
-    p.add_argument("--gates", action="store_true", help="per-channel gates on merged keys and values")
-    p.add_argument("--channels", action="store_true", help="merge weights per channel (not per head): "
-                   "head_dim times the parameters")
-    for name, f in MergerArgs.__dataclass_fields__.items():
-        if name not in ("data", "out", "random_steps", "gates", "channels"):
-            p.add_argument(f"--{name.replace('_', '-')}", type=type(f.default), default=f.default)
-    p.set_defaults(func=cmd_train_merger)
