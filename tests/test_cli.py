@@ -403,12 +403,12 @@ def test_every_subcommands_help_shows_the_defaults():
         assert parser.formatter_class is DefaultsFormatter, name
         text = " ".join(parser.format_help().split())
         for action in parser._actions:
-            shown = action.default is not None and action.default is not False and action.default != argparse.SUPPRESS
-            if action.option_strings and shown:
+            if action.option_strings and action.nargs != 0 and action.default not in (None, argparse.SUPPRESS):
                 assert f"default: {action.default}" in text or "default" in (action.help or ""), (name, action.dest)
     generate = " ".join(commands["generate"].format_help().split())
     assert "(default: 256)" in generate and "(default: auto)" in generate
     assert "--warmup WARMUP default: 50" in " ".join(commands["train-drafter"].format_help().split())
+    assert "tokens, seconds) (default" not in " ".join(commands["serve"].format_help().split())  # a flag: none
 
 
 # --- generate --stop, --quiet ----------------------------------------------------------------------------------

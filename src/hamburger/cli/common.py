@@ -40,8 +40,8 @@ Options = argparse.ArgumentParser | argparse._ArgumentGroup  # where an option c
 
 
 class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Every option's default in its help: appended unless the help already says it or there is none to show (None,
-    a flag's False); an option without help gets "default: ..." alone."""
+    """Every option's default in its help: appended unless the help already says it or there is none to show (None;
+    a flag, whose default is not to be given); an option without help gets "default: ..." alone."""
 
     def _format_action(self, action: argparse.Action) -> str:
         if action.help is None and _shows_default(action):
@@ -57,8 +57,7 @@ class DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def _shows_default(action: argparse.Action) -> bool:
-    default = action.default
-    return bool(action.option_strings) and default is not None and default is not False and default != argparse.SUPPRESS
+    return bool(action.option_strings) and action.nargs != 0 and action.default not in (None, argparse.SUPPRESS)
 
 
 def command(sub: argparse._SubParsersAction, name: str, help: str) -> argparse.ArgumentParser:
