@@ -19,7 +19,6 @@ from hamburger import HamburgerConfig, HamburgerModel
 from hamburger.model.merger import KVMerger
 
 
-
 @pytest.fixture(autouse=True)
 def _steps_without_timings(monkeypatch):
     """Verify mode's draft policy decides from measured step times; tests about other things must not depend on

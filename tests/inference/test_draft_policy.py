@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from hamburger.inference.draft_policy import MAX_WAIT, RowDrafts, SourceRecord, StepCosts, pays
+from hamburger.inference.draft_policy import (
+    MAX_WAIT,
+    MICRO_START,
+    LookupRecord,
+    RowDrafts,
+    SourceRecord,
+    StepCosts,
+    best_length,
+    pays,
+)
 
 
 def fitted(a: float, b: float, c: float, shapes=((0, 0), (3, 3), (1, 0), (2, 1), (3, 0), (0, 0))) -> StepCosts:
@@ -33,52 +42,93 @@ def test_costs_before_any_step_and_after_one_take_the_prior_shape():
 
 def test_a_new_row_runs_a_plain_step_first_then_drafts():
     costs, row = StepCosts(), RowDrafts()
-    assert row.wants(costs) == (False, False)  # nothing timed yet: one plain step
+    assert row.wants(costs, 7, 3) == (0, 0)  # nothing timed yet: one plain step
     costs.observe(0, 0, 0.03)
-    assert row.wants(costs) == (True, True)
+    for _ in range(MICRO_START):  # lookup at once; micro-step drafts only after MICRO_START steps
+        lookup, micro = row.wants(costs, 7, 3)
+        assert lookup > 0 and micro == 0
+    assert row.wants(costs, 7, 3)[1] == 1  # then a micro-step probe of one token
 
 
-@pytest.mark.parametrize(("kept", "b", "c", "micro", "expected"), [
-    (2.0, 0.001, 0.004, True, True),    # fp16-like costs, well-kept drafts: drafting pays
-    (0.1, 0.001, 0.004, True, False),   # micro drafts rarely kept: 1.1 tokens for 1.5x the time
-    (0.3, 0.001, 0.004, False, True),   # lookup drafts cost only the wider pass: 0.3 kept pays
-    (1.0, 0.020, 0.004, False, False),  # float32-like costs: 3 drafted positions cost 3x a plain step
-    (3.0, 0.020, 0.000, False, True),   # ... unless nearly all are kept
+@pytest.mark.parametrize(("kept", "b", "c", "expected"), [
+    (2.0, 0.001, 0.004, True),   # fp16-like costs, well-kept micro drafts: drafting pays
+    (0.1, 0.001, 0.004, False),  # micro drafts rarely kept: 1.1 tokens for 1.5x the time
+    (1.0, 0.020, 0.004, False),  # float32-like costs: 3 drafted positions cost 3x a plain step
+    (3.0, 0.001, 0.004, True),
 ])
-def test_pays_compares_tokens_per_second(kept, b, c, micro, expected):
+def test_micro_drafts_pay_when_they_give_more_tokens_per_second(kept, b, c, expected):
     costs = fitted(0.030, b, c)
     source = SourceRecord(kept=kept, drafted=3.0)
-    # (1 + kept) / (a + 3b + 3c) against 1 / a (no c for lookup drafts: no micro-step calls)
-    assert pays(source, costs, micro=micro) is expected
-    assert ((1 + kept) * 0.030 > 0.030 + 3 * b + 3 * (c if micro else 0)) is expected
+    # (1 + kept) / (a + 3b + 3c) against 1 / a
+    assert pays(source, costs) is expected
+    assert ((1 + kept) * 0.030 > 0.030 + 3 * b + 3 * c) is expected
 
 
-def test_a_source_that_does_not_pay_waits_twice_as_long_each_time_then_resumes_when_it_pays():
+@pytest.mark.parametrize(("q", "b", "expected"), [
+    (0.5, 0.0015, 4),   # b/a = 0.05: 0.5^4 = 0.0625 > 0.05 > 0.5^5
+    (0.9, 0.0015, 7),   # capped at 7
+    (0.3, 0.0015, 2),   # 0.3^2 = 0.09 > 0.05 > 0.027
+    (0.04, 0.0015, 0),  # below b/a: no draft is worth its position
+    (0.5, 0.0300, 0),   # a position costs as much as a plain step
+])
+def test_lookup_drafts_are_as_long_as_their_positions_are_worth(q, b, expected):
+    costs = fitted(0.030, b, 0.004)
+    assert best_length(q, costs, 7) == expected
+
+
+def test_lookup_length_follows_how_often_its_tokens_are_kept_and_probes_when_none_pay():
+    costs = fitted(0.030, 0.0015, 0.004)
+    rec = LookupRecord()
+    for _ in range(30):  # 7 drafted, all kept: q -> 1
+        rec.observe(7, 7, costs, 7)
+    assert rec.q > 0.95 and rec.length(costs, 7) == 7
+    for _ in range(50):  # the first token always rejected: q -> 0
+        rec.observe(3, 0, costs, 7)
+    assert rec.q < 0.05
+    waits, probes = 0, []
+    for _ in range(40):
+        n = rec.length(costs, 7)
+        if n:
+            probes.append(n)
+            rec.observe(n, 0, costs, 7)
+        else:
+            waits += 1
+    assert probes and set(probes) == {1} and waits >= 40 - 6  # one-token probes, ever rarer
+    lengths = []
+    for _ in range(MAX_WAIT + 8):  # repetitive again: the next probe is kept, and so is all that follows
+        if n := rec.length(costs, 7):
+            lengths.append(n)
+            rec.observe(n, n, costs, 7)
+    assert lengths[0] == 1 and lengths[-1] >= 4 and lengths == sorted(lengths)
+
+
+def test_a_micro_source_that_does_not_pay_waits_twice_as_long_each_time_then_resumes_when_it_pays():
     costs = fitted(0.030, 0.002, 0.005)
-    row = RowDrafts()
+    row = RowDrafts(micro=SourceRecord(wait=0, backoff=1))
     waits = []
     for _ in range(7):  # every micro-step probe keeps nothing
-        assert row.wants(costs)[1]
-        row.observe(3, 0, False, costs)
+        assert row.wants(costs, 7, 3)[1]
+        row.observe(3, 0, False, costs, 7)
         wait = 0
-        while not row.wants(costs)[1]:
+        while not row.wants(costs, 7, 3)[1]:
             wait += 1
         waits.append(wait)
-    assert waits == [0, 1, 2, 4, 8, 16, MAX_WAIT]  # the first: the prior's 1 kept still outweighs one 0
-    assert row.lookup.wait == 0 and row.lookup.backoff == 1  # lookup drafts are judged apart
-    for _ in range(3):  # the micro drafts turned good: all three kept at every probe
-        row.observe(3, 3, False, costs)
-    assert row.micro.backoff == 1 and row.micro.wait == 0 and row.wants(costs) == (True, True)
+    assert waits == [1, 2, 4, 8, 16, MAX_WAIT, MAX_WAIT]  # each probe (one token) rejected
+    assert row.lookup.wait == 0  # lookup drafts are judged apart
+    row.observe(1, 1, False, costs, 7)  # the micro drafts turned good: the next probe is kept
+    for _ in range(3):  # and then all three at every step
+        row.observe(3, 3, False, costs, 7)
+    assert row.micro.backoff == 1 and row.micro.wait == 0 and row.wants(costs, 7, 3)[1] == 3  # no probe now
 
 
 def test_the_running_mean_follows_the_kept_drafts():
     costs = fitted(0.030, 0.002, 0.005)
     row = RowDrafts()
     for _ in range(30):
-        row.observe(3, 2, True, costs)
-    assert row.lookup.kept == pytest.approx(2.0, abs=1e-3) and row.lookup.drafted == pytest.approx(3.0, abs=1e-3)
-    assert row.micro.kept == 1.0  # untouched
-    assert pays(row.lookup, costs, micro=False)
+        row.observe(3, 2, False, costs, 7)
+    assert row.micro.kept == pytest.approx(2.0, abs=1e-3) and row.micro.drafted == pytest.approx(3.0, abs=1e-3)
+    assert row.lookup.q == 0.5  # untouched
+    assert pays(row.micro, costs)
 
 
 # --- the policy in the engine and the scheduler (tiny random models) -----------------------------------------

@@ -228,3 +228,56 @@ def test_verify_lookup_drafts_run_past_k_minus_1_and_compress_keeps_k_minus_1():
     sched = Scheduler(model, max_batch_size=2, max_len=64, draft_rows=None)
     out = run_staggered(sched, [(0, prompt, 30, "verify")], confidence=1.0)
     assert [t for e in out[0] for t in e.tokens] == base_greedy(model, prompt, 30)
+
+
+# --- stored replies ----------------------------------------------------------------------------------------------
+
+def test_the_reply_store_drafts_the_latest_longest_match_within_one_reply():
+    from hamburger.inference.lookup import ReplyStore
+
+    store = ReplyStore(torch.tensor([1, 2, 3, 4, 5, -1, 9, 2, 3, 7, 8, -1, 1, 2, 6, -1], dtype=torch.int32))
+    assert store.draft([0, 2, 3], 5) == [7, 8]  # "2 3": the latest occurrence, cut at its reply's end
+    assert store.draft([1, 2, 3], 2) == [4, 5]  # "1 2 3" (3 tokens) beats "2 3"
+    assert store.draft([5, 9], 3) == []  # "5 9" only across two replies: no match
+    assert store.draft([3], 3) == []  # one token: shorter than min_ngram
+
+
+def test_verify_drafts_from_stored_replies_and_stays_the_base_output():
+    """A row whose own history offers nothing drafts from the stored replies: here the base's own greedy reply to
+    another prompt that shares its continuation, so most drafts are kept."""
+    model = hamburger("llama", k=4)
+    model.config.lookup = 2
+    prompt, other = [7, 90, 23, 23, 51], [9, 7, 90, 23, 23, 51]
+    reply = base_greedy(model, prompt, 30)
+    engine = Engine(model, draft_rows=None)
+    without = engine.generate([prompt], max_new_tokens=30, confidence=1.0, mode="verify")
+    model.reply_tokens = torch.tensor(base_greedy(model, other, 40) + [1, -1] + reply + [1, -1], dtype=torch.int32)
+    engine = Engine(model, draft_rows=None)
+    with_store = engine.generate([prompt], max_new_tokens=30, confidence=1.0, mode="verify")
+    assert with_store.tokens[0] == without.tokens[0] == reply
+    assert with_store.stats.lookup_kept > without.stats.lookup_kept + 10
+    assert with_store.stats.base_forwards < without.stats.base_forwards - 5
+    sched = Scheduler(model, max_batch_size=2, max_len=64, draft_rows=None)
+    out = run_staggered(sched, [(0, prompt, 30, "verify")], confidence=1.0)
+    assert [t for e in out[0] for t in e.tokens] == reply
+    assert out[0][-1].stats.lookup_kept == with_store.stats.lookup_kept
+
+
+def test_export_stores_replies_that_load_with_the_checkpoint(checkpoint, tmp_path):
+    import json as json_
+
+    from hamburger.model.hamburger_model import REPLIES_NAME, HamburgerModel
+    from hamburger.training.export import export_checkpoint
+
+    data = tmp_path / "distilled.jsonl"
+    rows = [{"messages": [{"role": "user", "content": "w5"}, {"role": "assistant", "content": text}]}
+            for text in ("w7 w8 w9", "w10 w11")]
+    data.write_text("".join(json_.dumps(r) + "\n" for r in rows))
+    export_checkpoint(str(checkpoint), tmp_path / "out", replies=str(data))
+    assert (tmp_path / "out" / REPLIES_NAME).is_file()
+    tokens = HamburgerModel.from_pretrained(tmp_path / "out").reply_tokens.tolist()
+    assert tokens.count(-1) == 2 and tokens[-1] == -1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("not json\n")
+    with pytest.raises(HamburgerError, match="line 1"):
+        export_checkpoint(str(checkpoint), tmp_path / "out2", replies=str(bad))

@@ -93,7 +93,8 @@ def test_verify_keeps_long_agreeing_drafts_with_rows_at_different_lengths(monkey
     expected = [base_greedy(model, p, n) for p in prompts]
     noise = torch.Generator().manual_seed(0)
 
-    def oracle(engine, states, t0, limit, confidence, sampling, rng, warpers, cache, context=None, lookup=None):
+    def oracle(engine, states, t0, limit, confidence, sampling, rng, warpers, cache, context=None, lookup=None,
+               micro_len=None):
         # The base's continuation after the tokens emitted so far (t0 included), 30% of tokens spoiled.
         width = engine.k - 1
         rows = [expected[b][len(gen.tokens[b]): len(gen.tokens[b]) + width] for b in range(len(prompts))]
@@ -123,7 +124,8 @@ def test_a_row_that_ends_early_does_not_outgrow_the_cache(monkeypatch):
     n = 40
     expected = [base_greedy(model, p, n) for p in prompts]
 
-    def oracle(engine, states, t0, limit, confidence, sampling, rng, warpers, cache, context=None, lookup=None):
+    def oracle(engine, states, t0, limit, confidence, sampling, rng, warpers, cache, context=None, lookup=None,
+               micro_len=None):
         width = engine.k - 1
         row = expected[0][len(gen.tokens[0]): len(gen.tokens[0]) + width]
         drafts = torch.zeros(2, width, dtype=torch.long)

@@ -87,6 +87,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--default-mode", choices=DECODING_MODES, default=None,
                    help="the mode generate, demo and the server use when none is asked for (bench and eval: "
                    "the rule in docs/RESULTS.md, the fastest mode within the quality bar)")
+    e.add_argument("--replies", default=None, metavar="DISTILLED_JSONL",
+                   help="store the base's replies of this data (`hamburger distill`): verify mode drafts from them by "
+                   "lookup where a reply's own history offers nothing")
     e.add_argument("--force", action="store_true", help="replace the files of a non-empty OUT")
     e.set_defaults(func=cmd_export)
 
@@ -294,7 +297,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     written = export_checkpoint(args.checkpoint, Path(args.out), args.dtype, args.merge_lora, args.micro_vocab,
                                 args.micro_vocab_size, args.slot_adapter_rank, args.default_confidence,
-                                args.verify_confidence, args.merge_window, args.lookup, args.default_mode, args.force)
+                                args.verify_confidence, args.merge_window, args.lookup, args.default_mode, args.force,
+                                replies=args.replies)
     print(json.dumps(written), file=sys.stderr)
     return 0
 

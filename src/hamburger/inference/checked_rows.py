@@ -71,7 +71,7 @@ class CheckedRows:
         for i in rows_l:
             req = self.rows[i]
             if req.mode == "verify" and drafted[i]:  # the draft policy learns what this row's drafts keep
-                req.drafting.observe(drafted[i], kept[i], req.looked > 0, costs)
+                req.drafting.observe(drafted[i], kept[i], req.looked > 0, costs, self.drafts)
             if req.looked:
                 req.stats.lookup_drafts += req.looked
                 req.stats.lookup_kept += kept[i]
@@ -100,10 +100,10 @@ class CheckedRows:
             self.q = torch.zeros(len(self.rows), max(self.drafts, 1), vocab, device=full.device)
         self.q[row, self._depth - 1] = full
 
-    def _lookup(self, indexes: list[NgramIndex | None]):
-        """`macro_step`'s lookup over the running rows; a sampled row's lookup drafts are draws from point masses
-        (kept as its draft distributions for the next acceptance)."""
-        find = Lookup(indexes, self.drafts, indexed_token0=False)
+    def _lookup(self, indexes: list[NgramIndex | None], caps: list[int]):
+        """`macro_step`'s lookup over the running rows, at most `caps` drafts each; a sampled row's lookup drafts
+        are draws from point masses (kept as its draft distributions for the next acceptance)."""
+        find = Lookup(indexes, self.drafts, indexed_token0=False, caps=caps, store=self.engine.store)
         compress = self.compress[: len(indexes)]
 
         def fn(tok: torch.Tensor, rows: torch.Tensor, room: torch.Tensor):

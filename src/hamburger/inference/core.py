@@ -99,6 +99,8 @@ class Limits:
     max_new: torch.Tensor | int
     confidence: torch.Tensor | float
     path: torch.Tensor | bool = False
+    # (n,): at most this many micro-step tokens per row after token 0 (verify mode's draft policy); None: K-1
+    micro_len: torch.Tensor | None = None
 
     def ends(self, tok: torch.Tensor, gen_len: torch.Tensor) -> torch.Tensor:
         """Rows whose sequence ends with `tok` (EOS) or has reached its budget (`gen_len` counts `tok`)."""
@@ -139,13 +141,16 @@ def macro_step(engine: Engine, states: list[torch.Tensor], live: torch.Tensor, g
         drafts, n = lookup(tok, go_on, room)
         n = torch.minimum(n, room)
         drafts = drafts[:, :width]
-        at = torch.arange(drafts.shape[1], device=n.device)
-        step_tok[:, 1 : 1 + drafts.shape[1]] = torch.where(n[:, None] > at, drafts, step_tok[:, 1 : 1 + drafts.shape[1]])
+        cols = slice(1, 1 + drafts.shape[1])
+        step_tok[:, cols] = torch.where(n[:, None] > torch.arange(drafts.shape[1], device=n.device), drafts,
+                                        step_tok[:, cols])
         step_len += n
         gen_len += n
         go_on &= n == 0
     reach = torch.ones(h0.shape[0], device=h0.device)  # the stop head's P(every token of the step so far is right)
     go_on &= _goes_on(model.stop_logits(h0, limits.path), step_len, forced_len, limits, reach)
+    if limits.micro_len is not None:
+        go_on &= limits.micro_len > 0
     run = MicroRun(engine, feats, cache, context)
     for i in range(1, k):
         if not bool(go_on.any()):  # the one host sync per micro-step: does any step go on?
@@ -158,6 +163,8 @@ def macro_step(engine: Engine, states: list[torch.Tensor], live: torch.Tensor, g
         now_ends = go_on & limits.ends(tok, gen_len)
         ended |= now_ends
         go_on = go_on & ~now_ends & (step_len < k)
+        if limits.micro_len is not None:
+            go_on &= step_len <= limits.micro_len
         go_on &= _goes_on(model.stop_logits(h, limits.path), step_len, forced_len, limits, reach)
     return step_tok, step_len, ended
 

@@ -7,11 +7,13 @@ call about a sixth of a base pass), so it is measured, not assumed:
 
 - `StepCosts` learns the wall time of a decode step as a + b * (drafts in the pass) + c * (micro-step calls), from
   the steps actually run (a ridge fit with forgetting, pulled towards a prior shape until enough steps are seen);
-- `RowDrafts` keeps per row, for each source of drafts (lookup; the micro-step decoder), a running mean of the
-  drafts made and kept per drafting step, and drafts from it while the expected tokens per second of such a
-  step, (1 + kept) / cost(drafting), beat a plain step's, 1 / cost(plain). A source that stops paying is probed
-  again after a wait that doubles with every probe that does not pay (1, 2, 4 .. 16 steps), so a reply that
-  turns repetitive (where lookup drafts are kept) drafts again.
+- `RowDrafts` judges a row's two sources of drafts apart. Micro-step drafts: a running mean of the drafts made
+  and kept per drafting step; the row drafts while the expected tokens per second of such a step,
+  (1 + kept) / cost(drafting), beat a plain step's, 1 / cost(plain), and probes with one micro-step (the first
+  costs the most: it also reads the base's features) before drafting more. Lookup drafts cost only their positions: the
+  row estimates how often a drafted token is kept (once those before it were) and drafts as many as are worth
+  their positions (`LookupRecord`). A source that stops paying is probed again after a wait that doubles with
+  every probe that does not pay (1, 2, 4 .. 16 steps), so a reply that turns repetitive drafts again.
 
 The output never depends on the choice (the base decides every token); only the speed does. Nothing here touches
 a tensor: the engine and the scheduler time their steps and report what each row drafted and kept.
@@ -19,6 +21,7 @@ a tensor: the engine and the scheduler time their steps and report what each row
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -34,6 +37,11 @@ FORGET = 0.98  # each new step's weight against the old ones: about the last 50 
 KEPT_PRIOR = 1.0  # a new row expects this many kept drafts per drafting step (it drafts first, then learns)
 KEPT_RATE = 0.35  # the running mean's weight on the latest drafting step
 MAX_WAIT = 16  # the longest wait between probes of a row that stopped drafting
+# A new row probes micro-step drafts only after this many steps: a probe costs about a quarter of a plain step and
+# short replies rarely repay it (measured on `make demo`'s prompts: its 31-token reply at 0.97x the base with the
+# first probe at once, 1.00x from the fourth step).
+MICRO_START = 4
+LOOKUP_RATE = 0.15  # the lookup record's decay per drafting step: about the last 7 count
 
 
 def _solve3(m: list[list[float]], v: list[float]) -> list[float]:
@@ -92,57 +100,107 @@ class StepCosts:
 
 @dataclass
 class SourceRecord:
-    """One row's record of one source of drafts (the micro-step decoder, or lookup): running means over the steps
-    it drafted of the drafts made and kept, and the wait before its next probe once it stopped paying."""
+    """One row's micro-step drafts: running means over the steps it drafted of the drafts made and kept, and the
+    wait before its next probe once they stopped paying."""
 
     kept: float = KEPT_PRIOR
     drafted: float = 2.0 * KEPT_PRIOR
-    wait: int = 0
-    backoff: int = 1
+    wait: int = MICRO_START  # a new row's first micro-step probe comes after this many steps
+    backoff: int = 2 * MICRO_START
+    probe: bool = True  # the next drafting step is a probe of one token (a new row's first, or after a wait)
 
-    def wants(self) -> bool:
+    def length(self, most: int) -> int:
+        """Micro-step drafts at most this step: 0 while waiting, 1 for a probe, else `most`."""
         if self.wait > 0:
             self.wait -= 1
-            return False
-        return True
+            return 0
+        return 1 if self.probe else most
 
     def observe(self, drafted: int, kept: int, paid: Callable[[SourceRecord], bool]) -> None:
         self.kept += KEPT_RATE * (kept - self.kept)
         self.drafted += KEPT_RATE * (drafted - self.drafted)
-        if paid(self):
+        if (kept > 0) if self.probe else paid(self):  # a probe decides by its own one token
+            self.backoff, self.probe = 1, False
+        else:
+            self.wait, self.backoff, self.probe = self.backoff, min(2 * self.backoff, MAX_WAIT), True
+
+
+@dataclass
+class LookupRecord:
+    """One row's lookup drafts. Each drafted token is kept with probability q once the ones before it were (a
+    running estimate: tokens kept over tokens checked up to the first rejection). The n-th token of a draft is
+    worth its position in the pass while q^n, its chance to be kept, beats what that position costs as a share of
+    a plain step (b / a): the draft's length is the largest such n. A row whose q falls below b / a stops looking
+    up, and probes again with one token after a wait that doubles with each probe that does not pay."""
+
+    hits: float = 1.0  # prior q = 0.5, worth two checked tokens
+    trials: float = 2.0
+    wait: int = 0
+    backoff: int = 1
+
+    @property
+    def q(self) -> float:
+        return self.hits / self.trials
+
+    def length(self, costs: StepCosts, most: int) -> int:
+        """The draft length this step (0: none), at most `most`. Call once per step."""
+        if self.wait > 0:
+            self.wait -= 1
+            return 0
+        return max(1, best_length(self.q, costs, most))  # a probe drafts one token at least
+
+    def observe(self, drafted: int, kept: int, costs: StepCosts, most: int) -> None:
+        self.hits = (1 - LOOKUP_RATE) * self.hits + kept
+        self.trials = (1 - LOOKUP_RATE) * self.trials + kept + (kept < drafted)
+        if best_length(self.q, costs, most) > 0:
             self.backoff = 1
         else:
             self.wait, self.backoff = self.backoff, min(2 * self.backoff, MAX_WAIT)
 
 
+def best_length(q: float, costs: StepCosts, most: int) -> int:
+    """The largest n <= most with q^n > b / a (a drafted position's cost over a plain step's); 0 when none.
+    `most` while nothing is timed."""
+    plain = costs.predict(0, 0)
+    if plain is None:
+        return most
+    ratio = (costs.predict(1, 0) - plain) / plain
+    if q <= ratio:
+        return 0
+    if q >= 1.0 or ratio <= 0.0:
+        return most
+    return max(0, min(most, math.floor(math.log(ratio) / math.log(q))))
+
+
 @dataclass
 class RowDrafts:
-    """A verify row's two sources of drafts, judged apart: lookup drafts cost only the wider pass, micro-step
-    drafts also their micro-step calls (one per draft), so a row may keep one and drop the other."""
+    """A verify row's two sources of drafts, judged apart: lookup drafts cost only their positions in the pass
+    (their length adapts, `LookupRecord`), micro-step drafts also a micro-step call each (on while they pay,
+    `SourceRecord`)."""
 
     micro: SourceRecord = field(default_factory=SourceRecord)
-    lookup: SourceRecord = field(default_factory=SourceRecord)
+    lookup: LookupRecord = field(default_factory=LookupRecord)
 
-    def wants(self, costs: StepCosts) -> tuple[bool, bool]:
-        """(lookup drafts, micro-step drafts) this step? Call once per step: a waiting source counts its wait
-        down. Before any step has been timed, neither, once, so the costs can tell a plain step from others."""
+    def wants(self, costs: StepCosts, most_lookup: int, most_micro: int) -> tuple[int, int]:
+        """(lookup drafts, micro-step drafts) at most this step. Call once per step: a waiting source counts its
+        wait down. Before any step has been timed, neither, once, so the costs can tell a plain step."""
         if costs.prior is None:
-            return False, False
-        return self.lookup.wants(), self.micro.wants()
+            return 0, 0
+        return self.lookup.length(costs, most_lookup), self.micro.length(most_micro)
 
-    def observe(self, drafted: int, kept: int, from_lookup: bool, costs: StepCosts) -> None:
-        """After a drafting step: what the row drafted and kept, and from which source; that source stops for a
-        while if it no longer pays (`pays`), each time waiting twice as long as the last."""
-        source = self.lookup if from_lookup else self.micro
-        source.observe(drafted, kept, lambda rec: pays(rec, costs, micro=not from_lookup))
+    def observe(self, drafted: int, kept: int, from_lookup: bool, costs: StepCosts, most_lookup: int) -> None:
+        """After a drafting step: what the row drafted and kept, and from which source."""
+        if from_lookup:
+            self.lookup.observe(drafted, kept, costs, most_lookup)
+        else:
+            self.micro.observe(drafted, kept, lambda rec: pays(rec, costs))
 
 
-def pays(source: SourceRecord, costs: StepCosts, micro: bool) -> bool:
-    """Whether a source's drafting steps are expected to give more tokens per second than plain steps:
-    (1 + kept) / cost(drafted, micro-step calls) > 1 / cost(0, 0), a micro-step call per micro draft. True while
-    nothing is timed."""
+def pays(source: SourceRecord, costs: StepCosts) -> bool:
+    """Whether micro-step drafting steps are expected to give more tokens per second than plain steps:
+    (1 + kept) / cost(drafted, drafted micro-step calls) > 1 / cost(0, 0). True while nothing is timed."""
     plain = costs.predict(0, 0)
-    drafting = costs.predict(source.drafted, source.drafted if micro else 0)
+    drafting = costs.predict(source.drafted, source.drafted)
     if plain is None or drafting is None:
         return True
     return (1.0 + source.kept) * plain > drafting

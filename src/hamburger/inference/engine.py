@@ -25,6 +25,7 @@ from hamburger.inference import draft_policy as draft_policy_mod
 from hamburger.inference.core import Limits, MicroContext, macro_step, micro_context
 from hamburger.inference.draft_policy import StepCosts
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
+from hamburger.inference.lookup import reply_store
 from hamburger.inference.qlinear import Fp16Linear, QuantizedLinear, fp16_unavailable
 from hamburger.inference.reference import (
     Generation,
@@ -136,6 +137,8 @@ class Engine:
         self.draft_rows = auto_draft_rows(model) if check_draft_rows(draft_rows) == "auto" else draft_rows
         self.draft_policy = draft_policy_mod.ON_BY_DEFAULT if draft_policy is None else draft_policy
         self.lookup_drafts = LOOKUP_DRAFTS
+        # the checkpoint's stored replies, where a row's own history offers no lookup draft
+        self.store = reply_store(model.reply_tokens) if self.lookup else None
         self._step_costs: dict[int, StepCosts] = {}
         # Micro-steps choose among the checkpoint's shortlist (if it has one): a head of |shortlist| rows
         # instead of the whole vocabulary. Token 0 of every step always uses the full head.

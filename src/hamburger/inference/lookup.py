@@ -68,6 +68,57 @@ class NgramIndex:
         return []
 
 
+class ReplyStore:
+    """Lookup drafts from the base's own earlier replies (retrieval drafts, as REST does with a datastore): a row
+    whose own history offers no match drafts what followed its last `min_ngram`..`max_ngram` tokens in a stored
+    corpus of replies, here the base's greedy replies to the training prompts (`hamburger lookup-store`). The
+    base checks these like any draft, so the output is unchanged; a phrase the base tends to write ("Here is a
+    Python function that", a step of arithmetic, a list's form) is drafted whole.
+
+    `tokens` (N,) int: the replies one after another, each followed by -1. Each n-gram points at the start of its
+    latest continuation (one dict per length, built once per store: about a second for 200 k tokens)."""
+
+    def __init__(self, tokens: torch.Tensor, min_ngram: int = 2, max_ngram: int = 4) -> None:
+        self.min, self.max = min_ngram, max_ngram
+        toks = tokens.tolist()
+        self.tokens = toks
+        self.next: dict[int, dict[tuple[int, ...], int]] = {}
+        for n in range(min_ngram, max_ngram + 1):
+            table: dict[tuple[int, ...], int] = {}
+            # an n-gram ending at j-1 (no separator inside it) points at j, if j is a token
+            for j in range(n, len(toks)):
+                if toks[j] >= 0:
+                    key = tuple(toks[j - n : j])
+                    if -1 not in key:
+                        table[key] = j
+            self.next[n] = table
+
+    def draft(self, history: Sequence[int], limit: int) -> list[int]:
+        """Up to `limit` tokens that followed the longest suffix of `history` (max_ngram .. min_ngram tokens) in
+        the store, cut at the end of that reply."""
+        for n in range(self.max, self.min - 1, -1):
+            if len(history) < n:
+                continue
+            at = self.next[n].get(tuple(history[-n:]))
+            if at is not None:
+                out = self.tokens[at : at + limit]
+                return out[: out.index(-1)] if -1 in out else out
+        return []
+
+
+_stores: dict[int, tuple[torch.Tensor, ReplyStore]] = {}
+
+
+def reply_store(tokens: torch.Tensor | None) -> ReplyStore | None:
+    """The `ReplyStore` of a model's stored replies, built once per tensor (engines of one model share it)."""
+    if tokens is None:
+        return None
+    key = id(tokens)
+    if key not in _stores or _stores[key][0] is not tokens:
+        _stores[key] = (tokens, ReplyStore(tokens))
+    return _stores[key][1]
+
+
 class Lookup:
     """`core.macro_step`'s `lookup` over rows with these indexes (None: a row that never looks up): up to `width`
     drafts per row (one index per row of the batch). `indexed_token0`: the histories already end with the step's token 0 (the engine records it
@@ -75,8 +126,11 @@ class Lookup:
     `counts` (n,): the lookup drafts each row took at the last call (None before one). The one host transfer is
     of token 0, the rows and their room."""
 
-    def __init__(self, indexes: Sequence[NgramIndex | None], width: int, indexed_token0: bool = True) -> None:
+    def __init__(self, indexes: Sequence[NgramIndex | None], width: int, indexed_token0: bool = True,
+                 caps: Sequence[int] | None = None, store: ReplyStore | None = None) -> None:
         self.indexes, self.width, self.indexed_token0 = indexes, width, indexed_token0
+        self.caps = caps  # per row, at most this many drafts (the draft policy's lengths); None: `width`
+        self.store = store  # where a row's own history offers nothing: the base's stored replies
         self.counts: torch.Tensor | None = None
 
     def __call__(self, tok: torch.Tensor, rows: torch.Tensor, room: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,7 +140,11 @@ class Lookup:
             index = self.indexes[b]
             if index is None or not on or r <= 0:
                 continue
-            found = index.draft(min(r, width), tail=() if self.indexed_token0 else (t0,))
+            cap = width if self.caps is None else min(width, self.caps[b])
+            tail = () if self.indexed_token0 else (t0,)
+            found = index.draft(min(r, cap), tail=tail)
+            if not found and self.store is not None:
+                found = self.store.draft(index.tokens[-self.store.max :] + list(tail), min(r, cap))
             if found:
                 drafts[b, : len(found)] = torch.tensor(found, dtype=torch.long)
                 counts[b] = len(found)

@@ -45,8 +45,16 @@ from safetensors.torch import save_file
 from torch import nn
 
 from hamburger.inference.fused import fuse_projections
-from hamburger.inference.qlinear import (MODULES, WIDE_ROWS, QuantizedLinear, carry_hooks, fp16_unavailable,
-                                         int8_unfit, int_kernel_dtype, wide_unavailable)
+from hamburger.inference.qlinear import (
+    MODULES,
+    WIDE_ROWS,
+    QuantizedLinear,
+    carry_hooks,
+    fp16_unavailable,
+    int8_unfit,
+    int_kernel_dtype,
+    wide_unavailable,
+)
 
 SCHEMES = ("none", "fp16", "int8", "int4")
 GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept

@@ -361,15 +361,17 @@ class Scheduler(CheckedRows):
         # Verify rows draft while few rows run and, greedy ones, while their drafts pay (the draft policy: a seeded
         # sampled request's draws must not depend on timings); compress rows always draft.
         costs, policy = self.engine.step_costs(n), self.engine.draft_policy
-        wants = [(False, False) if r is None or r.mode == "trust" or (r.mode == "verify" and not few)
-                 else r.drafting.wants(costs) if r.mode == "verify" and policy and r.sampling.greedy
-                 else (True, True) for r in self.rows[:n]]  # (lookup drafts, micro-step drafts) per row
-        confidence = torch.where(verify & ~torch.tensor([m for _, m in wants], device=verify.device), 1.0,
-                                 confidence)  # 1.0: no micro-step drafts
+        most = self.k - 1
+        wants = [(0, 0) if r is None or r.mode == "trust" or (r.mode == "verify" and not few)
+                 else r.drafting.wants(costs, self.drafts, most) if r.mode == "verify" and policy and r.sampling.greedy
+                 else (self.drafts, most) for r in self.rows[:n]]  # (lookup, micro-step) drafts at most per row
+        # Trust rows' micro tokens are their step (K-1 at most); a checked row's micro drafts, the policy's
+        micro_len = torch.tensor([most if r is not None and r.mode == "trust" else m
+                                  for r, (_, m) in zip(self.rows[:n], wants)], device=verify.device)
         # Lookup drafts for the checked rows that look up now, from their own histories.
-        indexes = [r.index if r is not None and on else None for r, (on, _) in zip(self.rows[:n], wants)]
-        lookup = self._lookup(indexes) if any(i is not None for i in indexes) else None
-        limits = Limits(self.eos[:n], self.max_new[:n] - verify.long(), confidence, path=verify)
+        indexes = [r.index if r is not None and look > 0 else None for r, (look, _) in zip(self.rows[:n], wants)]
+        lookup = self._lookup(indexes, [look for look, _ in wants]) if any(i is not None for i in indexes) else None
+        limits = Limits(self.eos[:n], self.max_new[:n] - verify.long(), confidence, path=verify, micro_len=micro_len)
         micro_cache = CacheView(self.micro_cache, slice(0, n)) if self.k > 1 else None
         ctx = micro_context(self.engine, CacheView(self.cache, slice(0, n)), self.cache_len[:n],
                             self.prompt_len[:n] + self.gen_len[:n] - 1)  # the state each row's step starts from

@@ -67,10 +67,9 @@ def accept_sampled(drafts: torch.Tensor, n_drafts: torch.Tensor, q: torch.Tensor
     return kept, torch.multinomial(residual, 1, generator=generator).squeeze(1)
 
 
-def draft(engine: Engine, states: list[torch.Tensor], t0: torch.Tensor, limit: torch.Tensor,
-          confidence: float | torch.Tensor,
+def draft(engine: Engine, states: list[torch.Tensor], t0: torch.Tensor, limit: torch.Tensor, confidence: float,
           sampling: SamplingParams, rng, warpers, cache: KVCache, context: MicroContext | None = None,
-          lookup: Lookup | None = None):
+          lookup: Lookup | None = None, micro_len: torch.Tensor | None = None):
     """Up to min(K-1, limit) drafts per row from the micro-step decoder: `core.macro_step` with token 0 given
     (the base's own) and the micro tokens read as drafts (no EOS ends a draft; the base decides). With `lookup`,
     a row whose history offers lookup drafts takes those instead (no micro-step for it).
@@ -94,7 +93,7 @@ def draft(engine: Engine, states: list[torch.Tensor], t0: torch.Tensor, limit: t
     live = torch.ones(bsz, dtype=torch.bool, device=t0.device)
     gen_len = torch.zeros(bsz, dtype=torch.long, device=t0.device)
     # t0 + at most `limit` drafts, each only while P(every draft so far is kept) > confidence
-    limits = Limits(torch.full((1, 1), -1, device=t0.device), limit + 1, confidence, path=True)
+    limits = Limits(torch.full((1, 1), -1, device=t0.device), limit + 1, confidence, path=True, micro_len=micro_len)
     step_tok, step_len, _ = macro_step(engine, states, live, gen_len, limits, pick, cache, context=context,
                                        lookup=lookup, lookup_width=lookup.width if lookup is not None else 0)
     n = step_len - 1
@@ -158,7 +157,7 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
     new = [[t] for t in t0.tolist()]
     # Lookup drafts (the checkpoint's `lookup`, or the engine's): each row's prompt and output so far, indexed.
     indexes = [NgramIndex(p, engine.lookup) for p in gen.prompts] if engine.lookup else None
-    lookup = Lookup(indexes, most) if indexes is not None else None
+    lookup = Lookup(indexes, most, store=engine.store) if indexes is not None else None
     cache_len = torch.full((bsz,), width, device=dev)  # entries in use per row: t0 of the coming pass goes here
     # Greedy verify mode: each row drafts while its drafts pay, against this engine's measured step costs at this
     # batch. Sampled rows always draft: which random numbers a seeded request draws must not depend on timings.
@@ -184,19 +183,26 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
         # and (`draft_policy`) only while their drafts pay; compress rows always draft: their steps are what the
         # merger compresses.
         step_t = time.perf_counter()
-        wants = [r.wants(costs) for r in policy] if policy is not None else [(True, True)] * bsz
-        confidence = gen.confidence
-        if policy is not None:  # a row without micro-step drafts: confidence 1.0; without lookup: no index
-            left = left * torch.tensor([a or b for a, b in wants], device=dev)
-            confidence = torch.tensor([gen.confidence if b else 1.0 for _, b in wants], device=dev)
+        wants = [r.wants(costs, most, k - 1) for r in policy] if policy is not None else [(most, k - 1)] * bsz
+        micro_len = None
+        if policy is not None:  # each row's own lookup length and micro-step drafts
+            left = left * torch.tensor([a > 0 or b > 0 for a, b in wants], device=dev)
+            micro_len = torch.tensor([b for _, b in wants], device=dev)
             if lookup is not None:
-                lookup.indexes = [ix if a else None for ix, (a, _) in zip(indexes, wants)]
+                lookup.caps = [a for a, _ in wants]
         micro_calls = 0
-        if (k > 1 and (merger is not None or engine.draft_rows is None or bsz <= engine.draft_rows)
-                and any(a or b for a, b in wants)):
+        drafting = (k > 1 and (merger is not None or engine.draft_rows is None or bsz <= engine.draft_rows)
+                    and any(a > 0 or b > 0 for a, b in wants))
+        if drafting and policy is not None and lookup is not None and not any(b for _, b in wants):
+            # Lookup drafts alone (no row drafts by micro-steps now): the index, without the micro-step decoder's
+            # stop head or context (about 2 ms a step on the default), and none of it when nothing matches.
+            found, looked = lookup(t0, left > 0, left)
+            n_drafts = torch.minimum(looked, left)
+            drafts, q = found[:, : int(n_drafts.max())], None
+        elif drafting:
             ctx = micro_context(engine, cache, cache_len, next_pos - 1, valid)  # next_pos - 1: t0's state
-            drafts, n_drafts, q = draft(engine, states, t0, left, confidence, gen.sampling, rng, warpers,
-                                        micro_cache, ctx, lookup=lookup)
+            drafts, n_drafts, q = draft(engine, states, t0, left, gen.confidence, gen.sampling, rng, warpers,
+                                        micro_cache, ctx, lookup=lookup, micro_len=micro_len)
             looked = lookup.counts if lookup is not None else None  # lookup drafts per row (set by this draft)
             from_micro = n_drafts if looked is None else torch.where(looked > 0, 0, n_drafts)
             micro_calls = int(from_micro.max()) if bsz else 0  # a micro-step call gives every row going on a token
@@ -232,7 +238,7 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
             n_l, looked_l = n_drafts.tolist(), (looked.tolist() if looked is not None else [0] * bsz)
             for b, row in enumerate(policy):
                 if n_l[b] and not done[b]:
-                    row.observe(n_l[b], kept_l[b], looked_l[b] > 0, costs)
+                    row.observe(n_l[b], kept_l[b], looked_l[b] > 0, costs, most)
         new = [[] if done[b] else drafts_l[b][: kept_l[b]] + [t0_l[b]] for b in range(bsz)]
         next_pos += (1 + kept) * alive
 

@@ -26,6 +26,7 @@ from hamburger.training.teacher import sparse_kl
 
 WEIGHTS_NAME = "model.safetensors"
 MERGER_NAME = "merger.safetensors"  # compress mode's KV merger, when the checkpoint has one
+REPLIES_NAME = "replies.safetensors"  # the base's own replies, verify mode's lookup drafts (`lookup.ReplyStore`)
 MICRO_VOCAB_KEY = "micro_vocab"
 NEW_MODULES = ("embedder", "micro", "stop_head", "slot_adapters")  # what `hamburger train` trains
 DRAFT_STOP_HEAD = "draft_stop_head"  # verify/compress mode's own stop head, when the checkpoint has one
@@ -63,6 +64,8 @@ class HamburgerModel(nn.Module):
         # Optional shortlist of token ids the fast engine's micro-steps choose from (a cheaper LM head):
         # set by `hamburger export --micro-vocab`, stored in the checkpoint as MICRO_VOCAB_KEY.
         self.micro_vocab: torch.Tensor | None = None
+        # Optional: the base's own replies (N,) int32, -1 after each, that verify mode drafts from by lookup
+        self.reply_tokens: torch.Tensor | None = None
         # Optional KV merger for compress mode (merger.py): stored beside the weights as MERGER_NAME. Kept out
         # of the module tree, so the weights file and the trained-module counts stay as they were.
         self.__dict__["merger"] = None
@@ -126,7 +129,7 @@ class HamburgerModel(nn.Module):
         self.config.save(directory)
         if self.config.base_in_checkpoint and dtype is None and self.micro_vocab is None:
             save_model(self, str(directory / WEIGHTS_NAME))
-            self.save_merger(directory)
+            self._save_extras(directory)
             return
         keep = self.state_dict().items() if self.config.base_in_checkpoint else (
             (k, v) for k, v in self.state_dict().items() if is_trained_key(k))
@@ -139,11 +142,15 @@ class HamburgerModel(nn.Module):
         if self.micro_vocab is not None:
             state[MICRO_VOCAB_KEY] = self.micro_vocab.to("cpu", torch.int64).contiguous()
         save_file(state, str(directory / WEIGHTS_NAME))
-        self.save_merger(directory)
+        self._save_extras(directory)
 
-    def save_merger(self, directory: str | Path) -> None:
+    def _save_extras(self, directory: str | Path) -> None:
+        """The optional files beside the weights: the KV merger and the stored replies."""
         if self.merger is not None:
             self.merger.save(Path(directory) / MERGER_NAME, base_fingerprint=self.config.base_fingerprint)
+        if self.reply_tokens is not None:
+            save_file({"tokens": self.reply_tokens.to("cpu", torch.int32).contiguous()},
+                      str(Path(directory) / REPLIES_NAME))
 
     @classmethod
     def from_pretrained(
@@ -173,6 +180,8 @@ class HamburgerModel(nn.Module):
             )
         if (Path(directory) / MERGER_NAME).is_file():
             model.attach_merger(Path(directory) / MERGER_NAME)
+        if (Path(directory) / REPLIES_NAME).is_file():
+            model.reply_tokens = load_file(str(Path(directory) / REPLIES_NAME))["tokens"]
         return model.eval()
 
     def attach_merger(self, merger) -> None:
