@@ -68,7 +68,9 @@ def test_cli_generate_json_on_default_offline():
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout)
     assert out["text"] and 1 <= out["generated_tokens"] <= 16
-    assert out["kv_entries"] == out["prompt_tokens"] + out["macro_steps"] and out["decode_tokens_per_s"] > 0
+    # the default decodes in verify mode: one KV entry per token, as the base
+    assert out["mode"] == "verify" and out["decode_tokens_per_s"] > 0
+    assert out["kv_entries"] == out["prompt_tokens"] + out["generated_tokens"] == out["kv_entries_base"]
 
 
 def test_shipped_checkpoint_at_confidence_one_is_the_base_and_speeds_up_below():

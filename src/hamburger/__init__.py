@@ -12,9 +12,11 @@ from typing import TYPE_CHECKING
 from hamburger.errors import HamburgerError
 
 if TYPE_CHECKING:
+    from hamburger.inference.engine import Engine, make_engine
     from hamburger.inference.reference import Generation, GenerationOutput, StepEvent, generate, stream
     from hamburger.inference.sampling import SamplingParams
     from hamburger.inference.stats import GenerationStats
+    from hamburger.loading import load
     from hamburger.model.base import DEFAULT_MODEL, fingerprint, load_base
     from hamburger.model.config import HamburgerConfig
     from hamburger.model.hamburger_model import HamburgerModel
@@ -28,13 +30,14 @@ _WHERE = {
     "fingerprint": "hamburger.model.base", "load_base": "hamburger.model.base",
     "HamburgerConfig": "hamburger.model.config", "HamburgerModel": "hamburger.model.hamburger_model",
     "SegmentedBatch": "hamburger.training.data", "SegmentedExample": "hamburger.training.data",
-    "collate": "hamburger.training.data",
+    "collate": "hamburger.training.data", "load": "hamburger.loading", "Engine": "hamburger.inference.engine",
+    "make_engine": "hamburger.inference.engine",
 }
 
 __all__ = [
-    "DEFAULT_MODEL", "Generation", "GenerationOutput", "GenerationStats", "HamburgerConfig", "HamburgerError",
+    "DEFAULT_MODEL", "Engine", "Generation", "GenerationOutput", "GenerationStats", "HamburgerConfig", "HamburgerError",
     "HamburgerModel", "SamplingParams", "SegmentedBatch", "SegmentedExample", "StepEvent", "collate",
-    "fingerprint", "generate", "load_base", "stream",
+    "fingerprint", "generate", "load", "load_base", "make_engine", "stream",
 ]
 __version__ = "0.1.0"
 

@@ -47,3 +47,21 @@ def test_demo_chat_reads_prompts_until_an_empty_line(checkpoint, capsys, monkeyp
 def test_demo_needs_a_checkpoint(tiny_model_dir, capsys):
     assert main(["demo", "--model", str(tiny_model_dir)]) == 2
     assert "base model" in capsys.readouterr().err
+
+
+def test_demo_closes_with_every_mode_and_whether_its_text_is_the_bases(checkpoint, capsys):
+    """The closing table: base, verify and trust (compress only with a KV merger, which this checkpoint lacks), per
+    prompt and in total; verify's text is the base's, and the table says so."""
+    assert main(["demo", "--model", str(checkpoint), "--max-new-tokens", "8", "--prompt", "w5 w6", "--prompt", "w7",
+                 "--quantize", "none", "--mode", "verify"]) == 0
+    out = capsys.readouterr().out
+    table = out[out.index("Every mode on these prompts"):]
+    rows = [line for line in table.splitlines() if "│" in line]
+    systems = [r.split("│")[2].strip() for r in rows if len(r.split("│")) > 7]
+    assert systems.count("base") == 3 and systems.count("verify") == 3  # 2 prompts and the total
+    assert systems.count("trust") == 3 and "compress" not in systems
+    verify_rows = [r.split("│") for r in rows if len(r.split("│")) > 7 and r.split("│")[2].strip() == "verify"]
+    assert [cells[7].strip() for cells in verify_rows] == ["yes", "yes", "2/2"]
+    assert main(["demo", "--model", str(checkpoint), "--max-new-tokens", "4", "--prompt", "w5", "--quantize", "none",
+                 "--no-table"]) == 0
+    assert "Every mode" not in capsys.readouterr().out

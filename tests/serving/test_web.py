@@ -17,7 +17,7 @@ from hamburger.serving.server import BackgroundServer, Service
 KEY = "sk-web"
 CONFIDENCE = 0.5  # on the tiny random model, low enough for steps of several tokens
 PROMPT = "w3 w14 w15 w9"
-IDS = ["prompt", "run", "confidence", "max-tokens", "api-key", "base-output", "ham-output", "base-figures",
+IDS = ["prompt", "run", "mode", "confidence", "max-tokens", "api-key", "base-output", "ham-output", "base-figures",
        "ham-figures", "speedup"]
 SCREENSHOT = Path(__file__).resolve().parent.parent / "docs" / "figures" / "web-demo-tiny.png"
 
@@ -37,7 +37,8 @@ def test_page_is_served_with_its_ids(server):
     for element in IDS:
         assert f'id="{element}"' in resp.text, element
     assert httpx.get(server.url + "/health").json() | {"running": 0} == {
-        "status": "ok", "running": 0, "waiting": 0, "default_confidence": 0.8, "api_key_required": True}
+        "status": "ok", "running": 0, "waiting": 0, "default_mode": "trust", "default_confidence": 0.8,
+        "api_key_required": True}
 
 
 def test_streamed_chunks_carry_their_token_counts(server):
@@ -82,6 +83,7 @@ def test_browser_runs_both_lanes_side_by_side(server, tmp_path):
         wait = WebDriverWait(driver, 60)
         wait.until(lambda d: d.execute_script("return document.body.dataset.ready") == "1")
         assert driver.find_element("id", "confidence").get_attribute("value") == "0.8"  # the server's default
+        assert driver.find_element("id", "mode").get_attribute("value") == "trust"  # the server's default mode
         assert driver.find_element("id", "api-key").is_displayed()
         driver.find_element("id", "api-key").send_keys(KEY)
         prompt = driver.find_element("id", "prompt")
@@ -109,8 +111,14 @@ def test_browser_runs_both_lanes_side_by_side(server, tmp_path):
         # Coloured spans only in HAMburger's lane, one per step of several tokens.
         assert driver.find_elements("css selector", "#ham-output .step")
         assert not driver.find_elements("css selector", "#base-output .step")
-        assert re.fullmatch(r"HAMburger: \d+\.\d\d× the base's tokens/s, 0\.\d\d× its KV entries",
-                            driver.find_element("id", "speedup").text)
+        assert re.fullmatch(r"HAMburger: \d+\.\d\d× the base's tokens/s, 0\.\d\d× its KV entries, "
+                            r"(the base's text|a text of its own)", driver.find_element("id", "speedup").text)
+
+        # verify mode: the base's own text, one KV entry per token (as many as the base's)
+        driver.execute_script("document.getElementById('mode').value = 'verify';")
+        driver.find_element("id", "run").click()
+        wait.until(lambda d: d.find_element("id", "speedup").text.endswith("the base's text"))
+        assert _figure(driver, "ham", "kv") == _figure(driver, "base", "kv")
 
         driver.save_screenshot(str(tmp_path / "web-demo.png"))
         if os.environ.get("HAMBURGER_SAVE_SCREENSHOT"):  # only on request, so a test run leaves the tree clean

@@ -24,6 +24,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chat", action="store_true", help="type your own prompts")
     p.add_argument("--confidence", type=float, default=None, help="default: the checkpoint's")
     p.add_argument("--max-new-tokens", type=int, default=160, help="the most tokens of each reply")
+    p.add_argument("--no-table", action="store_true",
+                   help="skip the closing table (every mode on the prompts: base, verify, compress, trust)")
     add_model_args(p)
     add_quantize_args(p)
     add_engine_args(p)
@@ -34,7 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from hamburger.evaluation.demo import PROMPTS, side_by_side
+    from hamburger.evaluation.demo import PROMPTS, mode_table, run_modes, side_by_side
+    from hamburger.model.base import encode_chat
     from hamburger.inference.engine import check_merger, make_engine
     from hamburger.inference.qlinear import fp16_unavailable
     from hamburger.loading import run_mode
@@ -59,10 +62,20 @@ def cmd_demo(args: argparse.Namespace) -> int:
     say_start(args, model, trained, scheme, mode)
     console = Console()
     if not args.chat:
-        for prompt in args.prompt or PROMPTS:
+        prompts = args.prompt or list(PROMPTS)
+        for prompt in prompts:
             side_by_side(console, prompt, [{"role": "user", "content": prompt}], engines, confidence,
                          args.max_new_tokens, mode)
             console.print()
+        if not args.no_table:
+            with console.status("Running every mode on these prompts for the closing table..."):
+                runs = [run_modes(engines, encode_chat(model.tokenizer, [{"role": "user", "content": p}]),
+                                  args.max_new_tokens) for p in prompts]
+            console.print(mode_table(prompts, runs))
+            console.print("[dim]verify: the base checks every draft, so the text is exactly the base's. compress: "
+                          "drafts checked by a base that keeps one merged KV entry per step (fewer KV entries, text "
+                          "close to the base's). trust: the paper's method, drafts kept unchecked, one KV entry per "
+                          "step. tok/fwd: tokens per base forward.[/dim]")
         ham = engines["hamburger"]
         device = next(model.parameters()).device
         if mode == "verify" and getattr(ham, "draft_rows", 1) == 0:

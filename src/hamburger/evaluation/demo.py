@@ -125,3 +125,68 @@ def side_by_side(console: Console, prompt: str, messages: list[dict], engines: d
         live.update(render(prompt, [base, ham], f"HAMburger: {ratio:.2f}× the base's decode tokens/s, "
                                                f"{kv:.2f}× its KV entries", legend))
     return base, ham
+
+
+# --- the closing table: every mode on the demo's prompts ------------------------------------------------------
+
+MODE_ROWS = (("base", None), ("verify", "verify"), ("compress", "compress"), ("trust", "trust"))
+
+
+@dataclass
+class ModeRun:
+    """One mode's reply to one prompt: its tokens and figures (`GenerationStats`)."""
+
+    system: str
+    tokens: list[int]
+    stats: GenerationStats
+
+
+def run_modes(engines: dict, ids: list[int], max_new_tokens: int) -> list[ModeRun]:
+    """The base and each mode the checkpoint can run (compress needs a KV merger), one after the other on the
+    same prompt, each at its own default confidence: what the closing table shows."""
+    model = engines["hamburger"].model
+    runs = []
+    for system, mode in MODE_ROWS:
+        if mode == "compress" and model.merger is None:
+            continue
+        engine = engines["base"] if mode is None else engines["hamburger"]
+        out = engine.generate([ids], max_new_tokens=max_new_tokens, **({} if mode is None else {"mode": mode}))
+        runs.append(ModeRun(system, out.tokens[0], out.stats))
+    return runs
+
+
+def mode_table(prompts: list[str], runs: list[list[ModeRun]]) -> Table:
+    """Per prompt and in total, for each mode: decode tokens/s and its ratio to the base's, tokens per base forward
+    (tok/fwd), KV entries (prompt + reply) against the base's, and whether the text is the base's (= base)."""
+    table = Table(title="Every mode on these prompts (each run alone, one after the other)", title_justify="left")
+    for name, justify in (("prompt", "left"), ("mode", "left"), ("tok/s", "right"), ("× base", "right"),
+                          ("tok/fwd", "right"), ("KV entries", "right"), ("= base", "center")):
+        table.add_column(name, justify=justify)
+    totals: dict[str, GenerationStats] = {}
+    equal: dict[str, int] = {}
+    for i, (prompt, prompt_runs) in enumerate(zip(prompts, runs)):
+        base = prompt_runs[0]
+        for j, run in enumerate(prompt_runs):
+            table.add_row(f"{i + 1}. {prompt[:16]}…" if j == 0 else "", *_figures(run.system, run.stats, base.stats,
+                                                                                run.tokens == base.tokens),
+                          end_section=j == len(prompt_runs) - 1)
+            total = totals.setdefault(run.system, GenerationStats())
+            for f in ("sequences", "prompt_tokens", "generated_tokens", "macro_steps", "base_forwards",
+                      "row_forwards", "window_entries"):
+                setattr(total, f, getattr(total, f) + getattr(run.stats, f))
+            total.decode_s += run.stats.decode_s
+            total.unmerged = run.stats.unmerged
+            equal[run.system] = equal.get(run.system, 0) + (run.tokens == base.tokens)
+    base_total = totals[runs[0][0].system]
+    for j, (system, total) in enumerate(totals.items()):
+        table.add_row("all" if j == 0 else "", *_figures(system, total, base_total, f"{equal[system]}/{len(prompts)}"),
+                      style="bold")
+    return table
+
+
+def _figures(system: str, stats: GenerationStats, base: GenerationStats, same) -> list[str]:
+    ratio = stats.decode_tokens_per_s / base.decode_tokens_per_s if base.decode_tokens_per_s else 0.0
+    kv = f"{stats.kv_entries} ({stats.kv_entries / max(1, base.kv_entries):.2f}×)"
+    return [system, f"{stats.decode_tokens_per_s:.1f}", f"{ratio:.2f}×", f"{stats.tokens_per_forward:.2f}", kv,
+            same if isinstance(same, str) else ("yes" if same else "no")]
+

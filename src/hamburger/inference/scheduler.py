@@ -62,10 +62,10 @@ class Scheduler(CheckedRows):
     def __init__(self, model: HamburgerModel, max_batch_size: int = 8, max_len: int | None = None,
                  prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = True,
                  decode_threads: int | None = None, draft_rows: int | str | None = "auto",
-                 draft_policy: bool | None = None) -> None:
+                 draft_policy: bool | None = None, lookup: int | None = None) -> None:
         # checks the architecture; owns the shortlist head, `draft_rows` (verify rows draft only while at most
         # that many requests run; compress rows always draft) and the draft policy's step costs
-        self.engine = engine = Engine(model, draft_rows=draft_rows, draft_policy=draft_policy)
+        self.engine = engine = Engine(model, draft_rows=draft_rows, draft_policy=draft_policy, lookup=lookup)
         if decode_threads is not None and decode_threads < 1:
             raise HamburgerError(f"decode_threads must be >= 1 (or None: torch's setting), got {decode_threads}")
         # Small decode passes with `decode_threads` torch threads; prefill and large decode passes with the threads

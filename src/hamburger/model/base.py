@@ -167,3 +167,22 @@ def encode_chat(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str
         full = messages + [{"role": "assistant", "content": reply}]
         ids = tokenizer.apply_chat_template(full, tokenize=True, return_dict=True)
     return list(ids["input_ids"])
+
+
+def cache_kwargs(module: torch.nn.Module, cache) -> dict:
+    """The keyword a transformers model or layer takes its KV cache by: `cache` from transformers 5.2x on,
+    `past_key_values` before (the old name warns that it will be removed), read from the module's own forward."""
+    name = _cache_keyword(type(module))
+    return {name: cache, "use_cache": cache is not None}
+
+
+_CACHE_KEYWORDS: dict[type, str] = {}
+
+
+def _cache_keyword(cls: type) -> str:
+    if cls not in _CACHE_KEYWORDS:
+        import inspect
+
+        params = inspect.signature(cls.forward).parameters
+        _CACHE_KEYWORDS[cls] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KEYWORDS[cls]

@@ -15,7 +15,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from hamburger.errors import HamburgerError
-from hamburger.model.base import DEFAULT_MODEL, fingerprint, load_base
+from hamburger.model.base import DEFAULT_MODEL, cache_kwargs, fingerprint, load_base
 from hamburger.model.config import HamburgerConfig
 from hamburger.model.embedder import CompositionalEmbedder
 from hamburger.model.micro_decoder import MicroStepDecoder, StopHead
@@ -242,9 +242,8 @@ class HamburgerModel(nn.Module):
                 inputs_embeds=embeds,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                past_key_values=cache,
-                use_cache=cache is not None,
                 output_hidden_states=True,
+                **cache_kwargs(self.base.base_model, cache),
             )
         return out.hidden_states
 

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from hamburger.model.base import cache_kwargs
 from hamburger.model.layers import attention, finish, project
 
 
@@ -91,9 +92,8 @@ class MicroStepDecoder(nn.Module):
                 x,
                 attention_mask=mask,
                 position_ids=position_ids,
-                past_key_values=cache,
-                use_cache=cache is not None,
                 position_embeddings=position_embeddings,
+                **cache_kwargs(layer, cache),
             )
             x = out[0] if isinstance(out, tuple) else out
         return self.norm(x)

@@ -197,7 +197,7 @@ class Reply:
 
 
 def usage(stats) -> dict:
-    """OpenAI's usage plus HAMburger's macro-steps and tokens per step (`stats.GenerationStats`)."""
+    """OpenAI's usage plus HAMburger's macro-steps, tokens per step and KV entries (`stats.GenerationStats`)."""
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
             "total_tokens": stats.prompt_tokens + stats.generated_tokens, "macro_steps": stats.macro_steps,
-            "tokens_per_step": round(stats.tokens_per_step, 4)}
+            "tokens_per_step": round(stats.tokens_per_step, 4), "kv_entries": stats.kv_entries}

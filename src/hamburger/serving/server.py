@@ -210,9 +210,10 @@ def create_app(service: Service, access_log: bool = False) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict:
-        # The last two are for the web page: its slider's start and whether to ask for a key.
+        # The last three are for the web page: its mode and slider's start, and whether to ask for a key.
         return {"status": "ok", "running": service.scheduler.running, "waiting": service.scheduler.waiting,
-                "default_confidence": service.default_confidence, "api_key_required": service.api_key is not None}
+                "default_mode": service.default_mode, "default_confidence": service.default_confidence,
+                "api_key_required": service.api_key is not None}
 
     @app.get("/", include_in_schema=False)
     async def page() -> HTMLResponse:

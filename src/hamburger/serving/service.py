@@ -94,9 +94,7 @@ class Service:
         if self.default_mode == "compress":
             check_merger(model)  # before the caches are allocated: every request would fail otherwise
         self.scheduler = Scheduler(model, max_batch_size, max_len, prefill_tokens, interleave_prefill, decode_threads,
-                                   draft_rows)
-        if lookup is not None:  # the scheduler builds its engine with the checkpoint's lookup: this run's instead
-            self.scheduler.engine.lookup = check_lookup(lookup)
+                                   draft_rows, lookup=None if lookup is None else check_lookup(lookup))
         self.max_queue, self.api_key = max_queue, api_key
         self.default_confidence = check_confidence(
             model.config.default_confidence if default_confidence is None else default_confidence)
