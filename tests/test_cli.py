@@ -61,7 +61,7 @@ def test_quantize_another_scheme_on_the_lm_head(capsys, checkpoint):
 
     info = run_json(capsys, "info", "--model", str(checkpoint), "--json", "--quantize", "int4/int8")
     assert info["quantize"] == "int4/int8" and info["group_size"] == 32
-    model, _ = load(str(checkpoint), quantize="int4/int8")
+    model, _ = load(str(checkpoint), quantize="int4/int8", quiet=False)
     assert type(model.base.get_output_embeddings()) is Int8Linear
     assert type(model.base.model.layers[0].mlp.down_proj) is Int4Linear
     line = next(s for s in capsys.readouterr().err.splitlines() if s.startswith("quantize:"))

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from hamburger.inference.sampling import SamplingParams
     from hamburger.inference.stats import GenerationStats
     from hamburger.loading import load
-    from hamburger.model.base import DEFAULT_MODEL, fingerprint, load_base
+    from hamburger.model.base import DEFAULT_MODEL, encode_chat, fingerprint, load_base
     from hamburger.model.config import HamburgerConfig
     from hamburger.model.hamburger_model import HamburgerModel
     from hamburger.training.data import SegmentedBatch, SegmentedExample, collate
@@ -27,7 +27,7 @@ _WHERE = {
     "StepEvent": "hamburger.inference.reference", "generate": "hamburger.inference.reference",
     "stream": "hamburger.inference.reference", "SamplingParams": "hamburger.inference.sampling",
     "GenerationStats": "hamburger.inference.stats", "DEFAULT_MODEL": "hamburger.model.base",
-    "fingerprint": "hamburger.model.base", "load_base": "hamburger.model.base",
+    "fingerprint": "hamburger.model.base", "load_base": "hamburger.model.base", "encode_chat": "hamburger.model.base",
     "HamburgerConfig": "hamburger.model.config", "HamburgerModel": "hamburger.model.hamburger_model",
     "SegmentedBatch": "hamburger.training.data", "SegmentedExample": "hamburger.training.data",
     "collate": "hamburger.training.data", "load": "hamburger.loading", "Engine": "hamburger.inference.engine",
@@ -37,7 +37,7 @@ _WHERE = {
 __all__ = [
     "DEFAULT_MODEL", "Engine", "Generation", "GenerationOutput", "GenerationStats", "HamburgerConfig", "HamburgerError",
     "HamburgerModel", "SamplingParams", "SegmentedBatch", "SegmentedExample", "StepEvent", "collate",
-    "fingerprint", "generate", "load", "load_base", "make_engine", "stream",
+    "encode_chat", "fingerprint", "generate", "load", "load_base", "make_engine", "stream",
 ]
 __version__ = "0.1.0"
 

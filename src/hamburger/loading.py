@@ -185,12 +185,13 @@ def describe_quantization(summary: dict) -> str:
 
 
 def load(model: str = "default", base: str | None = None, dtype: str = "float32", device: str = AUTO,
-         quantize: str = AUTO, group_size: int = 32, quiet: bool = False) -> tuple[HamburgerModel, bool]:
+         quantize: str = AUTO, group_size: int = 32, quiet: bool = True) -> tuple[HamburgerModel, bool]:
     """The model named `model` (a HAMburger checkpoint folder, or a base: hub id, folder, .gguf; "default": the
     shipped checkpoint) on `device`, its linear layers quantized by `quantize`: (model, is_trained_checkpoint).
 
     The device, dtype and scheme are checked before any loading, so a bad one costs no seconds. `base` loads a
-    checkpoint's base from there instead of the reference it records. `quiet`: no "quantize: ..." line.
+    checkpoint's base from there instead of the reference it records. `quiet=False`: a "quantize: ..." line on
+    stderr.
     """
     import torch
 

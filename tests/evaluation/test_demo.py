@@ -30,12 +30,12 @@ def test_demo_in_verify_mode_says_why_float_weights_draft_nothing(checkpoint, ca
     assert main(["demo", "--model", str(checkpoint), "--max-new-tokens", "6", "--mode", "verify",
                  "--prompt", "hi", "--quantize", "none"]) == 0
     out = capsys.readouterr().out
-    assert "drafted nothing" in out and "--mode trust is HAMburger" in out  # float32 on a CPU: no drafts
+    assert "drafted nothing" in out and "trust: the paper's method" in out  # float32 on a CPU: no drafts
     if fp16_unavailable("cpu") is None:  # --quantize auto: fp16 weights, with which drafts pay
         assert main(["demo", "--model", str(checkpoint), "--max-new-tokens", "6", "--mode", "verify",
                      "--prompt", "hi"]) == 0
         out = capsys.readouterr().out
-        assert "drafted nothing" not in out and "--mode trust is HAMburger" in out
+        assert "drafted nothing" not in out and "trust: the paper's method" in out
 
 
 def test_demo_chat_reads_prompts_until_an_empty_line(checkpoint, capsys, monkeypatch):

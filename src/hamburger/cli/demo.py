@@ -89,7 +89,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if mode == "trust":
             console.print("[dim]--mode verify gives exactly the base's text: the base checks the micro-step "
                           "decoder's drafts (make demo ARGS=\"--mode verify\").[/dim]")
-        elif mode == "verify":
+        elif mode == "verify" and args.no_table:
             console.print("[dim]--mode trust is HAMburger as in the paper: drafts kept unchecked and each step smashed "
                           "into one KV entry (on this checkpoint about one token per step, close to the base's text "
                           "but not equal).[/dim]")

@@ -245,7 +245,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     def load_quantized(scheme: str):
         log(f"loading the model again, quantized {scheme}")
-        return load(args.model, args.base, args.dtype, str(device), scheme, args.group_size)[0]
+        return load(args.model, args.base, args.dtype, str(device), scheme, args.group_size, quiet=False)[0]
 
     def log(s: str) -> None:
         print(f"bench: {s}", file=sys.stderr, flush=True)

@@ -109,8 +109,8 @@ def side_by_side(console: Console, prompt: str, messages: list[dict], engines: d
     legend = ("base: one token per forward. " + title + {
         "verify": " (exactly the base's text)", "compress": " (checked against a base whose past steps are merged)",
     }.get(mode, "") + ": coloured runs of text came from one forward."
-        + (" Drafts come from the micro-step decoder, or, where the last tokens occurred before, from what "
-           "followed them there." if lookup else ""))
+        + (" Drafts come from the micro-step decoder, or, where the last tokens occurred before (in the prompt, "
+           "the reply or the base's stored replies), from what followed them there." if lookup else ""))
     ham = Lane(title, iter(ham_engine.stream([ids], max_new_tokens=max_new_tokens, confidence=confidence, mode=mode)),
                tokenizer, len(ids), colour_steps=True, unmerged=mode == "verify")
     with Live(render(prompt, [base, ham], legend=legend), console=console, refresh_per_second=8) as live:
@@ -167,7 +167,7 @@ def mode_table(prompts: list[str], runs: list[list[ModeRun]]) -> Table:
     for i, (prompt, prompt_runs) in enumerate(zip(prompts, runs)):
         base = prompt_runs[0]
         for j, run in enumerate(prompt_runs):
-            table.add_row(f"{i + 1}. {prompt[:16]}…" if j == 0 else "", *_figures(run.system, run.stats, base.stats,
+            table.add_row(f"{i + 1}. {prompt[:12]}…" if j == 0 else "", *_figures(run.system, run.stats, base.stats,
                                                                                 run.tokens == base.tokens),
                           end_section=j == len(prompt_runs) - 1)
             total = totals.setdefault(run.system, GenerationStats())
