@@ -252,17 +252,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from hamburger.model.base import load_base
     from hamburger.model.config import HamburgerConfig
     from hamburger.model.hamburger_model import HamburgerModel
-    from hamburger.training.examples import read_examples
     from hamburger.training.teacher import teacher_dir
-    from hamburger.training.tracking import check_tracker
     from hamburger.training.train import Trainer
 
     targs = TrainArgs(**{f: getattr(args, f) for f in TrainArgs.__dataclass_fields__})
-    read_examples(Path(targs.data))  # fail on bad data or a missing tracker before loading a model
-    check_tracker(targs.report_to)
-    out = Path(targs.out)
-    if out.exists() and any(out.iterdir()) and not args.resume:
-        raise HamburgerError(f"{out} is not empty: pass --resume to continue that run, or pick a new --out")
+    out = check_run(targs.data, targs.report_to, targs.out, args.resume)
     state = PartialState(cpu=not torch.cuda.is_available())
     device = str(state.device)
     torch.manual_seed(targs.seed)  # the new modules' initialisation, identical on every process
@@ -307,8 +301,6 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     import torch
 
     from hamburger.training.drafter import DrafterTrainer
-    from hamburger.training.examples import read_examples
-    from hamburger.training.tracking import check_tracker
 
     dargs = DrafterArgs(**{f: getattr(args, f) for f in DrafterArgs.__dataclass_fields__})
     if dargs.micro_context < -1:
@@ -317,11 +309,7 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if dargs.micro_layers < 0:
         raise HamburgerError(f"--micro-layers must be a number of layers >= 1 (or 0: all the checkpoint's), "
                              f"got {dargs.micro_layers}")
-    read_examples(Path(dargs.data), distilled=True)  # fail on bad data or a missing tracker before loading a model
-    check_tracker(dargs.report_to)
-    out = Path(dargs.out)
-    if out.exists() and any(out.iterdir()) and not args.resume:
-        raise HamburgerError(f"{out} is not empty: pass --resume to continue that run, or pick a new --out")
+    out = check_run(dargs.data, dargs.report_to, dargs.out, args.resume, distilled=True)
     if args.dtype != "float32":
         raise HamburgerError("train-drafter keeps float32 weights and trains under bf16 autocast (--no-bf16: float32 "
                              f"compute): leave --dtype out instead of --dtype {args.dtype}")
@@ -359,16 +347,10 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
 def cmd_train_merger(args: argparse.Namespace) -> int:
     import torch
 
-    from hamburger.training.examples import read_examples
-    from hamburger.training.tracking import check_tracker
     from hamburger.training.train_merger import MergerTrainer
 
     margs = MergerArgs(**{f: getattr(args, f) for f in MergerArgs.__dataclass_fields__})
-    read_examples(Path(margs.data))  # fail on bad data or a missing tracker before loading a model
-    check_tracker(margs.report_to)
-    out = Path(margs.out)
-    if out.exists() and any(out.iterdir()) and not args.resume:
-        raise HamburgerError(f"{out} is not empty: pass --resume to continue that run, or pick a new --out")
+    out = check_run(margs.data, margs.report_to, margs.out, args.resume)
     model, _, _ = load_model(args)  # a HAMburger checkpoint stands for its base
     torch.manual_seed(margs.seed)
     trainer = MergerTrainer(model.base, margs)
@@ -379,3 +361,16 @@ def cmd_train_merger(args: argparse.Namespace) -> int:
     print(json.dumps({"final": metrics, "merger": str(out / MERGER_WEIGHTS) if size else None, "bytes": size,
                       "parameters": sum(p.numel() for p in trainer.merger.parameters())}), file=sys.stderr)
     return 0
+
+
+def check_run(data: str, report_to: str, out: str, resume: bool, distilled: bool = False) -> Path:
+    """Before loading a model: the data reads, the tracker exists, and the run folder is new (or resumed)."""
+    from hamburger.training.examples import read_examples
+    from hamburger.training.tracking import check_tracker
+
+    read_examples(Path(data), distilled=distilled)
+    check_tracker(report_to)
+    run = Path(out)
+    if run.exists() and any(run.iterdir()) and not resume:
+        raise HamburgerError(f"{run} is not empty: pass --resume to continue that run, or pick a new --out")
+    return run
