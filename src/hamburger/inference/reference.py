@@ -20,6 +20,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from hamburger.errors import HamburgerError
 from hamburger.inference.sampling import SamplingParams, continues, sample
 from hamburger.inference.stats import GenerationStats
+from hamburger.model.base import eos_ids  # noqa: F401 - re-exported: the engines and the CLI read it here
 from hamburger.model.config import check_confidence
 from hamburger.model.hamburger_model import HamburgerModel
 
@@ -245,15 +246,6 @@ def drain(gen) -> GenerationOutput:
     for _ in gen:
         pass
     return gen.output()
-
-
-def eos_ids(model: HamburgerModel) -> set[int]:
-    ids: set[int] = set()
-    for source in (model.base.generation_config.eos_token_id, model.base.config.eos_token_id,
-                   model.tokenizer.eos_token_id if model.tokenizer is not None else None):
-        if source is not None:
-            ids.update(source if isinstance(source, (list, tuple)) else [source])
-    return ids
 
 
 def stream(

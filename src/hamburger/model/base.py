@@ -186,3 +186,14 @@ def _cache_keyword(cls: type) -> str:
         params = inspect.signature(cls.forward).parameters
         _CACHE_KEYWORDS[cls] = "cache" if "cache" in params else "past_key_values"
     return _CACHE_KEYWORDS[cls]
+
+
+def eos_ids(model) -> set[int]:
+    """The token ids that end a reply: the base's generation config's, its config's and the tokenizer's EOS (`model`:
+    a HamburgerModel, or anything with `base` and `tokenizer`)."""
+    ids: set[int] = set()
+    for source in (model.base.generation_config.eos_token_id, model.base.config.eos_token_id,
+                   model.tokenizer.eos_token_id if model.tokenizer is not None else None):
+        if source is not None:
+            ids.update(source if isinstance(source, (list, tuple)) else [source])
+    return ids

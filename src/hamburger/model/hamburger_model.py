@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -15,14 +16,15 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from hamburger.errors import HamburgerError
-from hamburger.model.base import DEFAULT_MODEL, cache_kwargs, fingerprint, load_base
+from hamburger.model.base import DEFAULT_MODEL, cache_kwargs, eos_ids, fingerprint, load_base
 from hamburger.model.config import HamburgerConfig
 from hamburger.model.embedder import CompositionalEmbedder
 from hamburger.model.micro_decoder import MicroStepDecoder, StopHead
-from hamburger.model.outputs import STOP_LOSS_WEIGHT, HamburgerOutput
+from hamburger.model.outputs import STOP_LOSS_WEIGHT, HamburgerOutput, sparse_kl
 from hamburger.model.slot_adapters import SlotAdapters
-from hamburger.training.data import SegmentedBatch
-from hamburger.training.teacher import sparse_kl
+
+if TYPE_CHECKING:
+    from hamburger.training.data import SegmentedBatch
 
 WEIGHTS_NAME = "model.safetensors"
 MERGER_NAME = "merger.safetensors"  # compress mode's KV merger, when the checkpoint has one
@@ -292,7 +294,6 @@ class HamburgerModel(nn.Module):
         if self.micro.context:
             raise HamburgerError("`hamburger train` trains the features-only micro-step decoder; one with context "
                                  "(micro_context) trains with `hamburger train-drafter --micro-context`")
-        from hamburger.inference.reference import eos_ids  # noqa: PLC0415 - generate imports this module
 
         k = self.config.max_step_tokens
         b, s, _ = batch.slot_tokens.shape

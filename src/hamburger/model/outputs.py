@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 STOP_LOSS_WEIGHT = 0.5
 ECE_BINS = 10  # probability bins of the stop head's calibration error (stop_ece)
@@ -73,3 +74,20 @@ def metrics_from_counts(counts: dict[str, tuple[float, int]]) -> dict[str, float
     if "ce_loss" in out:
         out = {"loss": out["ce_loss"] + STOP_LOSS_WEIGHT * out.get("stop_loss", 0.0), **out}
     return out
+
+
+def sparse_kl(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+    """KL(teacher || model) per row over the teacher's top-k tokens plus one bucket for all other tokens.
+
+    logits (T, V) of the model; ids (T, k) and logprobs (T, k) of the teacher. With k = V this is the full
+    KL; otherwise it is the KL between the two distributions coarsened to k + 1 outcomes (a lower bound).
+    """
+    logq = F.log_softmax(logits.float(), dim=-1)
+    q_top = logq.gather(-1, ids.long())  # (T, k)
+    p_top = logprobs.float()
+    p = p_top.exp()
+    kl = (p * (p_top - q_top)).sum(-1)
+    p_rest = (1 - p.sum(-1)).clamp(min=0)
+    q_rest = (1 - q_top.exp().sum(-1)).clamp(min=1e-8)
+    rest = torch.where(p_rest > 1e-6, p_rest * (p_rest.clamp(min=1e-8).log() - q_rest.log()), torch.zeros_like(p_rest))
+    return kl + rest

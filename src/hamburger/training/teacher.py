@@ -17,9 +17,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from hamburger.errors import HamburgerError
+from hamburger.model.outputs import sparse_kl  # noqa: F401 - the teacher's loss, defined with the model's
 
 SHARD_EXAMPLES = 1024  # examples per shard file
 
@@ -91,20 +91,3 @@ def read_teacher(folder: Path) -> tuple[dict[str, tuple[torch.Tensor, torch.Tens
                     raise HamburgerError(f"{path}: example {rid!r} has ids but no logprobs")
                 out[rid] = (tensors[key], tensors[f"{rid}.logprobs"])
     return out, meta or {}
-
-
-def sparse_kl(logits: torch.Tensor, ids: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-    """KL(teacher || model) per row over the teacher's top-k tokens plus one bucket for all other tokens.
-
-    logits (T, V) of the model; ids (T, k) and logprobs (T, k) of the teacher. With k = V this is the full
-    KL; otherwise it is the KL between the two distributions coarsened to k + 1 outcomes (a lower bound).
-    """
-    logq = F.log_softmax(logits.float(), dim=-1)
-    q_top = logq.gather(-1, ids.long())  # (T, k)
-    p_top = logprobs.float()
-    p = p_top.exp()
-    kl = (p * (p_top - q_top)).sum(-1)
-    p_rest = (1 - p.sum(-1)).clamp(min=0)
-    q_rest = (1 - q_top.exp().sum(-1)).clamp(min=1e-8)
-    rest = torch.where(p_rest > 1e-6, p_rest * (p_rest.clamp(min=1e-8).log() - q_rest.log()), torch.zeros_like(p_rest))
-    return kl + rest
