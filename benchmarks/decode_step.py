@@ -64,7 +64,7 @@ class Setting:
     def step(self) -> None:
         mask = torch.ones(1, 1, 1, self.slot + 1, dtype=torch.bool)
         with torch.inference_mode():
-            states = self.engine._base(self.x, torch.tensor([[self.slot]]), self.cache, self.slot, mask, self.merged)
+            states = self.engine.base_pass(self.x, torch.tensor([[self.slot]]), self.cache, self.slot, mask, self.merged)
             self.head(states[0])
         self.slot += 1
 

@@ -56,18 +56,18 @@ def main() -> None:
 
     def base(n: int) -> None:
         mask = torch.ones(b, 1, n, s + n, dtype=torch.bool).tril(s)
-        states = engine._base(torch.randn(b, n, d), torch.arange(s, s + n)[None].expand(b, -1), base_cache, s, mask,
+        states = engine.base_pass(torch.randn(b, n, d), torch.arange(s, s + n)[None].expand(b, -1), base_cache, s, mask,
                               last=False)
         model.lm_head(states[0])
 
     items = {f"base forward, {n} position{'s' * (n > 1)}": (lambda n=n: base(n)) for n in range(1, k + 1)}
-    items["first micro-step (features + t0)"] = lambda: heads(engine._micro(torch.randn(b, m + 1, d), micro_cache, 0,
+    items["first micro-step (features + t0)"] = lambda: heads(engine.micro_pass(torch.randn(b, m + 1, d), micro_cache, 0,
                                                                             context))
-    items["later micro-step (one token)"] = lambda: heads(engine._micro(torch.randn(b, 1, d), micro_cache, m + 1,
+    items["later micro-step (one token)"] = lambda: heads(engine.micro_pass(torch.randn(b, 1, d), micro_cache, m + 1,
                                                                         context))
     if context is not None:
-        items["first micro-step, context off"] = lambda: heads(engine._micro(torch.randn(b, m + 1, d), micro_cache, 0))
-        items["later micro-step, context off"] = lambda: heads(engine._micro(torch.randn(b, 1, d), micro_cache, m + 1))
+        items["first micro-step, context off"] = lambda: heads(engine.micro_pass(torch.randn(b, m + 1, d), micro_cache, 0))
+        items["later micro-step, context off"] = lambda: heads(engine.micro_pass(torch.randn(b, 1, d), micro_cache, m + 1))
     times = {name: [] for name in items}
     with torch.inference_mode():
         for fn in items.values():

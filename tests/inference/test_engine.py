@@ -153,7 +153,7 @@ def _adapted_passes(model, embeds, merged):
     causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
     pos = torch.arange(t).expand(b, -1)
     with torch.no_grad():
-        fast = engine._base(embeds, pos, cache, 0, causal, merged, last=False)
+        fast = engine.base_pass(embeds, pos, cache, 0, causal, merged, last=False)
     with torch.enable_grad():
         hidden = model.base_forward(embeds, torch.ones(b, t, dtype=torch.long), pos, merged=merged)
     return fast, [hidden[-1].detach()] + [hidden[i].detach() for i in model.micro.feature_layers]

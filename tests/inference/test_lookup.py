@@ -66,8 +66,8 @@ def test_lookup_rows_take_the_lookup_drafts_and_run_no_micro_step(monkeypatch):
     micro_cache = KVCache.for_layers(model.micro.layers, model.base.config, 2, model.micro.num_features + 4,
                                      engine.dtype, engine.device)
     calls = []
-    real = engine._micro
-    monkeypatch.setattr(engine, "_micro", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = engine.micro_pass
+    monkeypatch.setattr(engine, "micro_pass", lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
     def pick(h, active, micro):
         return torch.full((h.shape[0],), 3) if not micro else h.argmax(-1) % 90

@@ -190,14 +190,14 @@ def test_rows_are_compacted_when_a_request_leaves():
     ids = [sched.submit(p, n, confidence=0.3) for _, p, n in jobs]
     out: dict[int, list] = {}
     passes = []  # (rows a one-slot feeding pass computed, requests running); prompts here are >= 2 tokens
-    base = sched.engine._base
+    base = sched.engine.base_pass
 
     def counted(embeds, *args, **kw):
         if embeds.shape[1] == 1:
             passes.append((embeds.shape[0], sched.running))
         return base(embeds, *args, **kw)
 
-    sched.engine._base = counted
+    sched.engine.base_pass = counted
     while sched.has_work():
         for ev in sched.step():
             out.setdefault(ev.id, []).append(ev)

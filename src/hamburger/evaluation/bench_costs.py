@@ -43,22 +43,22 @@ def step_costs(model, context: int = 256, repeats: int = 20) -> dict:
         return statistics.median(times)
 
     with torch.inference_mode():
-        engine._base(model.embed(ids[:, :context]), torch.arange(context, device=dev)[None], cache, 0,
+        engine.base_pass(model.embed(ids[:, :context]), torch.arange(context, device=dev)[None], cache, 0,
                      mask[:, :, :context, :context])
         pos = torch.tensor([[context]], device=dev)
 
         def base_step() -> None:
-            states = engine._base(model.embed(ids[:, context:]), pos, cache, context, mask[:, :, -1:], None)
+            states = engine.base_pass(model.embed(ids[:, context:]), pos, cache, context, mask[:, :, -1:], None)
             model.lm_head(states[0]).argmax(-1)
             model.stop_head(states[0])
 
         x0 = torch.randn(1, m + 1, cfg.hidden_size, generator=gen).to(dev, dtype)
-        engine._micro(x0, micro_cache, 0)
+        engine.micro_pass(x0, micro_cache, 0)
         x1 = model.embed(ids[:, :1])
 
         def micro_step(shortlist: bool) -> Callable[[], None]:
             def run() -> None:
-                h = engine._micro(x1, micro_cache, m + 1)
+                h = engine.micro_pass(x1, micro_cache, m + 1)
                 if shortlist:
                     engine.short_logits(h).argmax(-1)
                 else:

@@ -33,7 +33,6 @@ PREFILL_TOKENS = 256
 # Interleaved admission takes the shortest waiting prompts first, but a request passed over this many times goes
 # first (no prompt waits forever behind a stream of shorter ones).
 MAX_PASSED = 8
-MODES = ("trust", "verify", "compress")
 CHECKED = ("verify", "compress")  # modes whose micro tokens are drafts that the next base pass checks
 
 

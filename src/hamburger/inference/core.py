@@ -82,7 +82,7 @@ class MicroRun:
         else:
             start = micro.num_features + self.fed
         self.fed += 1
-        return self.engine._micro(x, self.cache, start, self.context)
+        return self.engine.micro_pass(x, self.cache, start, self.context)
 
 
 @dataclass

@@ -198,7 +198,7 @@ class Engine:
 
     # --- the two networks ------------------------------------------------------------------------------
 
-    def _base(self, embeds, positions, cache: KVCache, start: int | RowSlots, mask, merged=None,
+    def base_pass(self, embeds, positions, cache: KVCache, start: int | RowSlots, mask, merged=None,
               last: bool = True) -> list[torch.Tensor]:
         """Base pass over (B, T, d) at cache slots start.. -> [final normed state, feature_1 .. feature_m] at the
         last position, each (B, d); with `last=False` at every position, each (B, T, d). `mask`: one for every
@@ -224,7 +224,7 @@ class Engine:
         final = base.norm(x[:, -1] if last else x)
         return [final] + [feats[i] if i < depth else final for i in wanted]
 
-    def _micro(self, x: torch.Tensor, cache: KVCache, start: int, context: MicroContext | None = None) -> torch.Tensor:
+    def micro_pass(self, x: torch.Tensor, cache: KVCache, start: int, context: MicroContext | None = None) -> torch.Tensor:
         """Micro-step decoder over (B, T, d) new inputs following `start` cached ones -> normed (B, d) at the last.
 
         With a `context`, each micro layer also attends to the base's entries of the layer it was copied from
@@ -274,7 +274,7 @@ class Engine:
         valid[:, :width] = prompt_mask.bool()
         positions = (valid[:, :width].long().cumsum(-1) - 1).clamp(min=0)
         mask = valid[:, None, None, :width] & torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None, None]
-        states = self._base(model.embed(ids), positions, cache, 0, mask)
+        states = self.base_pass(model.embed(ids), positions, cache, 0, mask)
         gen.stats.base_forwards += 1
         gen.stats.row_forwards += bsz
         return states, cache, micro_cache, valid, lengths
@@ -328,7 +328,7 @@ class Engine:
             embeds = model.smash(step_tok, step_len.clamp(min=1))[:, None]
             pos = (lengths + gen_len - 1)[:, None]
             step_mask = valid[:, None, None, : slot + 1]
-            states = self._base(embeds, pos, cache, slot, step_mask, (step_len > 1)[:, None])
+            states = self.base_pass(embeds, pos, cache, slot, step_mask, (step_len > 1)[:, None])
             gen.stats.base_forwards += 1
             gen.stats.row_forwards += dn.count(False)
             slot += 1

@@ -31,7 +31,6 @@ import torch
 from hamburger.errors import HamburgerError
 from hamburger.inference.admission import (
     CHECKED,
-    MODES,
     PREFILL_TOKENS,
     Request,
     RequestEvent,
@@ -46,7 +45,7 @@ from hamburger.inference.lookup import NgramIndex
 from hamburger.inference.reference import eos_ids
 from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
-from hamburger.model.config import check_confidence
+from hamburger.model.config import MODES, check_confidence
 from hamburger.model.hamburger_model import HamburgerModel
 
 DECODE_THREADS_ROWS = 16  # decode passes of at most this many rows run on `decode_threads`
@@ -255,7 +254,7 @@ class Scheduler(CheckedRows):
             positions = (self.prompt_len[:n] + self.gen_len[:n] - 1).clamp(min=0)[:, None]
             slots = torch.where(live, self.cache_len[:n], 0)
             mask = (torch.arange(int(slots.max()) + 1, device=slots.device)[None] <= slots[:, None])[:, None, None]
-            states = self.engine._base(embeds, positions, SlotWrites(self.cache, slots), 0, mask,
+            states = self.engine.base_pass(embeds, positions, SlotWrites(self.cache, slots), 0, mask,
                                        (step_len > 1)[:, None])
             self.states[:n] = torch.stack(states, 1)
             self.cache_len[:n] += live.long()
@@ -297,7 +296,7 @@ class Scheduler(CheckedRows):
         mask = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None, None]
         c = self.cache
         scratch = KVCache(c.k.shape[0], m, c.k.shape[2], width, c.k.shape[4], c.k.dtype, dev)
-        states = self.engine._base(self.model.embed(ids), positions, scratch, 0, mask, last=False)
+        states = self.engine.base_pass(self.model.embed(ids), positions, scratch, 0, mask, last=False)
         at, rows_t = torch.tensor(lens, device=dev) - 1, torch.tensor(rows, device=dev)
         c.k[:, rows_t, :, :width], c.v[:, rows_t, :, :width] = scratch.k, scratch.v
         self.states[rows_t] = torch.stack([s[torch.arange(m, device=dev), at] for s in states], 1)
