@@ -38,7 +38,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from hamburger.evaluation.demo import PROMPTS, mode_table, run_modes, side_by_side
     from hamburger.model.base import encode_chat
-    from hamburger.inference.engine import check_merger, make_engine
+    from hamburger.inference.engine import make_engine, resolve_mode
     from hamburger.inference.qlinear import fp16_unavailable
     from hamburger.loading import run_mode
     from hamburger.model.config import check_confidence
@@ -54,11 +54,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                              "(leave --model out for the shipped default)")
     engines = {"base": make_engine(HamburgerModel.plain(model.base, model.tokenizer), args.engine, args.compile),
                "hamburger": make_engine(model, args.engine, args.compile, lookup=args.lookup)}
-    mode = run_mode(model, engines["hamburger"], args.mode)
-    default = model.config.default_confidence if mode == "trust" else model.config.verify_confidence
-    if mode == "compress":
-        check_merger(model)
-    confidence = default if args.confidence is None else args.confidence
+    mode, confidence = resolve_mode(model, run_mode(model, engines["hamburger"], args.mode), args.confidence)
     say_start(args, model, trained, scheme, mode)
     console = Console()
     if not args.chat:

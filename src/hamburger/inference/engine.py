@@ -77,6 +77,18 @@ def check_merger(model: HamburgerModel) -> None:
                              f"steps of up to {model.config.max_step_tokens}")
 
 
+def resolve_mode(model: HamburgerModel, mode: str | None = None, confidence: float | None = None) -> tuple[str, float]:
+    """A request's mode and confidence, checked: the mode (None: the checkpoint's `default_mode`; compress needs
+    the checkpoint's KV merger) and its confidence (None: `default_confidence` for trust mode, `verify_confidence`
+    for verify and compress mode, which draft alike). The engine, the scheduler and the demo all decide here."""
+    cfg = model.config
+    mode = check_mode(cfg.default_mode if mode is None else mode)
+    if mode == "compress":
+        check_merger(model)
+    default = cfg.default_confidence if mode == "trust" else cfg.verify_confidence
+    return mode, check_confidence(default if confidence is None else confidence)
+
+
 def check_supported(model: HamburgerModel) -> None:
     kind = getattr(model.base.config, "model_type", "")
     if kind not in SUPPORTED:
@@ -343,14 +355,9 @@ class Engine:
         into one KV entry: needs a checkpoint with a KV merger); None takes the checkpoint's default.
         `confidence` None takes the checkpoint's default for that mode (verify's for compress: it drafts the same)."""
         prompts, forced_steps = check_request(prompts, max_new_tokens, forced_steps, self.k)
-        cfg = self.model.config
-        mode = check_mode(cfg.default_mode if mode is None else mode)
+        mode, confidence = resolve_mode(self.model, mode, confidence)
         if mode != "trust" and forced_steps is not None:
             raise HamburgerError(f"forced steps replay trust-mode step lengths: they do not apply to {mode} mode")
-        if mode == "compress":
-            check_merger(self.model)
-        default = cfg.default_confidence if mode == "trust" else cfg.verify_confidence
-        confidence = check_confidence(default if confidence is None else confidence)
         return EngineGeneration(self, prompts, int(max_new_tokens), confidence, sampling or SamplingParams(),
                                 eos_ids(self.model) if eos_token_ids is None else set(eos_token_ids), forced_steps,
                                 mode)

@@ -39,13 +39,13 @@ from hamburger.inference.admission import (
 )
 from hamburger.inference.checked_rows import CheckedRows
 from hamburger.inference.core import Limits, macro_step, micro_context
-from hamburger.inference.engine import Engine, check_merger
+from hamburger.inference.engine import Engine, resolve_mode
 from hamburger.inference.kv import CacheView, KVCache, SlotWrites
 from hamburger.inference.lookup import NgramIndex
 from hamburger.inference.reference import eos_ids
 from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
-from hamburger.model.config import MODES, check_confidence
+from hamburger.model.config import MODES
 from hamburger.model.hamburger_model import HamburgerModel
 
 DECODE_THREADS_ROWS = 16  # decode passes of at most this many rows run on `decode_threads`
@@ -131,14 +131,10 @@ class Scheduler(CheckedRows):
         if len(prompt) + max_new_tokens > self.max_len:
             raise HamburgerError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
                                  f"context of {self.max_len} tokens")
-        if mode not in MODES:
+        if mode not in MODES:  # a mode must be named here (the service resolves the server's default)
             raise HamburgerError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        if mode == "compress":
-            check_merger(self.model)
+        mode, conf = resolve_mode(self.model, mode, confidence)
         sampling = sampling or SamplingParams()
-        cfg = self.model.config
-        default = cfg.default_confidence if mode == "trust" else cfg.verify_confidence
-        conf = check_confidence(default if confidence is None else confidence)
         eos = self.default_eos if eos_token_ids is None else set(eos_token_ids)
         req = Request(next(self._ids), prompt, int(max_new_tokens), conf, sampling, eos, mode)
         with self._lock:
