@@ -197,3 +197,29 @@ def test_measure_interleaves_the_systems_runs():
                      ("a", 16), ("b", 16), ("b", 16)]  # run 3 with a again
     assert rows[0]["decode_tokens_per_s"] == 20 / 1.0 and rows[1]["decode_tokens_per_s"] == 20 / 4.0
     assert len(rows[0]["runs_tokens_per_s"]) == 3
+
+
+def test_llama_cpp_runs_once_beside_the_first_scheme(tmp_path, checkpoint, monkeypatch):
+    """llama.cpp decodes its own GGUF: one row, named without a scheme and marked `gguf`, run beside the first
+    scheme listed (not only beside float32), and every scheme's base compared with it in the summary."""
+    from hamburger.evaluation import bench as bench_mod
+    from hamburger.inference.stats import GenerationStats
+
+    real = bench_mod.make_system
+
+    def fake(name, *args, **kwargs):
+        if name != "llama_cpp":
+            return real(name, *args, **kwargs)
+        return lambda prompts, n: GenerationStats(sequences=len(prompts), prompt_tokens=sum(map(len, prompts)),
+                                                  generated_tokens=n * len(prompts), macro_steps=n * len(prompts),
+                                                  base_forwards=n, row_forwards=n * len(prompts), decode_s=0.01)
+
+    monkeypatch.setattr(bench_mod, "make_system", fake)
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(checkpoint), "--systems", "engine_base,llama_cpp", "--sets", "chat",
+                 "--batch-sizes", "1", "--max-new-tokens", "4", "--runs", "1", "--quantize", "int8,none",
+                 "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert [(r["system"], r["quantize"]) for r in result["rows"]] == [
+        ("engine_base+int8", "int8"), ("llama_cpp", "gguf"), ("engine_base", "none")]
+    assert "engine_base+int8_vs_llama_cpp_b1" in result["summary"] and "engine_base_vs_llama_cpp_b1" in result["summary"]

@@ -102,8 +102,8 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
         suffix = "" if scheme == "none" else f"+{scheme}"
         jobs, labels, rows_info = [], [], []
         for name in systems:
-            if name == "llama_cpp" and scheme != "none":
-                continue  # it decodes its own GGUF: one row, whatever our scheme
+            if name == "llama_cpp" and scheme != schemes[0]:
+                continue  # it decodes its own GGUF: one row (named without a scheme), beside the first scheme's
             for conf in (confidences if name in HAMBURGER else [None]):
                 record: dict = {}
                 try:
@@ -127,14 +127,16 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
                         return stats
 
                     jobs.append((job, pool, batch))
-                    labels.append(f"{name}{suffix}{'' if conf is None else f'@{conf:g}'} batch {batch}")
+                    labels.append(f"{name}{'' if name == 'llama_cpp' else suffix}{'' if conf is None else f'@{conf:g}'} "
+                                  f"batch {batch}")
                     rows_info.append((name, conf, batch, system, mine))
         # The systems' runs interleave (`measure`), so their ratios hold on a machine with slow spells.
         for (name, conf, batch, system, record), measured in zip(rows_info, measure(jobs, max_new, runs, device,
                                                                                     log, labels) if jobs else []):
             row_conf = (verify_confidence or model.config.verify_confidence) \
                 if name in ("hamburger_verify", "hamburger_compress") else conf
-            row = {"system": name + suffix, "quantize": scheme, "confidence": row_conf, "batch_size": batch,
+            row = {"system": name + ("" if name == "llama_cpp" else suffix),
+                   "quantize": "gguf" if name == "llama_cpp" else scheme, "confidence": row_conf, "batch_size": batch,
                    "max_new_tokens": max_new, **measured}
             drafts = 2 if name.startswith("spec_") else 1  # the draft keeps a cache of the same shape
             generated_entries = row["kv_entries"] - row["prompt_tokens"]
@@ -176,6 +178,10 @@ def summarize(rows: list[dict], conf: float) -> dict:
         llama = find(rows, "llama_cpp", batch)
         if llama and base and llama["decode_tokens_per_s"]:
             out[f"engine_base_vs_llama_cpp_b{batch}"] = base["decode_tokens_per_s"] / llama["decode_tokens_per_s"]
+        for row in rows if llama and llama["decode_tokens_per_s"] else []:  # each scheme's base and modes beside it
+            if row["batch_size"] == batch and "+" in row["system"] and row["system"].split("+")[0] in (
+                    "engine_base", "hamburger_verify", "hamburger_compress"):
+                out[f"{row['system']}_vs_llama_cpp_b{batch}"] = row["decode_tokens_per_s"] / llama["decode_tokens_per_s"]
         compress = find(rows, "hamburger_compress", batch)
         if compress:
             out[f"compress_kv_entries_per_generated_token_b{batch}"] = compress["kv_entries_per_generated_token"]
@@ -192,7 +198,7 @@ def summarize(rows: list[dict], conf: float) -> dict:
             out["kv_entries_per_generated_token"] = ham["kv_entries_per_generated_token"]
             out["tokens_per_step"] = ham["tokens_per_step"]
     for row in rows:  # quantized systems: speed against the float engine_base, greedy agreement with their float self
-        if row.get("quantize", "none") == "none":
+        if row.get("quantize", "none") in ("none", "gguf"):  # gguf: llama.cpp on its own weights (above)
             continue
         if row["system"].split("+")[0] in HAMBURGER and row["confidence"] != conf:
             continue  # the confidence sweep

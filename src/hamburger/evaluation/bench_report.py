@@ -31,6 +31,8 @@ def table(result: dict) -> tuple[list[str], list[list[str]]]:
 
     for r in result["rows"]:
         scheme = r.get("quantize", "none")
+        if scheme == "gguf":  # llama.cpp on its GGUF: "× base" beside the first scheme's base, which it ran beside
+            scheme = (result.get("quantize") or ["none"])[0]
         same = find(result["rows"], "engine_base" + ("" if scheme == "none" else f"+{scheme}"), r["batch_size"])
         float_base = find(result["rows"], "engine_base", r["batch_size"])
         body.append([r["system"], "-" if r["confidence"] is None else f"{r['confidence']:g}", str(r["batch_size"]),
