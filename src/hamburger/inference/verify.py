@@ -225,11 +225,14 @@ def run_verify(engine: Engine, gen: EngineGeneration, merger: KVMerger | None = 
         if looked is not None:
             gen.stats.lookup_drafts += int(looked.sum())
             gen.stats.lookup_kept += int(torch.where(looked > 0, kept, 0).sum())
-        # A row that ended before this pass stays where it is: it is still computed (the batch is rectangular)
-        # but writes over its own unused slots, so the cache never grows past its last live entry.
+        # A row that ended before a pass with drafts stays where it is: it is still computed (the batch is
+        # rectangular) but writes over its own unused slots, so the cache never grows past its last live entry.
         if window is not None:
             window.first_pos = next_pos
-        states = settle(merger, states, kept, cache, cache_len, alive, compress, merged_len, window)
+        # A pass without drafts in verify mode (a large batch) advances every row by one, finished or not, as the
+        # base's own loop does: the rows stay at one length, and the next pass writes a slice, not a scatter.
+        advance = torch.ones_like(alive) if merger is None and drafts.shape[1] == 0 else alive
+        states = settle(merger, states, kept, cache, cache_len, advance, compress, merged_len, window)
         if window is not None:
             gen.stats.window_entries = window.extra_entries()
         kept_l, t0_l, drafts_l = kept.tolist(), t0.tolist(), drafts.tolist()  # the one transfer per step
