@@ -59,9 +59,10 @@ def run_system(model: HamburgerModel, prompts: list[list[int]], max_new_tokens: 
     `lookup`: verify and compress mode's lookup drafts (`Engine`; None: the checkpoint's)."""
     from hamburger.inference.engine import make_engine
 
-    # Verify mode drafts at every batch size here: eval reports what the drafts give (tokens per base forward),
-    # which the engine's speed rule (`draft_rows`: only while few rows decode) would hide at batch 16.
-    decoder = make_engine(model, engine, draft_rows=None, lookup=lookup)
+    # Verify mode drafts at every batch size and every step here: eval reports what the drafts give (tokens per base
+    # forward), which the engine's speed rules (`draft_rows`: only while few rows decode; the draft policy: only
+    # while drafts pay on this machine's timings) would hide or make depend on the machine.
+    decoder = make_engine(model, engine, draft_rows=None, lookup=lookup, draft_policy=False)
 
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))  # less left padding per batch
     tokens: list[list[int]] = [[] for _ in prompts]
