@@ -16,7 +16,6 @@ from hamburger.errors import HamburgerError
 if TYPE_CHECKING:
     import torch
 
-    from hamburger.inference.engine import Engine, ReferenceEngine
     from hamburger.model.hamburger_model import HamburgerModel
 
 AUTO = "auto"
@@ -184,6 +183,21 @@ def describe_quantization(summary: dict) -> str:
     return line
 
 
+def resolve(device: str = AUTO, quantize: str = AUTO, dtype: str = "float32",
+            group_size: int = 32) -> tuple[torch.device, str]:
+    """The device and the quantization scheme a load will use, "auto" resolved (`resolve_device`,
+    `resolve_quantize`), checked against each other before any loading: what `load` runs first, and what a command
+    that says what it runs before loading calls itself."""
+    import torch
+
+    if dtype not in DTYPES:
+        raise HamburgerError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    resolved = resolve_device(device)
+    scheme = resolve_quantize(parse_schemes(quantize)[0], resolved, dtype)
+    check_quantize(scheme, group_size, resolved, getattr(torch, dtype))
+    return resolved, scheme
+
+
 def load(model: str = "default", base: str | None = None, dtype: str = "float32", device: str = AUTO,
          quantize: str = AUTO, group_size: int = 32, quiet: bool = True) -> tuple[HamburgerModel, bool]:
     """The model named `model` (a HAMburger checkpoint folder, or a base: hub id, folder, .gguf; "default": the
@@ -197,11 +211,7 @@ def load(model: str = "default", base: str | None = None, dtype: str = "float32"
 
     from hamburger.model.hamburger_model import load_model
 
-    if dtype not in DTYPES:
-        raise HamburgerError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-    resolved = resolve_device(device)
-    scheme = resolve_quantize(parse_schemes(quantize)[0], resolved, dtype)
-    check_quantize(scheme, group_size, resolved, getattr(torch, dtype))
+    resolved, scheme = resolve(device, quantize, dtype, group_size)
     loaded, trained = load_model(model, base, dtype=getattr(torch, dtype), device=str(resolved))
     quantize_loaded(loaded, scheme, group_size, quiet=quiet)
     return loaded, trained
@@ -215,20 +225,6 @@ def hide_progress_bars() -> None:
 
     logging.disable_progress_bar()
     disable_progress_bars()
-
-
-def run_mode(model: HamburgerModel, engine: Engine | ReferenceEngine, mode: str | None = None) -> str:
-    """The mode a generation runs in: `mode`, else the checkpoint's default. The reference engine runs trust mode
-    only: any other is refused here, naming the way out (a checkpoint whose default is verify says so)."""
-    from hamburger.inference.engine import ReferenceEngine
-    from hamburger.model.config import check_mode
-
-    resolved = check_mode(model.config.default_mode if mode is None else mode)
-    if isinstance(engine, ReferenceEngine) and resolved != "trust":
-        why = f"{resolved} mode" if mode is not None else f"this checkpoint's default mode, {resolved},"
-        raise HamburgerError(f"{why} runs on the fast engine only (Llama, Mistral, Qwen2, Qwen3 bases); the "
-                             "reference engine runs trust mode only: add --mode trust")
-    return resolved
 
 
 def describe_run(model: HamburgerModel, trained: bool, quantize: str = "none", auto: bool = False,

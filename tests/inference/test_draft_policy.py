@@ -29,7 +29,6 @@ def test_costs_recover_a_linear_cost_model():
     costs = fitted(0.030, 0.002, 0.005)
     assert costs.predict(0, 0) == pytest.approx(0.030, rel=0.02)
     assert costs.predict(3, 3) == pytest.approx(0.030 + 0.006 + 0.015, rel=0.02)
-    assert costs.plain_seen
 
 
 def test_costs_before_any_step_and_after_one_take_the_prior_shape():

@@ -174,24 +174,12 @@ def load_model(args: argparse.Namespace, quantize: bool = True) -> tuple[Hamburg
     "auto" resolved; "none" where the command has no --quantize). What needs no model is checked first (--lookup,
     the scheme against the device), so it costs no loading. `quantize` False: the weights stay float, for the
     caller to quantize. Progress bars only where stderr is a terminal, and never with --quiet."""
-    import torch
-
-    from hamburger.loading import (
-        check_quantize,
-        hide_progress_bars,
-        load,
-        parse_schemes,
-        resolve_device,
-        resolve_quantize,
-    )
+    from hamburger.loading import hide_progress_bars, load, resolve
 
     if getattr(args, "lookup", None) is not None:
         check_lookup(args.lookup)
-    device = resolve_device(args.device)
-    spec = parse_schemes(args.quantize)[0] if hasattr(args, "quantize") else "none"
-    scheme = resolve_quantize(spec, device, args.dtype)
     group_size = getattr(args, "group_size", 32)
-    check_quantize(scheme, group_size, device, getattr(torch, args.dtype))
+    device, scheme = resolve(args.device, getattr(args, "quantize", "none"), args.dtype, group_size)
     if getattr(args, "quiet", False) or not sys.stderr.isatty():
         hide_progress_bars()
     model, trained = load(args.model, args.base, args.dtype, str(device), scheme if quantize else "none", group_size,

@@ -40,7 +40,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from hamburger.model.base import encode_chat
     from hamburger.inference.engine import make_engine, resolve_mode
     from hamburger.inference.qlinear import fp16_unavailable
-    from hamburger.loading import run_mode
     from hamburger.model.config import check_confidence
     from hamburger.model.hamburger_model import HamburgerModel
 
@@ -54,7 +53,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                              "(leave --model out for the shipped default)")
     engines = {"base": make_engine(HamburgerModel.plain(model.base, model.tokenizer), args.engine, args.compile),
                "hamburger": make_engine(model, args.engine, args.compile, lookup=args.lookup)}
-    mode, confidence = resolve_mode(model, run_mode(model, engines["hamburger"], args.mode), args.confidence)
+    mode, confidence = resolve_mode(model, args.mode, args.confidence, engines["hamburger"])
     say_start(args, model, trained, scheme, mode)
     console = Console()
     if not args.chat:

@@ -56,10 +56,9 @@ def _prompt_ids(tokenizer, text: str, raw: bool, system: str | None) -> list[int
 
 def cmd_generate(args: argparse.Namespace) -> int:
     # Validate what needs no model before spending seconds loading one.
-    from hamburger.inference.engine import make_engine
+    from hamburger.inference.engine import make_engine, resolve_mode
     from hamburger.inference.sampling import SamplingParams
     from hamburger.inference.stops import TextStream
-    from hamburger.loading import run_mode
     from hamburger.model.config import check_confidence
 
     if args.text == "-":
@@ -78,7 +77,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tokenizer = model.tokenizer
     prompt = _prompt_ids(tokenizer, args.text, args.raw, args.system)
     engine = make_engine(model, args.engine, args.compile, lookup=args.lookup)
-    mode = run_mode(model, engine, args.mode)
+    mode = resolve_mode(model, args.mode, args.confidence, engine)[0]
     say_start(args, model, trained, scheme, mode)
     gen = engine.stream([prompt], max_new_tokens=args.max_new_tokens, confidence=args.confidence, sampling=sampling,
                         mode=mode)

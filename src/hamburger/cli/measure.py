@@ -204,29 +204,19 @@ def _ints(text: str, what: str) -> list[int]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import torch
 
     from hamburger.evaluation.bench import run_bench
     from hamburger.evaluation.bench_costs import profile_steps
     from hamburger.evaluation.bench_report import plot, print_table
     from hamburger.evaluation.bench_systems import TRAINED_ONLY, ForcedSteps, bench_messages
     from hamburger.evaluation.evaluate import parse_confidences
-    from hamburger.loading import (
-        check_quantize,
-        hide_progress_bars,
-        load,
-        parse_schemes,
-        resolve_device,
-        resolve_quantize,
-    )
+    from hamburger.loading import hide_progress_bars, load, parse_schemes, resolve
     from hamburger.model.base import encode_chat
 
     batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
-    device = resolve_device(args.device)
-    schemes = list(dict.fromkeys(resolve_quantize(s, device, args.dtype)
-                                 for s in parse_schemes(args.quantize, many=True)))
-    for scheme in schemes:  # every scheme is checked against --device and --dtype before any loading
-        check_quantize(scheme, args.group_size, device, getattr(torch, args.dtype))
+    # every scheme resolved and checked against --device and --dtype before any loading
+    resolved = [resolve(args.device, s, args.dtype, args.group_size) for s in parse_schemes(args.quantize, many=True)]
+    device, schemes = resolved[0][0], list(dict.fromkeys(scheme for _, scheme in resolved))
     if args.lookup is not None:
         check_lookup(args.lookup)
     if args.max_new_tokens < 1 or args.runs < 1 or args.prompts_per_set < 1:

@@ -105,13 +105,12 @@ def bench_model(args: argparse.Namespace, name: str, levels: list[int]) -> list[
     if args.url is not None:
         return [dict(model=label(m), mode=m, **asyncio.run(_run(args.url, bodies[m], c, args.api_key)))
                 for m in modes for c in levels]
-    from hamburger.loading import describe_run, load, resolve_device, resolve_quantize
+    from hamburger.loading import describe_run, load, resolve
     from hamburger.serving.server import BackgroundServer, Service
     from hamburger.serving.service import decode_threads
 
-    device = resolve_device(args.device)
+    device, scheme = resolve(args.device, args.quantize, args.dtype, args.group_size)
     threads = decode_threads(args.decode_threads, device)
-    scheme = resolve_quantize(args.quantize, device, args.dtype)
     model, trained = load(name, args.base, args.dtype, str(device), scheme, args.group_size, quiet=not args.verbose)
     service = Service(model, name, max_batch_size=max(levels), max_queue=args.requests + 1, max_len=args.max_len,
                       decode_threads=threads, lookup=args.lookup)

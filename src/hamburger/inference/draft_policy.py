@@ -34,7 +34,7 @@ ON_BY_DEFAULT = True
 PRIOR_SHAPE = (1.0, 0.05, 0.15)
 PRIOR_WEIGHT = 2.0  # the prior counts as this many steps
 FORGET = 0.98  # each new step's weight against the old ones: about the last 50 steps count
-KEPT_PRIOR = 1.0  # a new row expects this many kept drafts per drafting step (it drafts first, then learns)
+KEPT_PRIOR = 1.0  # a new row's micro-step record starts at this many kept drafts per drafting step
 KEPT_RATE = 0.35  # the running mean's weight on the latest drafting step
 MAX_WAIT = 16  # the longest wait between probes of a row that stopped drafting
 # A new row probes micro-step drafts only after this many steps: a probe costs about a quarter of a plain step and
@@ -61,13 +61,12 @@ def _solve3(m: list[list[float]], v: list[float]) -> list[float]:
 @dataclass
 class StepCosts:
     """Seconds per decode step as a + b * drafts + c * micro_calls, fitted online (ridge towards `PRIOR_SHAPE`
-    scaled by the first step timed). `plain_seen`: whether a step without drafts has been timed yet."""
+    scaled by the first step timed)."""
 
     forget: float = FORGET
     xtx: list[list[float]] = field(default_factory=lambda: [[0.0] * 3 for _ in range(3)])
     xty: list[float] = field(default_factory=lambda: [0.0] * 3)
     prior: list[float] | None = None
-    plain_seen: bool = False
     theta: list[float] | None = None
 
     def observe(self, drafts: float, micro_calls: float, seconds: float) -> None:
@@ -76,7 +75,6 @@ class StepCosts:
         if self.prior is None:
             scale = seconds / sum(s * xi for s, xi in zip(PRIOR_SHAPE, x))
             self.prior = [s * scale for s in PRIOR_SHAPE]
-        self.plain_seen |= drafts == 0 and micro_calls == 0
         f = self.forget
         for i in range(3):
             self.xty[i] = f * self.xty[i] + x[i] * seconds

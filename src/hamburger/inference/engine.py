@@ -77,16 +77,22 @@ def check_merger(model: HamburgerModel) -> None:
                              f"steps of up to {model.config.max_step_tokens}")
 
 
-def resolve_mode(model: HamburgerModel, mode: str | None = None, confidence: float | None = None) -> tuple[str, float]:
+def resolve_mode(model: HamburgerModel, mode: str | None = None, confidence: float | None = None,
+                 engine: Engine | ReferenceEngine | None = None) -> tuple[str, float]:
     """A request's mode and confidence, checked: the mode (None: the checkpoint's `default_mode`; compress needs
-    the checkpoint's KV merger) and its confidence (None: `default_confidence` for trust mode, `verify_confidence`
-    for verify and compress mode, which draft alike). The engine, the scheduler and the demo all decide here."""
+    the checkpoint's KV merger; the reference `engine` runs trust mode only) and its confidence (None:
+    `default_confidence` for trust mode, `verify_confidence` for verify and compress mode, which draft alike). The
+    engines, the scheduler, generate and the demo all decide here."""
     cfg = model.config
-    mode = check_mode(cfg.default_mode if mode is None else mode)
-    if mode == "compress":
+    resolved = check_mode(cfg.default_mode if mode is None else mode)
+    if isinstance(engine, ReferenceEngine) and resolved != "trust":
+        why = f"{resolved} mode" if mode is not None else f"this checkpoint's default mode, {resolved},"
+        raise HamburgerError(f"{why} runs on the fast engine only (Llama, Mistral, Qwen2, Qwen3 bases); the "
+                             "reference engine runs trust mode only: add --mode trust")
+    if resolved == "compress":
         check_merger(model)
-    default = cfg.default_confidence if mode == "trust" else cfg.verify_confidence
-    return mode, check_confidence(default if confidence is None else confidence)
+    default = cfg.default_confidence if resolved == "trust" else cfg.verify_confidence
+    return resolved, check_confidence(default if confidence is None else confidence)
 
 
 def check_supported(model: HamburgerModel) -> None:
@@ -375,10 +381,7 @@ class ReferenceEngine:
         self.model = model
 
     def stream(self, prompts: Sequence[Sequence[int]], mode: str | None = None, **kwargs) -> Generation:
-        mode = check_mode(mode or self.model.config.default_mode)
-        if mode != "trust":
-            raise HamburgerError(f"{mode} mode runs on the fast engine only (Llama, Mistral, Qwen2, Qwen3 bases): "
-                                 "use --engine fast, or --mode trust on the reference engine")
+        resolve_mode(self.model, mode, kwargs.get("confidence"), engine=self)  # trust mode only
         return reference_stream(self.model, prompts, **kwargs)
 
     def generate(self, prompts: Sequence[Sequence[int]], **kwargs) -> GenerationOutput:
