@@ -28,7 +28,7 @@ import torch
 
 from hamburger.inference.engine import Engine
 from hamburger.inference.kv import KVCache
-from hamburger.inference.quantize import DEFAULT_SKIP, quantize_model
+from hamburger.kernels.quantize import DEFAULT_SKIP, quantize_model
 from hamburger.model.hamburger_model import load_model
 
 SETTINGS = {"float32": (torch.float32, "none"), "bfloat16": (torch.bfloat16, "none"), "fp16": (torch.float32, "fp16"),

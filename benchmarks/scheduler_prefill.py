@@ -22,7 +22,7 @@ import time
 import torch
 
 from hamburger.evaluation.bench_systems import bench_messages
-from hamburger.inference.quantize import DEFAULT_SKIP, quantize_model
+from hamburger.kernels.quantize import DEFAULT_SKIP, quantize_model
 from hamburger.inference.scheduler import Scheduler
 from hamburger.model.base import encode_chat
 from hamburger.model.hamburger_model import load_model

@@ -34,7 +34,7 @@ import torch
 
 from hamburger.evaluation.bench_systems import SETS, bench_messages
 from hamburger.inference.engine import Engine
-from hamburger.inference.quantize import DEFAULT_SKIP, quantize_model
+from hamburger.kernels.quantize import DEFAULT_SKIP, quantize_model
 from hamburger.loading import split_wide
 from hamburger.model.base import encode_chat
 from hamburger.model.config import parse_draft_rows

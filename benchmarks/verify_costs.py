@@ -22,7 +22,7 @@ import torch
 from hamburger.inference.core import micro_context
 from hamburger.inference.engine import Engine
 from hamburger.inference.kv import KVCache
-from hamburger.inference.quantize import DEFAULT_SKIP, quantize_model
+from hamburger.kernels.quantize import DEFAULT_SKIP, quantize_model
 from hamburger.model.hamburger_model import load_model
 
 

@@ -56,7 +56,7 @@ def test_info(capsys, checkpoint, tiny_model_dir):
 
 def test_quantize_another_scheme_on_the_lm_head(capsys, checkpoint):
     """SCHEME/HEAD: int4 projections with an int8 LM head, through generate and info."""
-    from hamburger.inference.qlinear import Int4Linear, Int8Linear
+    from hamburger.kernels.qlinear import Int4Linear, Int8Linear
     from hamburger.loading import load
 
     info = run_json(capsys, "info", "--model", str(checkpoint), "--json", "--quantize", "int4/int8")
@@ -280,7 +280,7 @@ def start_lines(err: str) -> list[str]:
 
 def test_quantize_auto_resolves_by_device_and_dtype():
     from hamburger.errors import HamburgerError
-    from hamburger.inference.qlinear import fp16_unavailable
+    from hamburger.kernels.qlinear import fp16_unavailable
     from hamburger.loading import parse_schemes, resolve_device, resolve_quantize
 
     assert parse_schemes("auto,int8", many=True) == ["auto", "int8"]  # bench's comma list takes it too
@@ -297,7 +297,7 @@ def test_quantize_auto_resolves_by_device_and_dtype():
 
 def test_decoding_defaults_are_auto_and_one_line_says_what_runs(capsys, checkpoint, tiny_model_dir):
     from hamburger.cli import build_parser
-    from hamburger.inference.qlinear import fp16_unavailable
+    from hamburger.kernels.qlinear import fp16_unavailable
 
     commands = next(a for a in build_parser()._actions if a.dest == "command").choices
     for name in DECODING:

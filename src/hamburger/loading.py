@@ -42,7 +42,7 @@ def resolve_quantize(spec: str, device: torch.device | str, dtype: str = "float3
     decodes fast in --dtype). Any other spec is returned as it is."""
     if spec != AUTO:
         return spec
-    from hamburger.inference.qlinear import fp16_unavailable
+    from hamburger.kernels.qlinear import fp16_unavailable
 
     return "fp16" if dtype == "float32" and fp16_unavailable(device) is None else "none"
 
@@ -62,7 +62,7 @@ def split_wide(spec: str) -> tuple[str, bool]:
 def parse_schemes(text: str, many: bool = False) -> list[str]:
     """--quantize's value: one scheme spec (or, with `many`, a comma list without repeats), checked. A spec is
     "auto" (`resolve_quantize`), a scheme, or SCHEME/HEAD for another scheme on the LM head (e.g. int4/int8)."""
-    from hamburger.inference.quantize import SCHEMES
+    from hamburger.kernels.quantize import SCHEMES
 
     specs = [s.strip() for s in str(text).split(",")] if many else [str(text).strip()]
     bare = [split_wide(spec)[0] for spec in specs if spec != AUTO]
@@ -81,14 +81,14 @@ def check_quantize(spec: str, group_size: int, device: torch.device, dtype: torc
     """Refuse, before any loading, what the packed kernels cannot run: a HamburgerError naming the fix."""
     spec, wide = split_wide(spec)
     if wide:
-        from hamburger.inference.qlinear import wide_unavailable
+        from hamburger.kernels.qlinear import wide_unavailable
 
         if (why := wide_unavailable(device)) is not None:
             raise HamburgerError(f"--quantize {spec}{WIDE_SUFFIX}: {why}")
     scheme, head = split_scheme(spec)
     if head is not None:
         check_quantize(head, group_size, device, dtype)
-    from hamburger.inference.quantize import check_args
+    from hamburger.kernels.quantize import check_args
 
     try:
         check_args(scheme, group_size)
@@ -102,7 +102,7 @@ def check_quantize(spec: str, group_size: int, device: torch.device, dtype: torc
     import torch
 
     if scheme == "fp16":
-        from hamburger.inference.qlinear import fp16_unavailable
+        from hamburger.kernels.qlinear import fp16_unavailable
 
         if (why := fp16_unavailable(device)) is not None:
             raise HamburgerError(f"--quantize fp16: {why}")
@@ -122,8 +122,8 @@ def quantize_loaded(model: HamburgerModel, spec: str, group_size: int = 32, quie
     """
     import torch
 
-    from hamburger.inference.qlinear import WIDE_ROWS
-    from hamburger.inference.quantize import DEFAULT_SKIP, QuantizedLinear, quantize_model
+    from hamburger.kernels.qlinear import WIDE_ROWS
+    from hamburger.kernels.quantize import DEFAULT_SKIP, QuantizedLinear, quantize_model
 
     scheme, head = split_scheme(spec)
     wide = split_wide(spec)[1]

@@ -126,7 +126,7 @@ def test_llama_cpp_is_skipped_with_the_reason(tmp_path, checkpoint, capsys, monk
     import sys
 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import fails as if not installed
-    from hamburger.inference.llamacpp import Unavailable, llama_cpp_system
+    from hamburger.evaluation.llamacpp import Unavailable, llama_cpp_system
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
@@ -161,7 +161,7 @@ def test_llama_cpp_system_times_greedy_generation(tmp_path, monkeypatch):
             yield from [len(tokens) + 10, len(tokens) + 11, 1, 99, 99]  # EOS (1) at the third token
 
     monkeypatch.setitem(sys.modules, "llama_cpp", types.SimpleNamespace(Llama=FakeLlama))
-    from hamburger.inference.llamacpp import llama_cpp_system
+    from hamburger.evaluation.llamacpp import llama_cpp_system
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" * 10)

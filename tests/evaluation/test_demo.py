@@ -7,7 +7,7 @@ import io
 import torch
 
 from hamburger.cli import main
-from hamburger.inference.qlinear import fp16_unavailable
+from hamburger.kernels.qlinear import fp16_unavailable
 
 
 def test_demo_runs_built_in_prompts(checkpoint, capsys):

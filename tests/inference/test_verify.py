@@ -12,8 +12,8 @@ from conftest import PAD, base_greedy, exact_marginals, greedy_no_eos, hamburger
 from hamburger import HamburgerError, SamplingParams
 from hamburger.inference import verify as verify_mod
 from hamburger.inference.engine import Engine, make_engine
-from hamburger.inference.qlinear import fp16_unavailable
-from hamburger.inference.quantize import quantize_model
+from hamburger.kernels.qlinear import fp16_unavailable
+from hamburger.kernels.quantize import quantize_model
 from hamburger.inference.verify import accept_greedy, accept_sampled
 from hamburger.model.config import DRAFT_ROWS
 

@@ -21,8 +21,8 @@ if TYPE_CHECKING:
 # --- the library's names, repeated so that building the parser imports no torch (checked by tests/test_cli.py) ----
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"  # hamburger.model.base.DEFAULT_MODEL
 DTYPES = ("float32", "bfloat16", "float16")  # hamburger.loading.DTYPES
-SCHEMES = ("none", "fp16", "int8", "int4")  # hamburger.inference.quantize.SCHEMES
-GROUP_SIZES = (32, 64, 128, 256)  # hamburger.inference.quantize.GROUP_SIZES
+SCHEMES = ("none", "fp16", "int8", "int4")  # hamburger.kernels.quantize.SCHEMES
+GROUP_SIZES = (32, 64, 128, 256)  # hamburger.kernels.quantize.GROUP_SIZES
 ENGINES = ("auto", "fast", "reference")  # hamburger.inference.engine.ENGINES
 PREFILL_TOKENS = 256  # hamburger.inference.admission.PREFILL_TOKENS
 BUILTIN_SOURCES = ("gsm", "chat", "code", "stdlib")  # hamburger.training.sources.BUILTIN

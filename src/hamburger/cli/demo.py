@@ -39,7 +39,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from hamburger.evaluation.demo import PROMPTS, mode_table, run_modes, side_by_side
     from hamburger.model.base import encode_chat
     from hamburger.inference.engine import make_engine, resolve_mode
-    from hamburger.inference.qlinear import fp16_unavailable
+    from hamburger.kernels.qlinear import fp16_unavailable
     from hamburger.model.config import check_confidence
     from hamburger.model.hamburger_model import HamburgerModel
 

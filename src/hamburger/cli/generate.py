@@ -109,7 +109,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from hamburger.inference.quantize import model_bytes
+    from hamburger.kernels.quantize import model_bytes
     from hamburger.loading import quantize_loaded
 
     model, trained, scheme = load_model(args, quantize=False)  # the parameter counts are those of the float model

@@ -13,12 +13,12 @@ Systems (`--systems`):
 - `hamburger_verify`: verify mode on the fast engine: the micro-step decoder drafts, the base checks, the
   output is exactly the base's (at the checkpoint's verify confidence, or `--verify-confidence`);
 - `llama_cpp`: llama.cpp (`llama-cpp-python`, skipped with the reason when it is not installed) on the GGUF the
-  base was loaded from, batch 1, threads = cores: the CPU anchor (`hamburger.inference.llamacpp`);
+  base was loaded from, batch 1, threads = cores: the CPU anchor (`hamburger.evaluation.llamacpp`);
 - `hamburger_compress`: compress mode (needs a KV merger in the checkpoint): verify's drafting, checked by a
   base that keeps each decided step as one merged KV entry (same confidence as `hamburger_verify`).
 
 With `--quantize none,fp16,int8,int4` every system runs under each weight-only quantization scheme in the same run
-(`hamburger.inference.quantize`: the base, micro-step decoder and LM head; rows `engine_base+int8`, ...), each scheme on
+(`hamburger.kernels.quantize`: the base, micro-step decoder and LM head; rows `engine_base+int8`, ...), each scheme on
 a freshly loaded copy of the model, on the same prompts and settings. The "× base engine" ratio is against the
 `engine_base` of the same weights (like for like), "× float base" against the float one; quantized rows also give
 the weights' MB and their greedy agreement with the
@@ -49,7 +49,7 @@ from hamburger.evaluation.bench_systems import (
     make_system,
     measure,
 )
-from hamburger.inference.llamacpp import Unavailable
+from hamburger.evaluation.llamacpp import Unavailable
 
 # --- the run ------------------------------------------------------------------------------------------------
 
@@ -83,7 +83,7 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
     at most that many rows decode (`Engine`); `lookup`: verify and compress mode's lookup drafts (`Engine`; None:
     the checkpoint's).
     """
-    from hamburger.inference.quantize import model_bytes
+    from hamburger.kernels.quantize import model_bytes
     from hamburger.model.hamburger_model import HamburgerModel
 
     if any(s != "none" for s in schemes) and load_quantized is None:

@@ -214,7 +214,7 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
         draft.generation_config.num_assistant_tokens = int(name.removeprefix("spec_int8_k"))
         return lambda prompts, n: hf_call(base, prompts, n, eos, pad, record, assistant_model=draft)
     if name == "llama_cpp":
-        from hamburger.inference.llamacpp import gguf_path, llama_cpp_system
+        from hamburger.evaluation.llamacpp import gguf_path, llama_cpp_system
 
         refs = [getattr(base.config, "hamburger_ref", None), hamburger_model.config.base_model]
         system = llama_cpp_system(gguf_path([r for r in refs if r]), eos, record=record)

@@ -26,7 +26,7 @@ from hamburger.inference.core import Limits, MicroContext, macro_step, micro_con
 from hamburger.inference.draft_policy import StepCosts
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
 from hamburger.inference.lookup import reply_store
-from hamburger.inference.qlinear import Fp16Linear, QuantizedLinear, fp16_unavailable
+from hamburger.kernels.qlinear import Fp16Linear, QuantizedLinear, fp16_unavailable
 from hamburger.inference.reference import (
     Generation,
     GenerationOutput,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hamburger.inference import compiled_ops
+from hamburger.kernels import compiled_ops
 from hamburger.model.layers import attend, project
 from hamburger.model.slot_adapters import AdapterPass
 

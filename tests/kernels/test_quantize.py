@@ -1,4 +1,4 @@
-"""Weight-only int8 / int4 quantization (hamburger.inference.quantize): kernels, Q4_1 exactness, whole models, disk cache."""
+"""Weight-only int8 / int4 quantization (hamburger.kernels.quantize): kernels, Q4_1 exactness, whole models, disk cache."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from hamburger import HamburgerModel, generate
 from hamburger.inference import qlinear
 from hamburger.inference import quantize as qz
 from hamburger.inference.engine import Engine
-from hamburger.inference.fused import FusedPart
-from hamburger.inference.qlinear import Fp16Linear, Int4Linear, Int8Linear, QuantizedLinear, fp16_unavailable
-from hamburger.inference.quantize import quantize_cached, quantize_model
+from hamburger.kernels.fused import FusedPart
+from hamburger.kernels.qlinear import Fp16Linear, Int4Linear, Int8Linear, QuantizedLinear, fp16_unavailable
+from hamburger.kernels.quantize import quantize_cached, quantize_model
 
 
 def tiny_llama(seed: int = 0, hidden: int = 64, vocab: int = 256, dtype=torch.float32) -> LlamaForCausalLM:

@@ -24,13 +24,13 @@ class Unavailable(Exception):
 
 def gguf_path(refs: list[str | None]) -> Path:
     """The GGUF file behind the first of `refs` (a .gguf path, or the embedded default) that has one."""
-    from hamburger.model.base import _DEFAULT_GGUF, default_model_dir, is_default
+    from hamburger.model.base import DEFAULT_GGUF, default_model_dir, is_default
 
     for ref in refs:
         if ref is not None and str(ref).endswith(".gguf") and Path(ref).is_file():
             return Path(ref)
         if is_default(ref) or ref == "default":
-            return default_model_dir() / _DEFAULT_GGUF
+            return default_model_dir() / DEFAULT_GGUF
     raise Unavailable("llama.cpp needs the base as a .gguf file (--model path/to/model.gguf or the embedded default)")
 
 

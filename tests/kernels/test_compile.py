@@ -11,11 +11,11 @@ import torch
 from torch._dynamo.utils import counters
 
 from conftest import hamburger
-from hamburger.inference import compiled_ops
+from hamburger.kernels import compiled_ops
 from hamburger.inference.engine import Engine
 from hamburger.inference.kv import KVCache, RowSlots, SlotWrites
-from hamburger.inference.qlinear import Fp16Linear, fp16_unavailable
-from hamburger.inference.quantize import quantize_model
+from hamburger.kernels.qlinear import Fp16Linear, fp16_unavailable
+from hamburger.kernels.quantize import quantize_model
 
 needs_fbgemm = pytest.mark.skipif(fp16_unavailable("cpu") is not None, reason=str(fp16_unavailable("cpu")))
 needs_compiler = pytest.mark.skipif(not (shutil.which("g++") or shutil.which("c++")),

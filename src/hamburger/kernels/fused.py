@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hamburger.inference.qlinear import MODULES, WIDE_ROWS, QuantizedLinear, carry_hooks
+from hamburger.kernels.qlinear import MODULES, WIDE_ROWS, QuantizedLinear, carry_hooks
 
 
 class FusedGroup:

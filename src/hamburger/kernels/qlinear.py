@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hamburger.inference import compiled_ops
+from hamburger.kernels import compiled_ops
 
 # `set_wide`: passes of at least this many rows (prefill, a batch of 8 or more rows) multiply by a bfloat16 copy of
 # the weights. On a CPU with AMX, oneDNN's bfloat16 GEMM costs about the same from 1 to 64 rows, while FBGEMM's fp16

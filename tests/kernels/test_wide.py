@@ -13,9 +13,9 @@ from test_quantize import linear_from, needs_fbgemm, tiny_llama
 from hamburger import HamburgerModel
 from hamburger.errors import HamburgerError
 from hamburger.inference.engine import Engine
-from hamburger.inference.fused import FusedPart
-from hamburger.inference.qlinear import MODULES, WIDE_ROWS, QuantizedLinear, wide_unavailable
-from hamburger.inference.quantize import quantize_model, wide_bytes
+from hamburger.kernels.fused import FusedPart
+from hamburger.kernels.qlinear import MODULES, WIDE_ROWS, QuantizedLinear, wide_unavailable
+from hamburger.kernels.quantize import quantize_model, wide_bytes
 from hamburger.loading import check_quantize, parse_schemes, split_scheme, split_wide
 
 needs_bf16 = pytest.mark.skipif(wide_unavailable("cpu") is not None, reason=str(wide_unavailable("cpu")))

@@ -44,8 +44,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from hamburger.inference.fused import fuse_projections
-from hamburger.inference.qlinear import (
+from hamburger.kernels.fused import fuse_projections
+from hamburger.kernels.qlinear import (
     MODULES,
     WIDE_ROWS,
     QuantizedLinear,
