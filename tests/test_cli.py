@@ -366,7 +366,8 @@ def test_the_parsers_literals_match_the_library():
     """Building the parser imports no torch, so it repeats a few of the library's names: they must not drift."""
     from hamburger.cli import common
     from hamburger.evaluation import bench_systems, evaluate
-    from hamburger.inference import admission, engine, quantize
+    from hamburger.inference import admission, engine
+    from hamburger.kernels import quantize
     from hamburger.loading import DTYPES
     from hamburger.model import base, merger
     from hamburger.training import sources

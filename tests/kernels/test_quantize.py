@@ -13,8 +13,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import hamburger, tiny_base
 from hamburger import HamburgerModel, generate
-from hamburger.inference import qlinear
-from hamburger.inference import quantize as qz
+from hamburger.kernels import qlinear
+from hamburger.kernels import quantize as qz
 from hamburger.inference.engine import Engine
 from hamburger.kernels.fused import FusedPart
 from hamburger.kernels.qlinear import Fp16Linear, Int4Linear, Int8Linear, QuantizedLinear, fp16_unavailable

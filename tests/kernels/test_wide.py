@@ -99,7 +99,7 @@ def test_scheme_specs_with_the_suffix():
 
 
 def test_quantize_model_refuses_wide_where_it_cannot_run(monkeypatch):
-    from hamburger.inference import quantize as qz
+    from hamburger.kernels import quantize as qz
 
     monkeypatch.setattr(qz, "wide_unavailable", lambda device: "no native bfloat16 here")
     with pytest.raises(ValueError, match="no native bfloat16"):
