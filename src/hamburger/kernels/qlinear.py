@@ -1,6 +1,6 @@
 """Weight-only quantized linear layers on PyTorch's packed kernels: float16 weights for FBGEMM's GEMM (CPU),
-int8 per output channel and int4 in groups (GGUF Q4_1's layout), with the arithmetic that makes their codes.
-`quantize.py` plans which layers to swap.
+int8 per output channel and int4 in groups (GGUF Q4_1's layout). `qcodes.py` holds the arithmetic that makes their
+codes, `quantize.py` plans which layers to swap.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hamburger.kernels import compiled_ops
+from hamburger.kernels.qcodes import inner_k_tiles, int4_weights, int8_weights, pack_nibbles, unpack_nibbles
 
 # `set_wide`: passes of at least this many rows (prefill, a batch of 8 or more rows) multiply by a bfloat16 copy of
 # the weights. On a CPU with AMX, oneDNN's bfloat16 GEMM costs about the same from 1 to 64 rows, while FBGEMM's fp16
@@ -25,46 +26,6 @@ def wide_unavailable(device: torch.device | str) -> str | None:
     if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
         return "+bf16 (wide passes in bfloat16) needs a CPU with native bfloat16 (AVX512-BF16 or AMX)"
     return None
-
-
-# --- the quantization arithmetic (pure functions) ------------------------------------------------------------
-
-
-def int8_weights(w: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) float -> (int8 codes in -127..127, per-row scales in `dtype`) with w ≈ q · scale."""
-    w32 = w.detach().float()
-    amax = w32.abs().amax(1)
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).to(dtype)
-    q = (w32 / scale.float()[:, None]).round().clamp(-127, 127).to(torch.int8)
-    return q, scale
-
-
-def int4_weights(w: torch.Tensor, group_size: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(N, K) float -> (uint8 codes in 0..15 (N, K), scales (N, K/g), mins (N, K/g)) with w ≈ q · scale + min.
-
-    Min/max per group (Q4_1's rule): a group's smallest weight gets q = 0, its largest q = 15. The scale
-    and the kernels' zero (min + 8·scale) are rounded to `dtype` first and the codes are computed
-    against the rounded values; the returned mins are those the kernel reproduces (zero - 8·scale).
-    """
-    n, k = w.shape
-    groups = w.detach().float().reshape(n, k // group_size, group_size)
-    lo, hi = groups.amin(-1), groups.amax(-1)
-    tiny = torch.finfo(dtype).tiny  # constant groups: any scale works; a tiny one keeps zero == min
-    scale = torch.where(hi > lo, (hi - lo) / 15, torch.full_like(lo, tiny)).to(dtype).float()
-    zero = (lo + 8 * scale).to(dtype).float()
-    low = zero - 8 * scale
-    q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
-    return q.reshape(n, k), scale.to(dtype), low.to(dtype)
-
-
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """(N, K) codes 0..15 -> (N, K/2) uint8, even columns in the low nibble (the cache's portable layout)."""
-    q = q.to(torch.uint8)
-    return q[:, ::2] | (q[:, 1::2] << 4)
-
-
-def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
-    return torch.stack([p & 15, p >> 4], -1).reshape(p.shape[0], -1)
 
 
 # --- the modules ---------------------------------------------------------------------------------------------
@@ -234,11 +195,6 @@ class Int8Linear(QuantizedLinear):
         return cls(torch.cat([p.weight_int8 for p in parts]), torch.cat([p.scales for p in parts]), _cat_bias(parts))
 
 
-def _inner_k_tiles(k: int) -> int:
-    """The CUDA packing's innerKTiles: the largest of 8, 4, 2 with K a multiple of innerKTiles·16."""
-    return next(t for t in (8, 4, 2) if k % (t * 16) == 0)
-
-
 class Int4Linear(QuantizedLinear):
     """Asymmetric group-wise 4-bit weights (Q4_1 layout), the packed int4 kernels of CPU or CUDA."""
 
@@ -258,7 +214,7 @@ class Int4Linear(QuantizedLinear):
                                  "in bfloat16 or use int8")
             q8 = q.to(torch.uint8)
             packed = torch.ops.aten._convert_weight_to_int4pack((q8[:, ::2] << 4 | q8[:, 1::2]).contiguous(),
-                                                               _inner_k_tiles(k))
+                                                               inner_k_tiles(k))
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
         zeros = mins + 8 * scales  # in the stored dtype, as quantized against
