@@ -12,6 +12,7 @@ from hamburger.errors import HamburgerError
 from hamburger.model.hamburger_model import load_model
 from hamburger.training.data import collate
 from hamburger.training.examples import read_examples, split_eval
+from hamburger.training.loss import hamburger_loss
 
 
 def splits(data: str, fraction: float) -> tuple[list, list]:
@@ -53,7 +54,7 @@ def token0_right(model, examples: list, batch_size: int = 8):
     with torch.autocast("cpu", dtype=torch.bfloat16):
         for i in range(0, len(examples), batch_size):
             batch = collate(examples[i : i + batch_size], k, pad)
-            out = model(batch)
+            out = hamburger_loss(model, batch)
             first = out.in_step_index == 0  # token 0 of every step, in step order
             yield batch, out.logits[first].argmax(-1) == out.targets[first], \
                 batch.slot_lengths[batch.step_batch, batch.step_slot]

@@ -24,12 +24,14 @@ import argparse
 import json
 import random
 import time
+
 import torch
 from heldout_split import load_for_acc0, slots_since_smashed, splits, token0_right
 
 from hamburger.errors import HamburgerError
 from hamburger.model.slot_adapters import SlotAdapters
 from hamburger.training.data import collate
+from hamburger.training.loss import hamburger_loss
 
 
 def reader_mask(merged: torch.Tensor, attention_mask: torch.Tensor, reach: int) -> torch.Tensor:
@@ -105,7 +107,7 @@ def main() -> None:
         at = (step * 8) % len(order)
         batch = collate(sorted(order[at : at + 8], key=lambda ex: ex.num_slots), k, pad)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = model(batch)
+            out = hamburger_loss(model, batch)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()

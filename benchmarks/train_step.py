@@ -23,6 +23,7 @@ import torch
 from hamburger.model.hamburger_model import load_model
 from hamburger.training.data import SegmentedExample, collate
 from hamburger.training.examples import attach_teacher, read_examples, split_eval
+from hamburger.training.loss import hamburger_loss
 
 OBJECTIVES = {  # name: (kd_weight, state_weight, use the cached teacher)
     "CE + stop (the paper's)": (0.0, 0.0, False),
@@ -64,7 +65,8 @@ def main() -> None:
             for name, (kd, state, use_cache) in OBJECTIVES.items():
                 t0 = time.perf_counter()
                 with torch.autocast("cpu", dtype=torch.bfloat16):
-                    out = model(cached if use_cache else live, verified_stops=True, kd_weight=kd, state_weight=state)
+                    out = hamburger_loss(model, cached if use_cache else live, verified_stops=True, kd_weight=kd,
+                                         state_weight=state)
                 out.loss.backward()
                 times[name][rep] += time.perf_counter() - t0
                 model.zero_grad(set_to_none=True)

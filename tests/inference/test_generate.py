@@ -14,6 +14,7 @@ from hamburger import (
     generate,
     stream,
 )
+from hamburger.training.loss import hamburger_loss
 
 PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51]]
 
@@ -70,7 +71,7 @@ def test_teacher_forced_logits_equal_forced_step_generation(arch, slot_rank):
     assert out.steps[0] == [2, 4, 1, 3, 3, 4, 2]
     batch = collate([SegmentedExample(prompt + out.tokens[0], len(prompt), out.steps[0])], 4, PAD)
     with torch.no_grad():
-        train = model(batch)
+        train = hamburger_loss(model, batch)
     assert train.logits.shape == out.logits[0].shape
     torch.testing.assert_close(train.logits, out.logits[0], atol=1e-4, rtol=1e-4)
 
@@ -83,7 +84,7 @@ def test_teacher_forced_consistency_is_sensitive_to_positions():
     batch = collate([SegmentedExample(prompt + out.tokens[0], len(prompt), out.steps[0])], 4, PAD)
     batch.position_ids[0, len(prompt):] += 1
     with torch.no_grad():
-        shifted = model(batch)
+        shifted = hamburger_loss(model, batch)
     assert not torch.allclose(shifted.logits, out.logits[0], atol=1e-4)
 
 

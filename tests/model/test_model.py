@@ -19,6 +19,7 @@ from hamburger import (
 from hamburger.model.micro_decoder import MicroStepDecoder
 from hamburger.model.outputs import metrics_from_counts
 from hamburger.training.examples import evaluate
+from hamburger.training.loss import hamburger_loss
 
 EXAMPLES = [
     SegmentedExample([5, 6, 7, 8, 9, 10, 11, 12, 13, 14], 4, [2, 1, 3]),
@@ -46,7 +47,7 @@ def test_micro_decoder_uses_base_layer_type_and_top_layer_weights(arch):
 def test_training_forward_loss_and_metrics(arch):
     model = hamburger(arch, k=4)
     batch = collate(EXAMPLES, 4, PAD)
-    out = model(batch)
+    out = hamburger_loss(model, batch)
     assert out.logits.shape == (11, 96)  # every response token once, in sequence order
     assert out.targets.tolist() == [9, 10, 11, 12, 13, 14, 22, 23, 24, 25, 26]
     # steps [2, 1, 3] then [4, 1]
@@ -68,8 +69,8 @@ def test_training_forward_loss_and_metrics(arch):
 def test_padding_in_a_batch_does_not_change_logits():
     model = hamburger("llama", k=4)
     with torch.no_grad():
-        together = model(collate(EXAMPLES, 4, PAD))
-        alone = [model(collate([ex], 4, PAD)) for ex in EXAMPLES]
+        together = hamburger_loss(model, collate(EXAMPLES, 4, PAD))
+        alone = [hamburger_loss(model, collate([ex], 4, PAD)) for ex in EXAMPLES]
     torch.testing.assert_close(together.logits, torch.cat([a.logits for a in alone]), atol=1e-4, rtol=1e-4)
 
 
@@ -127,7 +128,7 @@ def test_bfloat16_checkpoint_is_half_the_size_and_loads_close(tmp_path):
 def test_training_forward_under_bf16_autocast():
     model = hamburger("llama", k=4)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(collate(EXAMPLES, 4, PAD))
+        out = hamburger_loss(model, collate(EXAMPLES, 4, PAD))
     out.loss.backward()
     assert torch.isfinite(out.loss) and model.micro.layers[0].mlp.down_proj.weight.grad is not None
 
@@ -136,7 +137,7 @@ def test_verified_stops_also_end_a_step_before_a_wrong_token():
     model = hamburger("llama", k=4)
     batch = collate(EXAMPLES, 4, PAD)
     with torch.no_grad():
-        plain, verified = model(batch), model(batch, verified_stops=True)
+        plain, verified = hamburger_loss(model, batch), hamburger_loss(model, batch, verified_stops=True)
     wrong = (plain.logits.argmax(-1) != plain.targets).tolist()
     expected = [max(s, float(w)) for s, w in zip(plain.stop_targets.tolist(), wrong[1:] + [1.0])]
     assert verified.stop_targets.tolist() == expected
@@ -182,7 +183,7 @@ def test_micro_decoder_runs_only_over_multi_token_steps_and_the_loss_is_unchange
     batch = collate(examples, 4, PAD)
     calls = []
     hook = model.micro.register_forward_hook(lambda mod, args, out: calls.append(tuple(args[0].shape[:2])))
-    out = model(batch)
+    out = hamburger_loss(model, batch)
     hook.remove()
     m = model.micro.num_features
     assert calls == ([(micro_rows, m + micro_width)] if micro_rows else [])
@@ -206,7 +207,7 @@ def test_stop_labels_at_the_last_index_and_on_eos_do_not_count():
     examples = [SegmentedExample([5, 6, 20, 21, 22, 23, 24, EOS], 2, [4, 2]),  # EOS closes a 2-token step
                 SegmentedExample([5, 30, 31, EOS], 1, [1, 2])]  # ... and a 2-token step, not at K-1
     with torch.no_grad():
-        out = model(collate(examples, 4, PAD))
+        out = hamburger_loss(model, collate(examples, 4, PAD))
     assert out.targets.tolist() == [20, 21, 22, 23, 24, EOS, 30, 31, EOS]
     assert out.stop_targets.tolist() == [0, 0, 0, 1, 0, 1, 1, 0, 1]
     assert out.stop_mask.tolist() == [True, True, True, False, True, False, True, True, False]
@@ -228,7 +229,7 @@ def test_held_out_metrics_are_means_over_the_whole_set_not_over_batches():
         else:  # mostly wrong
             examples.append(SegmentedExample(prompt + list(range(20, 20 + sum(steps))), 2, steps))
     with torch.no_grad():
-        one_batch = model(collate(examples, 4, PAD))
+        one_batch = hamburger_loss(model, collate(examples, 4, PAD))
     correct = one_batch.logits.argmax(-1) == one_batch.targets
     assert 0 < correct.float().mean() < 1
     for batch_size in (1, 2, 7):
@@ -250,7 +251,7 @@ def test_dense_losses_distil_the_unmerged_base_at_the_right_positions(arch):
     where it predicts that very token; state_loss compares each merged slot with the base at its step's last token."""
     model = hamburger(arch, k=4)
     batch = collate(EXAMPLES, 4, PAD)
-    out = model(batch, kd_weight=0.7, state_weight=0.3)
+    out = hamburger_loss(model, batch, kd_weight=0.7, state_weight=0.3)
     with torch.no_grad():
         want = []
         for ex in EXAMPLES:
@@ -259,7 +260,7 @@ def test_dense_losses_distil_the_unmerged_base_at_the_right_positions(arch):
         want = torch.log_softmax(torch.cat(want).float(), -1)
     kd = torch.nn.functional.kl_div(torch.log_softmax(out.logits, -1), want, log_target=True, reduction="batchmean")
     torch.testing.assert_close(out.kd_loss, kd)
-    plain = model(batch)
+    plain = hamburger_loss(model, batch)
     torch.testing.assert_close(out.loss, plain.loss + 0.7 * out.kd_loss + 0.3 * out.state_loss)
     assert plain.kd_loss is None and plain.state_loss is None
     assert out.merged_slots == 2  # steps [2, 1, 3] then [4, 1]: slots for [2, 1] and [4], two of them merged
@@ -276,10 +277,11 @@ def test_dense_losses_vanish_when_nothing_is_smashed():
     model = hamburger("llama", k=4)
     ones = [SegmentedExample(ex.input_ids, ex.prompt_len, [1] * (len(ex.input_ids) - ex.prompt_len)) for ex in EXAMPLES]
     with torch.no_grad():
-        out = model(collate(ones, 4, PAD), dense_metrics=True)
+        out = hamburger_loss(model, collate(ones, 4, PAD), dense_metrics=True)
     assert out.kd_loss.item() == pytest.approx(0.0, abs=1e-5)
     assert out.merged_slots == 0 and out.state_loss.item() == 0.0
-    torch.testing.assert_close(out.loss, model(collate(ones, 4, PAD)).loss)  # dense_metrics alone adds nothing
+    # dense_metrics alone adds nothing
+    torch.testing.assert_close(out.loss, hamburger_loss(model, collate(ones, 4, PAD)).loss)
 
 
 def test_smash_of_one_token_steps_is_their_embedding():

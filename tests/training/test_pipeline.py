@@ -23,6 +23,7 @@ from hamburger import (
 )
 from hamburger.cli import main
 from hamburger.training.examples import epoch_batches
+from hamburger.training.loss import hamburger_loss
 from hamburger.training.segment import (
     Thresholds,
     chat_example,
@@ -250,7 +251,7 @@ def test_frozen_training_learns_keeps_base_and_resumes_exactly(tmp_path, tiny_mo
 def test_resume_is_exact_and_the_state_holds_what_trains(tmp_path, tiny_model_dir, mode):
     """lora: the state holds the new modules and the adapters, not the base; full: the whole model."""
     make_data(tmp_path / "data.jsonl")
-    kw = dict(mode=mode, lora_rank=4 if mode == "lora" else 0, base_lr=3e-3, max_steps=4)
+    kw = dict(base_training=mode, lora_rank=4 if mode == "lora" else 0, base_lr=3e-3, max_steps=4)
     straight = train_run(tmp_path, "straight", tiny_model_dir, **kw)
     straight.fit(progress=False)
     first = train_run(tmp_path, "resumed", tiny_model_dir, **kw)
@@ -271,7 +272,7 @@ def test_resume_is_exact_and_the_state_holds_what_trains(tmp_path, tiny_model_di
 
 def test_full_mode_trains_the_base_and_ships_it(tmp_path, tiny_model_dir):
     make_data(tmp_path / "data.jsonl")
-    trainer = train_run(tmp_path, "full", tiny_model_dir, max_steps=2, mode="full")
+    trainer = train_run(tmp_path, "full", tiny_model_dir, max_steps=2, base_training="full")
     before = fingerprint(trainer.hamburger.base)
     trainer.fit(progress=False)
     assert fingerprint(trainer.hamburger.base) != before
@@ -284,7 +285,7 @@ def test_lora_mode_trains_adapters_ships_them_small_and_merges(tmp_path, tiny_mo
     base, tok = load_base(str(tiny_model_dir))
     torch.manual_seed(0)
     model = HamburgerModel.wrap(base, tok, HamburgerConfig(max_step_tokens=4, micro_layers=2, lora_rank=4))
-    args = TrainArgs(data=str(tmp_path / "data.jsonl"), out=str(tmp_path / "lora"), mode="lora", batch_size=4,
+    args = TrainArgs(data=str(tmp_path / "data.jsonl"), out=str(tmp_path / "lora"), base_training="lora", batch_size=4,
                      lr=3e-3, base_lr=3e-3, max_steps=3, eval_every=3, save_every=3, bf16=False)
     (tmp_path / "lora").mkdir()
     trainer = Trainer(model, args)
@@ -432,7 +433,7 @@ def test_dense_losses_train_and_are_refused_where_the_base_is_not_the_teacher(tm
     assert row["step"] == 4 and "kd_loss" in row
     for mode, rank in (("lora", 4), ("full", 0)):
         with pytest.raises(HamburgerError, match="frozen"):
-            train_run(tmp_path, f"dense-{mode}", tiny_model_dir, lora_rank=rank, mode=mode, kd_weight=1.0)
+            train_run(tmp_path, f"dense-{mode}", tiny_model_dir, lora_rank=rank, base_training=mode, kd_weight=1.0)
     with pytest.raises(HamburgerError, match=">= 0"):
         train_run(tmp_path, "dense-neg", tiny_model_dir, state_weight=-1.0)
 
@@ -449,7 +450,7 @@ def test_held_out_stop_calibration_is_set_wide(tmp_path, tiny_model_dir):
     with torch.no_grad():
         whole = evaluate(model, run.held, 4, run.pad, 512, "cpu")
         one_by_one = evaluate(model, run.held, 4, run.pad, 1, "cpu")
-        out = model(collate(run.held, 4, run.pad))
+        out = hamburger_loss(model, collate(run.held, 4, run.pad))
     assert whole["stop_ece"] == pytest.approx(one_by_one["stop_ece"], abs=1e-5)
     p = torch.sigmoid(out.stop_logits)[out.stop_mask]
     y = out.stop_targets[out.stop_mask]
@@ -502,8 +503,8 @@ def test_partial_steps_cut_training_steps_and_resume_exactly(tmp_path, tiny_mode
 
     model = hamburger("llama", k=4)
     cut = cut_steps(ex, random.Random(0), 1.0)
-    flagged = model(collate([cut], 4, 0), verified_stops=False)
-    plain = model(collate([replace(cut, cut=None)], 4, 0), verified_stops=False)
+    flagged = hamburger_loss(model, collate([cut], 4, 0), verified_stops=False)
+    plain = hamburger_loss(model, collate([replace(cut, cut=None)], 4, 0), verified_stops=False)
     assert torch.equal(flagged.targets, plain.targets) and torch.equal(flagged.logits, plain.logits)
     assert int(plain.stop_mask.sum()) - int(flagged.stop_mask.sum()) == sum(cut.cut)
     with pytest.raises(HamburgerError, match="cut flags"):

@@ -18,6 +18,8 @@ from hamburger import (
     load_base,
 )
 from hamburger.cli import main
+from hamburger.training import loss
+from hamburger.training.loss import hamburger_loss
 from hamburger.training.teacher import read_teacher, sparse_kl, teacher_dir, top_k
 from hamburger.training.train import TrainArgs, Trainer
 
@@ -65,20 +67,20 @@ def with_teacher(model, examples, k):
 def test_kd_from_the_cache_equals_kd_from_the_base_and_skips_its_forward(arch, monkeypatch):
     model = hamburger(arch, k=4)
     vocab = model.base.config.vocab_size
-    live = model(collate(EXAMPLES, 4, PAD), kd_weight=0.7)
+    live = hamburger_loss(model, collate(EXAMPLES, 4, PAD), kd_weight=0.7)
     cached = collate(with_teacher(model, EXAMPLES, vocab), 4, PAD)
     calls = []
-    monkeypatch.setattr(model, "teacher_states", lambda batch: calls.append(1))
-    out = model(cached, kd_weight=0.7)
+    monkeypatch.setattr(loss, "teacher_states", lambda model, batch: calls.append(1))
+    out = hamburger_loss(model, cached, kd_weight=0.7)
     assert not calls and out.state_loss is None  # KD alone from the cache: no second base forward
     torch.testing.assert_close(out.kd_loss, live.kd_loss, atol=2e-3, rtol=2e-3)
     torch.testing.assert_close(out.loss, out.ce_loss + 0.5 * out.stop_loss + 0.7 * out.kd_loss)
     out.loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.micro.parameters())
     with torch.autocast("cpu", dtype=torch.bfloat16):  # as training and held-out evaluation run it
-        half = model(collate(with_teacher(model, EXAMPLES, vocab), 4, PAD), kd_weight=0.7)
+        half = hamburger_loss(model, collate(with_teacher(model, EXAMPLES, vocab), 4, PAD), kd_weight=0.7)
     torch.testing.assert_close(half.kd_loss, out.kd_loss, atol=0.1, rtol=0.1)
-    small = model(collate(with_teacher(model, EXAMPLES, 3), 4, PAD), kd_weight=0.7)
+    small = hamburger_loss(model, collate(with_teacher(model, EXAMPLES, 3), 4, PAD), kd_weight=0.7)
     assert 0 <= small.kd_loss <= out.kd_loss + 1e-3  # top-3 plus the rest: a lower bound
 
 

@@ -8,8 +8,6 @@ import argparse
 import json
 import shutil
 import sys
-from collections import Counter
-from dataclasses import asdict
 from pathlib import Path
 
 from hamburger.cli.common import (
@@ -24,10 +22,43 @@ from hamburger.cli.common import (
 )
 from hamburger.errors import HamburgerError
 from hamburger.model.config import MODES as DECODING_MODES
-from hamburger.training.args import MODES, DrafterArgs, MergerArgs, TrainArgs
+from hamburger.training.args import BASE_TRAINING, DrafterArgs, MergerArgs, TrainArgs
+
+
+class Renamed(argparse.Action):
+    """An option that was renamed: using it is an error that names the new one."""
+
+    def __init__(self, option_strings: list[str], dest: str, new: str = "", **kwargs) -> None:
+        self.new = new
+        super().__init__(option_strings, dest, default=argparse.SUPPRESS, help=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        parser.error(f"{option_string} was renamed: {self.new}")
+
+
+def add_run_args(p: argparse.ArgumentParser, data_help: str, out_help: str, resume: bool = True) -> None:
+    """--data, --out and --resume: what a training or data command reads and the folder it writes (or continues)."""
+    group = p.add_argument_group("run")
+    group.add_argument("--data", required=True, help=data_help)
+    group.add_argument("--out", required=True, help=out_help)
+    if resume:
+        group.add_argument("--resume", action="store_true", help="continue the run in --out")
+
+
+def add_bf16_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-bf16", dest="bf16", action="store_false", help="float32 compute, no bf16 autocast")
+
+
+RUN_FOLDER = "run folder: state/ to resume, hamburger/ the checkpoint, log.jsonl"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    for add in (register_distill, register_segment, register_export, register_train, register_train_drafter,
+                register_train_merger):
+        add(sub)
+
+
+def register_distill(sub: argparse._SubParsersAction) -> None:
     p = command(sub, "distill", "generate the base model's replies to offline prompts (resumable JSONL)")
     p.add_argument("--sources", default="gsm,chat,code",
                    help=f"comma list of {', '.join(BUILTIN_SOURCES)} and/or JSONL files")
@@ -44,10 +75,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts' variants and the sampling")
     p.set_defaults(func=cmd_distill)
 
+
+def register_segment(sub: argparse._SubParsersAction) -> None:
     p = command(sub, "segment", "cut distilled replies into steps by the base's entropy")
-    p.add_argument("--data", required=True, help="JSONL of chats (`messages`, or `prompt` + `response`)")
-    p.add_argument("--out", required=True,
-                   help="JSONL of {id, input_ids, prompt_len, steps}; a summary lands beside it")
+    add_run_args(p, "JSONL of chats (`messages`, or `prompt` + `response`)",
+                 "JSONL of {id, input_ids, prompt_len, steps}; a summary lands beside it", resume=False)
     add_model_args(p)
     p.add_argument("--max-step-tokens", type=int, default=4, help="K: the most tokens of a step")
     p.add_argument("--abs-threshold", type=float, default=0.05,
@@ -63,12 +95,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing --out file (and its teacher cache)")
     p.set_defaults(func=cmd_segment)
 
+
+def register_export(sub: argparse._SubParsersAction) -> None:
     e = command(sub, "export", "write a checkpoint for shipping (smaller dtype, LoRA merged)")
     e.add_argument("checkpoint", help="a HAMburger checkpoint folder (e.g. RUN/hamburger)")
     e.add_argument("out", help="the folder to write")
     e.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16",
                    help="the weights' dtype on disk")
-    e.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into the base's weights")
+    e.add_argument("--merge-lora", action="store_true", help="merge LoRA adapters into the base's weights (the "
+                   "LoRA then acts in every mode: verify and compress check against the adapted base)")
     e.add_argument("--micro-vocab", default=None, metavar="SEGMENTED_JSONL",
                    help="store a shortlist of the most frequent response tokens of this data: the fast engine's "
                    "micro-steps choose among them (a cheaper LM head)")
@@ -93,65 +128,74 @@ def register(sub: argparse._SubParsersAction) -> None:
     e.add_argument("--force", action="store_true", help="replace the files of a non-empty OUT")
     e.set_defaults(func=cmd_export)
 
+
+def register_train(sub: argparse._SubParsersAction) -> None:
     p = command(sub, "train", "train the HAMburger modules on segmented data (accelerate launch for DDP)")
-    p.add_argument("--data", required=True, help="segmented JSONL from `hamburger segment`")
-    p.add_argument("--out", required=True, help="run folder: state/ to resume, hamburger/ the checkpoint, log.jsonl")
+    add_run_args(p, "segmented JSONL from `hamburger segment`", RUN_FOLDER)
     p.add_argument("--model", default="default",
                    help="a base model to wrap with fresh modules (default: the embedded base), or a HAMburger "
                    "checkpoint folder whose modules training continues (the shipped one is "
                    "hamburger/checkpoints/SmolLM2-135M-Instruct in the package)")
-    p.add_argument("--mode", choices=MODES, default="frozen",
-                   help="frozen: only the new modules learn; lora: adapters on the base's attention too; full: the "
-                   "base too")
+    p.add_argument("--base-training", choices=BASE_TRAINING, default="frozen",
+                   help="how the base learns: frozen: not at all (only the new modules); lora: a LoRA on it (attached "
+                   "to a checkpoint that has none; trust mode decodes with it, verify and compress without); full: "
+                   "all its weights")
+    p.add_argument("--mode", action=Renamed, new="--base-training frozen|lora|full", nargs="?")
     p.add_argument("--max-step-tokens", type=int, default=4, help="K: the most tokens of a step")
     p.add_argument("--micro-layers", type=int, default=4, help="layers of the micro-step decoder")
-    p.add_argument("--lora-rank", type=int, default=16, help="adapter rank in --mode lora")
+    p.add_argument("--lora-rank", type=int, default=16, help="the LoRA's rank with --base-training lora")
     p.add_argument("--slot-adapter-rank", type=int, default=0,
                    help="adapters on the base that act only at merged slots (the base stays exact on plain tokens)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out")
-    p.add_argument("--no-bf16", dest="bf16", action="store_false", help="float32 compute, no bf16 autocast")
-    p.add_argument("--verified-stops", action="store_true",
-                   help="train the stop head to also end a step before a token the micro-step decoder gets wrong")
-    p.add_argument("--kd-weight", type=float, default=0.0,
-                   help="dense loss: KL(unmerged base || model) of the next-token distribution at every target, "
-                   "token 0 after a smashed slot and the micro tokens (--mode frozen)")
-    p.add_argument("--state-weight", type=float, default=0.0,
-                   help="dense loss: each merged slot's states at every layer regressed onto the unmerged base's "
-                   "states at the step's last token (relative squared error; --mode frozen)")
-    p.add_argument("--partial-steps", type=float, default=0.0, metavar="P",
-                   help="cut each training step of >= 2 tokens in two at a random point with probability P, so the "
-                   "base also learns to read step prefixes (inference ends steps early; held-out figures keep "
-                   "the data's steps)")
-    p.add_argument("--no-teacher-cache", dest="teacher_cache", action="store_false",
-                   help="with --kd-weight, run the base for the teacher even where DATA.teacher/ holds a cached one "
-                   "(the full KL instead of the top-k one)")
+    add_bf16_arg(p)
+    add_train_loss_args(p)
     p.add_argument("--report-to", default="none",
                    help="also send the training and held-out metrics to an accelerate tracker: tensorboard "
                    "(pip install tensorboard; written under OUT/tracker), wandb, mlflow, ...")
-    add_dataclass_args(p, TrainArgs, ("data", "out", "mode", "bf16", "verified_stops", "kd_weight", "state_weight",
-                                      "report_to", "teacher_cache", "partial_steps"))
+    add_dataclass_args(p, TrainArgs, ("data", "out", "base_training", "lora_rank", "bf16", "verified_stops",
+                                      "kd_weight", "state_weight", "report_to", "teacher_cache", "partial_steps"))
     p.set_defaults(func=cmd_train)
 
+
+def add_train_loss_args(p: argparse.ArgumentParser) -> None:
+    """The options of `train`'s loss."""
+    group = p.add_argument_group("loss")
+    group.add_argument("--verified-stops", action="store_true",
+                       help="train the stop head to also end a step before a token the micro-step decoder gets wrong")
+    group.add_argument("--kd-weight", type=float, default=0.0,
+                       help="dense loss: KL(unmerged base || model) of the next-token distribution at every target, "
+                       "token 0 after a smashed slot and the micro tokens (--base-training frozen)")
+    group.add_argument("--state-weight", type=float, default=0.0,
+                       help="dense loss: each merged slot's states at every layer regressed onto the unmerged base's "
+                       "states at the step's last token (relative squared error; --base-training frozen)")
+    group.add_argument("--partial-steps", type=float, default=0.0, metavar="P",
+                       help="cut each training step of >= 2 tokens in two at a random point with probability P, so the "
+                       "base also learns to read step prefixes (inference ends steps early; held-out figures keep "
+                       "the data's steps)")
+    group.add_argument("--no-teacher-cache", dest="teacher_cache", action="store_false",
+                       help="with --kd-weight, run the base for the teacher even where DATA.teacher/ holds a cached "
+                       "one (the full KL instead of the top-k one)")
+
+
+def register_train_drafter(sub: argparse._SubParsersAction) -> None:
     p = command(sub, "train-drafter", "distil the micro-step decoder into a drafter for every position "
-                                      "(KL to the frozen base; for --mode verify)")
+                                      "(KL to the frozen base; for verify mode)")
     add_model_args(p)
-    p.add_argument("--data", required=True, help="segmented JSONL (hamburger segment), or distilled JSONL "
-                   "(hamburger distill) read unsegmented: the drafter learns at every response position")
-    p.add_argument("--out", required=True, help="run folder: state/ to resume, hamburger/ the checkpoint, log.jsonl")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out")
-    p.add_argument("--no-bf16", dest="bf16", action="store_false", help="float32 compute, no bf16 autocast")
+    add_run_args(p, "segmented JSONL (hamburger segment), or distilled JSONL (hamburger distill) read unsegmented: "
+                 "the drafter learns at every response position", RUN_FOLDER)
+    add_bf16_arg(p)
     p.add_argument("--draft-stop-head", action="store_true",
                    help="train a stop head of verify/compress mode's own and leave trust mode's as it is (so one "
                         "checkpoint serves both); a checkpoint that has one always trains that one")
     add_dataclass_args(p, DrafterArgs, ("data", "out", "bf16", "draft_stop_head"))
     p.set_defaults(func=cmd_train_drafter)
 
+
+def register_train_merger(sub: argparse._SubParsersAction) -> None:
     p = command(sub, "train-merger", "fit a KV merger ('process, then compress': one KV entry per step) "
                                      "to a frozen base by KL to its unmerged self")
     add_model_args(p)
-    p.add_argument("--data", required=True, help="segmented JSONL (the data's steps, or --random-steps)")
-    p.add_argument("--out", required=True, help=f"run folder: {MERGER_WEIGHTS}, state/ to resume, log.jsonl")
-    p.add_argument("--resume", action="store_true", help="continue the run in --out")
+    add_run_args(p, "segmented JSONL (the data's steps, or --random-steps)",
+                 f"run folder: {MERGER_WEIGHTS}, state/ to resume, log.jsonl")
     p.add_argument("--random-steps", action="store_true", help="cut responses into random steps of 1..K")
     p.add_argument("--gates", action="store_true", help="per-channel gates on merged keys and values")
     p.add_argument("--channels", action="store_true", help="merge weights per channel (not per head): "
@@ -184,7 +228,7 @@ def cmd_segment(args: argparse.Namespace) -> int:
     from accelerate import PartialState
 
     from hamburger.model.base import fingerprint
-    from hamburger.training.segment import Thresholds, read_chats, segment_rows, summarize
+    from hamburger.training.segment import Thresholds, check_unique_ids, join_segment_parts, read_chats, segment_rows
     from hamburger.training.teacher import TeacherWriter, teacher_dir
 
     th = Thresholds(args.max_step_tokens, args.abs_threshold, args.rel_threshold)
@@ -199,11 +243,7 @@ def cmd_segment(args: argparse.Namespace) -> int:
             raise HamburgerError(f"{path} exists: pass --force to replace it")
     rows = read_chats(Path(args.data))
     if args.teacher_top_k:
-        seen = Counter(str(row.get("id", i)) for i, row in enumerate(rows))
-        twice = [rid for rid, n in seen.items() if n > 1]
-        if twice:
-            raise HamburgerError(f"--teacher-top-k keys the cache by example id, and {len(twice)} ids repeat in "
-                                 f"{args.data} (e.g. {twice[0]!r})")
+        check_unique_ids(rows, args.data)
     state = PartialState(cpu=not torch.cuda.is_available())  # cpu=True lets torchrun workers use gloo
     if state.num_processes > 1 and state.device.type != "cpu":
         args.device = str(state.device)  # one accelerator per process
@@ -224,20 +264,8 @@ def cmd_segment(args: argparse.Namespace) -> int:
     part.write_text("".join(json.dumps(ex) + "\n" for ex in done))
     state.wait_for_everyone()
     if state.is_main_process:
-        parts = [out.with_name(f"{out.name}.part{i}") for i in range(state.num_processes)]
-        examples = [json.loads(line) for p in parts for line in p.read_text().splitlines()]
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text("".join(json.dumps(ex) + "\n" for ex in examples))
-        if cache.exists():  # --force: an old cache would not match the new data
-            shutil.rmtree(cache)
-        tmp.replace(out)
-        if writer is not None:
-            building.replace(cache)
-        for p in parts:
-            p.unlink()
-        summary = summarize(examples, th.max_step_tokens) | {"thresholds": asdict(th), "source": str(args.data),
-                                                              "teacher_top_k": args.teacher_top_k}
-        out.with_name(out.name + ".summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        summary = join_segment_parts(out, state.num_processes, th, building if writer is not None else None,
+                                     {"source": str(args.data), "teacher_top_k": args.teacher_top_k})
         print(json.dumps(summary, indent=2), file=sys.stderr)
         if writer is not None:
             print(f"teacher: top-{args.teacher_top_k} of the base at every response token in {cache}/",
@@ -268,10 +296,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     else:
         base, tokenizer = load_base(args.model, device=device)
         cfg = HamburgerConfig(max_step_tokens=args.max_step_tokens, micro_layers=args.micro_layers,
-                              lora_rank=args.lora_rank if targs.mode == "lora" else 0,
+                              lora_rank=args.lora_rank if targs.base_training == "lora" else 0,
                               slot_adapter_rank=args.slot_adapter_rank)
         model = HamburgerModel.wrap(base, tokenizer, cfg)
         print(f"fresh modules around base {model.config.base_model}", file=sys.stderr)
+    if targs.base_training == "lora" and not model.config.lora_rank:
+        print(f"a LoRA of rank {targs.lora_rank} on the base (trust mode decodes with it, verify and compress "
+              "without)", file=sys.stderr)
     out.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(model, targs)
     if targs.kd_weight:
@@ -300,7 +331,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     import torch
 
-    from hamburger.training.drafter import DrafterTrainer
+    from hamburger.training.drafter import DrafterTrainer, adapt_micro
 
     dargs = DrafterArgs(**{f: getattr(args, f) for f in DrafterArgs.__dataclass_fields__})
     if dargs.micro_context < -1:
@@ -317,17 +348,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     if not trained or model.config.max_step_tokens < 2:
         raise HamburgerError(f"{args.model} is not a HAMburger checkpoint with a micro-step decoder: "
                              "train one with `hamburger train` first")
-    if dargs.micro_context >= 0 and dargs.micro_context != model.config.micro_context:
-        model.config.micro_context = dargs.micro_context
-        model.micro.set_context(dargs.micro_context)
-        print(f"micro-step decoder: context of {dargs.micro_context} base positions", file=sys.stderr)
-    if dargs.micro_layers and dargs.micro_layers != model.config.micro_layers:
-        if dargs.micro_layers > model.config.micro_layers:
-            raise HamburgerError(f"--micro-layers {dargs.micro_layers}: {args.model} has {model.config.micro_layers} "
-                                 "micro-step layers; a drafter can keep fewer, not add more")
-        model.micro.keep_top(dargs.micro_layers)
-        model.config.micro_layers = dargs.micro_layers
-        print(f"micro-step decoder: its last {dargs.micro_layers} layers", file=sys.stderr)
+    for line in adapt_micro(model, dargs.micro_context, dargs.micro_layers, args.model):
+        print(line, file=sys.stderr)
     saved = out / "state" / "trainer.json"
     if args.resume and saved.is_file() and json.loads(saved.read_text())["args"].get("draft_stop_head"):
         dargs.draft_stop_head = True  # the run being resumed trains a draft stop head

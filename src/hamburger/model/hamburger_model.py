@@ -1,30 +1,27 @@
 """`HamburgerModel`: a base causal LM + compositional embedder + micro-step decoder + stop head.
 
-Also the training forward and loss on segmented batches, and checkpoints (config.json + model.safetensors).
+Also checkpoints (config.json + model.safetensors) and the switch of the base's LoRA. The training loss lives in
+`hamburger.training.loss` (`hamburger_loss(model, batch)`).
 """
 
 from __future__ import annotations
 
 import copy
+from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file, save_model
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from hamburger.errors import HamburgerError
-from hamburger.model.base import DEFAULT_MODEL, cache_kwargs, eos_ids, fingerprint, load_base
+from hamburger.model.base import DEFAULT_MODEL, cache_kwargs, fingerprint, load_base
 from hamburger.model.config import HamburgerConfig
 from hamburger.model.embedder import CompositionalEmbedder
+from hamburger.model.lora import LORA_MODES, BaseLora, inject_lora, merge_lora
 from hamburger.model.micro_decoder import MicroStepDecoder, StopHead
-from hamburger.model.outputs import STOP_LOSS_WEIGHT, HamburgerOutput, sparse_kl
 from hamburger.model.slot_adapters import SlotAdapters
-
-if TYPE_CHECKING:
-    from hamburger.training.data import SegmentedBatch
 
 WEIGHTS_NAME = "model.safetensors"
 MERGER_NAME = "merger.safetensors"  # compress mode's KV merger, when the checkpoint has one
@@ -58,11 +55,8 @@ class HamburgerModel(nn.Module):
         self.draft_stop_head: StopHead | None = None
         self.slot_adapters = SlotAdapters(base, cfg.slot_adapter_rank, cfg.slot_adapter_alpha, cfg.slot_adapter_targets)
         if cfg.lora_rank:
-            from peft import LoraConfig, inject_adapter_in_model  # noqa: PLC0415 - only for LoRA checkpoints
-
-            lora = LoraConfig(r=cfg.lora_rank, lora_alpha=cfg.lora_alpha, target_modules=cfg.lora_targets,
-                              lora_dropout=0.0)
-            inject_adapter_in_model(lora, base)  # B starts at zero: the base's outputs are unchanged
+            inject_lora(base, cfg.lora_rank, cfg.lora_alpha, cfg.lora_targets)  # B starts at zero: outputs unchanged
+        self.__dict__["lora"] = BaseLora(base)  # the LoRA's switch (no module: nothing in the state dict)
         # Optional shortlist of token ids the fast engine's micro-steps choose from (a cheaper LM head):
         # set by `hamburger export --micro-vocab`, stored in the checkpoint as MICRO_VOCAB_KEY.
         self.micro_vocab: torch.Tensor | None = None
@@ -266,133 +260,40 @@ class HamburgerModel(nn.Module):
         self.slot_adapters = SlotAdapters(self.base, rank, cfg.slot_adapter_alpha, cfg.slot_adapter_targets).to(
             device=p.device, dtype=p.dtype)
 
-    # --- training forward ----------------------------------------------------------------------------
+    # --- the base's LoRA -----------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def teacher_states(self, batch: SegmentedBatch) -> tuple[torch.Tensor, ...]:
-        """The unmerged base's hidden states over the batch's examples, one token per position (no slot adapters,
-        which act only at merged slots): the teacher of the dense losses. Frozen base only (`--mode frozen`)."""
-        out = self.base.base_model(input_ids=batch.full_ids, attention_mask=batch.full_mask,
-                                   output_hidden_states=True)
-        return out.hidden_states
+    def attach_lora(self, rank: int, alpha: float | None = None) -> None:
+        """Give a model without one (e.g. the shipped checkpoint) a LoRA on the base of `rank`; the outputs do not
+        change (B starts at zero). It is saved with the checkpoint and, like every LoRA, serves trust mode only."""
+        if self.config.lora_rank:
+            raise HamburgerError(f"the model already has a LoRA of rank {self.config.lora_rank}")
+        cfg = self.config
+        cfg.lora_rank, cfg.lora_alpha = rank, alpha or cfg.lora_alpha
+        inject_lora(self.base, rank, cfg.lora_alpha, cfg.lora_targets)
+        self.lora.refresh()
+        self.lora.set(True)
 
-    def forward(self, batch: SegmentedBatch, verified_stops: bool = False, kd_weight: float = 0.0,
-                state_weight: float = 0.0, dense_metrics: bool = False) -> HamburgerOutput:
-        """Teacher-forced loss on a segmented batch.
+    def base_lora(self, enabled: bool | torch.Tensor = True) -> AbstractContextManager[None]:
+        """`with model.base_lora(False):` the untouched base during the block (verify and compress mode), `True`: the
+        base with its LoRA (trust mode; the state after loading), a bool tensor (B,) or (B, T): the LoRA on those
+        rows or positions only. A model without a LoRA is the base either way."""
+        return self.lora.enabled(enabled)
 
-        `verified_stops`: the stop head also learns to end a step before a token the micro-step decoder gets
-        wrong (its argmax differs from the data's token), not only where the segmentation ends it; with
-        self-distilled data this makes the confidence knob track agreement with the base.
-
-        Dense losses against the unmerged base (`teacher_states`), added with their weights:
-        `kd_weight`: KL(base || model) of the next-token distribution at every target (token 0 after a smashed
-        slot and the micro tokens), where the base reads the step's tokens one per position;
-        `state_weight`: at every merged slot, ||h - h_base||^2 / ||h_base||^2 at each layer's output, averaged
-        over the layers, where h_base is the base's state at the step's last token (the slot's position).
-        `dense_metrics` computes both (for held-out figures) whatever their weights.
-        """
-        if self.micro.context:
-            raise HamburgerError("`hamburger train` trains the features-only micro-step decoder; one with context "
-                                 "(micro_context) trains with `hamburger train-drafter --micro-context`")
-
-        k = self.config.max_step_tokens
-        b, s, _ = batch.slot_tokens.shape
-        slots = self.smash(batch.slot_tokens.view(b * s, k), batch.slot_lengths.view(-1)).view(b, s, -1)
-        hidden = self.base_forward(slots, batch.attention_mask, batch.position_ids, merged=batch.slot_lengths > 1)
-        h0 = hidden[-1][batch.step_batch, batch.step_slot]  # (N, d): the state that predicts token 0 of each step
-        n, d = h0.shape
-        lengths = batch.step_lengths
-        span = int(lengths.max())  # tokens in the longest step of the batch
-        idx = torch.arange(span, device=h0.device)
-        valid = idx[None] < lengths[:, None]  # (N, span)
-        if span > 1:
-            # The micro-step decoder only runs over steps of >= 2 tokens (a one-token step's only target comes
-            # from the base) and only as far as the longest of them; it is causal, so cutting the padding
-            # changes no output. States: [h0 of every step; micro outputs of the multi-token steps, flattened].
-            rows = (lengths > 1).nonzero().squeeze(1)  # (M,)
-            feats = self.micro.features(hidden, (batch.step_batch[rows], batch.step_slot[rows]))  # (M, m, d)
-            micro_in = torch.cat([feats, self.embed(batch.step_tokens[rows, : span - 1])], dim=1)
-            micro_out = self.micro(micro_in)[:, self.micro.num_features :]  # (M, span-1, d): tokens 1..span-1
-            row_of = torch.zeros(n, dtype=torch.long, device=h0.device)
-            row_of[rows] = torch.arange(len(rows), device=h0.device)
-            where = torch.cat([torch.arange(n, device=h0.device)[:, None],  # token 0: h0 of its own step
-                               n + row_of[:, None] * (span - 1) + idx[None, : span - 1]], dim=1)  # (N, span)
-            chosen = torch.cat([h0, micro_out.reshape(-1, d)])[where[valid]]  # (T, d) in sequence order
-        else:
-            chosen = h0
-        logits = self.lm_head(chosen).float()
-        stop_logits = self.stop_head(chosen).float()
-        targets = batch.step_tokens[:, :span][valid]
-        in_step = idx.expand_as(valid)[valid]
-        stop_targets = (idx[None] == lengths[:, None] - 1)[valid].float()
-        if verified_stops:
-            wrong = (logits.detach().argmax(-1) != targets).float()
-            wrong_next = torch.zeros_like(wrong)
-            wrong_next[:-1] = wrong[1:]  # the next token in sequence order; it is in this step unless this one ends it
-            stop_targets = torch.maximum(stop_targets, wrong_next)
-        eos = torch.tensor(sorted(eos_ids(self)), dtype=targets.dtype, device=targets.device)
-        stop_mask = (in_step < k - 1) & ~torch.isin(targets, eos)
-        if batch.step_cut is not None:  # a cut step's last token: the segment goes on there, so no stop label
-            stop_mask &= ~((idx[None] == lengths[:, None] - 1) & batch.step_cut[:, None])[valid]
-        ce = F.cross_entropy(logits, targets)
-        bce = F.binary_cross_entropy_with_logits(stop_logits, stop_targets, reduction="none")
-        stop = (bce * stop_mask).sum() / stop_mask.sum().clamp(min=1)
-        loss, kd, state, n_merged = ce + STOP_LOSS_WEIGHT * stop, None, None, 0
-        if kd_weight or state_weight or dense_metrics:
-            # The batch's cached teacher (`segment --teacher-top-k`) spares the base's second forward when only KD
-            # trains; held-out figures (`dense_metrics`) always take the full KL, one definition to compare by.
-            from_cache = batch.teacher_ids is not None and not dense_metrics
-            teacher = None if from_cache and not state_weight else self.teacher_states(batch)
-            if from_cache:
-                kd = sparse_kl(logits, batch.teacher_ids, batch.teacher_logprobs).mean()
-            else:
-                step_pos = batch.position_ids[batch.step_batch, batch.step_slot]  # (N,) where the base predicts token 0
-                tb = batch.step_batch[:, None].expand_as(valid)[valid]
-                tp = (step_pos[:, None] + idx[None])[valid]  # token i of a step: predicted at step_pos + i
-                with torch.no_grad():
-                    want = F.log_softmax(self.lm_head(teacher[-1][tb, tp]).float(), -1)
-                kd = F.kl_div(F.log_softmax(logits, -1), want, log_target=True, reduction="none").sum(-1).mean()
-            merged = (batch.slot_lengths > 1) & batch.attention_mask.bool()
-            n_merged = int(merged.sum())
-            if teacher is None:
-                state = None
-            elif n_merged:
-                mb, ms = merged.nonzero(as_tuple=True)
-                mp = batch.position_ids[mb, ms]
-                parts = []
-                for got, ref in zip(hidden[1:], teacher[1:]):
-                    g, r = got[mb, ms].float(), ref[mb, mp].float()
-                    parts.append(((g - r).square().sum(-1) / r.square().sum(-1).clamp(min=1e-6)).mean())
-                state = torch.stack(parts).mean()
-            else:
-                state = hidden[-1].sum() * 0.0
-            loss = loss + kd_weight * kd + (state_weight * state if state is not None else 0.0)
-        return HamburgerOutput(
-            loss=loss,
-            kd_loss=kd,
-            state_loss=state,
-            merged_slots=n_merged,
-            ce_loss=ce,
-            stop_loss=stop,
-            logits=logits,
-            targets=targets,
-            in_step_index=in_step,
-            stop_logits=stop_logits,
-            stop_targets=stop_targets,
-            stop_mask=stop_mask,
-        )
+    def base_lora_for(self, mode: str) -> AbstractContextManager[None]:
+        """`base_lora` as decoding mode `mode` runs: on in trust mode (`LORA_MODES`), off in verify and compress."""
+        return self.lora.enabled(mode in LORA_MODES)
 
     def merge_lora(self) -> None:
-        """Fold LoRA adapters into the base weights (no adapter cost at inference); the base then ships along."""
-        from peft.tuners.lora import LoraLayer  # noqa: PLC0415
-
-        for name, module in list(self.base.named_modules()):
-            if isinstance(module, LoraLayer):
-                module.merge()
-                parent, _, child = name.rpartition(".")
-                setattr(self.base.get_submodule(parent), child, module.get_base_layer())
+        """Fold LoRA adapters into the base weights (no adapter cost at inference); the base then ships along. The
+        LoRA can no longer be turned off after: verify and compress mode then check against the adapted base."""
+        merge_lora(self.base)
+        self.lora.refresh()
         self.config.lora_rank = 0
         self.config.base_in_checkpoint = True
+
+    def forward(self, *args, **kwargs):
+        raise TypeError("HamburgerModel has no forward of its own: the training loss is "
+                        "hamburger.training.loss.hamburger_loss(model, batch); decoding goes through an engine")
 
     # --- reporting -----------------------------------------------------------------------------------
 

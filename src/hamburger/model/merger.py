@@ -216,6 +216,16 @@ def forward_layout(base, merger: KVMerger | None, lay: Layout, merged: bool = Tr
 # --- the stepwise (decoding) reference -------------------------------------------------------------------
 
 @torch.no_grad()
+def _entries_mask(entries: list[tuple], heads: int, n: int, dtype: torch.dtype, dev) -> torch.Tensor:
+    """(1, H, n, all entries) additive mask of `stepwise_forward`'s pass: each entry's merger bias (0 for an unmerged
+    one), causal among the n new tokens."""
+    cols = [torch.zeros(1, heads, ek.shape[2], dtype=dtype, device=dev) if eb is None
+            else eb.to(dtype)[:, :, None] for ek, _, eb in entries]
+    mask = torch.cat(cols, -1)[:, :, None].repeat(1, 1, n, 1)
+    mask[..., -n:] += torch.full((n, n), float("-inf"), device=dev).triu(1)
+    return mask
+
+
 def stepwise_forward(base, merger: KVMerger | None, ids: list[int], prompt_len: int, steps: list[int],
                      merged: bool = True, window: int = 0) -> torch.Tensor:
     """The same logits (1, R, V) computed as a decoder would: the prompt prefilled, then each response token
@@ -239,10 +249,7 @@ def stepwise_forward(base, merger: KVMerger | None, ids: list[int], prompt_len: 
             own[i].append((k, v))
             entries = cache[i] + [(ek, ev, None) for _, layers in recent for ek, ev in [layers[i]]] + \
                 [(ek, ev, None) for ek, ev in own[i]]
-            cols = [torch.zeros(1, heads, ek.shape[2], dtype=x.dtype, device=dev) if eb is None
-                    else eb.to(x.dtype)[:, :, None] for ek, _, eb in entries]
-            mask = torch.cat(cols, -1)[:, :, None].repeat(1, 1, n, 1)  # (1, H, n, all entries)
-            mask[..., -n:] += torch.full((n, n), float("-inf"), device=dev).triu(1)  # causal among the new
+            mask = _entries_mask(entries, heads, n, x.dtype, dev)
             x = attend(layer, x, q, torch.cat([e[0] for e in entries], 2), torch.cat([e[1] for e in entries], 2), mask)
         return base.get_output_embeddings()(model.norm(x[:, -1]))
 

@@ -6,20 +6,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-MODES = ("frozen", "lora", "full")  # `train --mode`: what learns besides the new modules (training/train.py)
+BASE_TRAINING = ("frozen", "lora", "full")  # `train --base-training`: how the base learns besides the new modules
 
 
 @dataclass
 class TrainArgs:
     data: str
     out: str
-    mode: str = "frozen"
+    base_training: str = "frozen"  # frozen: the base untouched; lora: a LoRA on it learns (attached if missing); full
+    lora_rank: int = 16  # the LoRA attached with --base-training lora to a model that has none
     epochs: int = 1
     max_steps: int = 0  # optimizer steps; 0 = as many as the epochs give
     batch_size: int = 8  # examples per process per micro-batch
     grad_accum: int = 1
     lr: float = 1e-4  # new modules
-    base_lr: float = 5e-5  # the base, in full mode
+    base_lr: float = 5e-5  # the base (full) or its LoRA (lora)
     warmup_ratio: float = 0.03
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -29,8 +30,8 @@ class TrainArgs:
     save_every: int = 100
     bf16: bool = True
     verified_stops: bool = False  # the stop head also ends a step before a token the micro-decoder gets wrong
-    kd_weight: float = 0.0  # dense loss: KL(unmerged base || model) at every target (frozen mode)
-    state_weight: float = 0.0  # dense loss: merged slots' states regressed onto the unmerged base's (frozen mode)
+    kd_weight: float = 0.0  # dense loss: KL(unmerged base || model) at every target (--base-training frozen)
+    state_weight: float = 0.0  # dense loss: merged slots' states regressed onto the unmerged base's (--base-training frozen)
     partial_steps: float = 0.0  # probability that a training step of >= 2 tokens is cut in two (`data.cut_steps`)
     teacher_cache: bool = True  # KD reads DATA.teacher/ (from `segment --teacher-top-k`) when it is there
     seed: int = 0

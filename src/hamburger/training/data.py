@@ -109,8 +109,8 @@ def cut_steps(ex: SegmentedExample, rng: random.Random, p: float) -> SegmentedEx
     return SegmentedExample(ex.input_ids, ex.prompt_len, steps, ex.teacher_ids, ex.teacher_logprobs, cuts)
 
 
-def collate(examples: list[SegmentedExample], max_step_tokens: int, pad_token_id: int) -> SegmentedBatch:
-    k = max_step_tokens
+def _slots_and_steps(examples: list[SegmentedExample], k: int):
+    """Per example its base slots [(tokens, position id)], and every step (example, predicting slot, tokens)."""
     rows, steps_out = [], []
     for b, ex in enumerate(examples):
         ex.validate(k)
@@ -125,7 +125,11 @@ def collate(examples: list[SegmentedExample], max_step_tokens: int, pad_token_id
         for j, s in enumerate(ex.steps):
             steps_out.append((b, p - 1 + j, ex.input_ids[start : start + s]))
             start += s
+    return rows, steps_out
 
+
+def _base_side(rows: list, k: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    """The (B, S) slot tensors, right-padded."""
     bsz, width = len(rows), max(len(r) for r in rows)
     slot_tokens = torch.full((bsz, width, k), pad_token_id, dtype=torch.long)
     slot_lengths = torch.ones(bsz, width, dtype=torch.long)  # padding slots count as one token: no empty attention
@@ -137,13 +141,17 @@ def collate(examples: list[SegmentedExample], max_step_tokens: int, pad_token_id
             slot_lengths[b, i] = len(toks)
             position_ids[b, i] = pos
         attention_mask[b, : len(slots)] = 1
+    return {"slot_tokens": slot_tokens, "slot_lengths": slot_lengths, "attention_mask": attention_mask,
+            "position_ids": position_ids}
 
-    full_ids = torch.full((bsz, max(len(ex.input_ids) for ex in examples)), pad_token_id, dtype=torch.long)
+
+def _unmerged_and_teacher(examples: list[SegmentedExample], pad_token_id: int) -> dict[str, torch.Tensor | None]:
+    """The examples one token per position (the dense losses' teacher reads them) and the cached teacher, if any."""
+    full_ids = torch.full((len(examples), max(len(ex.input_ids) for ex in examples)), pad_token_id, dtype=torch.long)
     full_mask = torch.zeros_like(full_ids)
     for b, ex in enumerate(examples):
         full_ids[b, : len(ex.input_ids)] = torch.tensor(ex.input_ids)
         full_mask[b, : len(ex.input_ids)] = 1
-
     teacher_ids = teacher_logprobs = None
     cached = [ex.teacher_ids is not None for ex in examples]
     if all(cached):
@@ -152,7 +160,13 @@ def collate(examples: list[SegmentedExample], max_step_tokens: int, pad_token_id
         teacher_logprobs = torch.cat([ex.teacher_logprobs.float() for ex in examples])
     elif any(cached):
         raise HamburgerError("a batch mixes examples with and without a cached teacher")
+    return {"full_ids": full_ids, "full_mask": full_mask, "teacher_ids": teacher_ids,
+            "teacher_logprobs": teacher_logprobs}
 
+
+def collate(examples: list[SegmentedExample], max_step_tokens: int, pad_token_id: int) -> SegmentedBatch:
+    k = max_step_tokens
+    rows, steps_out = _slots_and_steps(examples, k)
     step_cut = None
     if any(ex.cut for ex in examples):
         step_cut = torch.tensor([c for ex in examples for c in (ex.cut or [False] * len(ex.steps))], dtype=torch.bool)
@@ -160,17 +174,11 @@ def collate(examples: list[SegmentedExample], max_step_tokens: int, pad_token_id
     for n, (_, _, toks) in enumerate(steps_out):
         step_tokens[n, : len(toks)] = torch.tensor(toks)
     return SegmentedBatch(
-        slot_tokens=slot_tokens,
-        slot_lengths=slot_lengths,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
+        **_base_side(rows, k, pad_token_id),
         step_batch=torch.tensor([b for b, _, _ in steps_out], dtype=torch.long),
         step_slot=torch.tensor([s for _, s, _ in steps_out], dtype=torch.long),
         step_tokens=step_tokens,
         step_lengths=torch.tensor([len(t) for _, _, t in steps_out], dtype=torch.long),
-        full_ids=full_ids,
-        full_mask=full_mask,
-        teacher_ids=teacher_ids,
-        teacher_logprobs=teacher_logprobs,
+        **_unmerged_and_teacher(examples, pad_token_id),
         step_cut=step_cut,
     )

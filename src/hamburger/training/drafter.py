@@ -37,6 +37,24 @@ from hamburger.training.precision import bf16_autocast
 from hamburger.training.tracking import Tracker
 
 
+def adapt_micro(model: HamburgerModel, micro_context: int, micro_layers: int, name: str) -> list[str]:
+    """Before `train-drafter`: give the micro-step decoder a context of `micro_context` base positions (-1: as it is)
+    and keep its last `micro_layers` layers (0: all). Returns what changed, one line each."""
+    said = []
+    if micro_context >= 0 and micro_context != model.config.micro_context:
+        model.config.micro_context = micro_context
+        model.micro.set_context(micro_context)
+        said.append(f"micro-step decoder: context of {micro_context} base positions")
+    if micro_layers and micro_layers != model.config.micro_layers:
+        if micro_layers > model.config.micro_layers:
+            raise HamburgerError(f"--micro-layers {micro_layers}: {name} has {model.config.micro_layers} "
+                                 "micro-step layers; a drafter can keep fewer, not add more")
+        model.micro.keep_top(micro_layers)
+        model.config.micro_layers = micro_layers
+        said.append(f"micro-step decoder: its last {micro_layers} layers")
+    return said
+
+
 def trained_modules(model: HamburgerModel) -> tuple[str, str]:
     """The micro-step decoder and the stop head that decides drafts: the checkpoint's draft stop head where it has
     one (trust mode's `stop_head` then stays as it was), else its only stop head. The embedder and slot adapters

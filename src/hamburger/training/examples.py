@@ -15,6 +15,7 @@ from hamburger.model.base import encode_chat, fingerprint
 from hamburger.model.hamburger_model import HamburgerModel
 from hamburger.model.outputs import metrics_from_counts
 from hamburger.training.data import SegmentedExample, collate
+from hamburger.training.loss import hamburger_loss
 from hamburger.training.teacher import read_teacher, teacher_dir
 
 
@@ -113,7 +114,7 @@ def evaluate(model, examples: list[SegmentedExample], k: int, pad: int, batch_si
     examples = sorted(examples, key=lambda ex: ex.num_slots)
     counts: dict[str, tuple[float, int]] = {}
     for i in range(0, len(examples), batch_size):
-        out = model(collate(examples[i : i + batch_size], k, pad).to(device), dense_metrics=dense)
+        out = hamburger_loss(model, collate(examples[i : i + batch_size], k, pad).to(device), dense_metrics=dense)
         for key, (total, n) in out.metric_counts(k).items():
             before = counts.get(key, (0.0, 0))
             counts[key] = (before[0] + total, before[1] + n)

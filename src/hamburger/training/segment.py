@@ -8,10 +8,11 @@ it starts a new step. Runs data-parallel under `accelerate launch` (each process
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -25,10 +26,9 @@ from rich.progress import (
 )
 
 from hamburger.errors import HamburgerError
-from hamburger.inference.reference import eos_ids
-from hamburger.model.base import encode_chat
+from hamburger.model.base import encode_chat, eos_ids
 from hamburger.model.hamburger_model import HamburgerModel
-from hamburger.training.teacher import TeacherWriter, top_k
+from hamburger.training.teacher import TeacherWriter, teacher_dir, top_k
 
 
 @dataclass(frozen=True)
@@ -159,3 +159,33 @@ def segment_rows(model: HamburgerModel, rows: list[dict], th: Thresholds, batch_
                 said = time.perf_counter()  # a log file gets a plain line a minute instead of a live bar
                 print(f"segment {done}/{len(order)} examples, elapsed {said - t0:.0f}s", file=sys.stderr, flush=True)
     return [out[i] for i in sorted(out)]
+
+
+def check_unique_ids(rows: list[dict], data: str) -> None:
+    """`segment --teacher-top-k` keys its cache by example id: the ids must not repeat."""
+    seen = Counter(str(row.get("id", i)) for i, row in enumerate(rows))
+    twice = [rid for rid, n in seen.items() if n > 1]
+    if twice:
+        raise HamburgerError(f"--teacher-top-k keys the cache by example id, and {len(twice)} ids repeat in "
+                             f"{data} (e.g. {twice[0]!r})")
+
+
+def join_segment_parts(out: Path, processes: int, th: Thresholds, building: Path | None, meta: dict) -> dict:
+    """The main process of `segment`: the processes' parts (`out`.partN) joined into `out`, the teacher cache built in
+    `building` (None: no cache) moved beside it, and the summary (with `meta`) written beside; returns the summary."""
+
+    cache = teacher_dir(out)
+    parts = [out.with_name(f"{out.name}.part{i}") for i in range(processes)]
+    examples = [json.loads(line) for p in parts for line in p.read_text().splitlines()]
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text("".join(json.dumps(ex) + "\n" for ex in examples))
+    if cache.exists():  # --force: an old cache would not match the new data
+        shutil.rmtree(cache)
+    tmp.replace(out)
+    if building is not None:
+        building.replace(cache)
+    for p in parts:
+        p.unlink()
+    summary = summarize(examples, th.max_step_tokens) | {"thresholds": asdict(th), **meta}
+    out.with_name(out.name + ".summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

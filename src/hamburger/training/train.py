@@ -1,8 +1,10 @@
 """Training on segmented data with accelerate: one script for 1 CPU, `accelerate launch` DDP, or FSDP.
 
-Modes: `frozen` (base untouched, only the embedder, micro-step decoder and stop head learn: a small
-checkpoint), `lora` (adapters on the base's attention learn too, at the base learning rate; still small,
-mergeable), `full` (the base learns too, at its own learning rate; the checkpoint carries the base). Batches are cut and sharded by
+How the base learns (`--base-training`): `frozen` (base untouched, only the embedder, micro-step decoder, stop head
+and slot adapters learn: a small checkpoint), `lora` (a LoRA on the base learns too, at the base learning rate,
+attached to a model that has none; still small; it serves trust mode only, verify and compress decode with it off),
+`full` (the base learns too, at its own learning rate; the checkpoint carries the base). The loss is
+`training.loss.hamburger_loss`. Batches are cut and sharded by
 this module itself (a seeded permutation per epoch, length-bucketed so a batch holds examples of similar
 length; each global batch is split over the processes), so a run resumes exactly from (epoch, batch) with
 the optimizer, scheduler and RNG states that accelerate saves. The resumable state holds only the weights
@@ -37,7 +39,7 @@ from hamburger.model.hamburger_model import (
     HamburgerModel,
     is_trained_key,
 )
-from hamburger.training.args import MODES, TrainArgs
+from hamburger.training.args import BASE_TRAINING, TrainArgs
 from hamburger.training.data import collate, cut_steps
 from hamburger.training.examples import (
     attach_teacher,
@@ -46,6 +48,7 @@ from hamburger.training.examples import (
     read_examples,
     split_eval,
 )
+from hamburger.training.loss import bind_loss
 from hamburger.training.precision import bf16_autocast
 from hamburger.training.tracking import check_tracker
 
@@ -53,13 +56,13 @@ from hamburger.training.tracking import check_tracker
 def configure_optimizer(model: HamburgerModel, args: TrainArgs) -> torch.optim.Optimizer:
     new = [p for name in NEW_MODULES for p in getattr(model, name).parameters()]
     groups = [{"params": new, "lr": args.lr}]
-    if args.mode == "full":
+    if args.base_training == "full":
         groups.append({"params": list(model.base.parameters()), "lr": args.base_lr})
         return torch.optim.AdamW(groups, weight_decay=args.weight_decay)
     model.base.requires_grad_(False)
-    if args.mode == "lora":
+    if args.base_training == "lora":
         if not model.config.lora_rank:
-            raise HamburgerError("--mode lora needs a model built with lora_rank > 0 (--lora-rank)")
+            raise HamburgerError("--base-training lora needs a model with a LoRA (HamburgerModel.attach_lora)")
         lora = [p for n, p in model.base.named_parameters() if ".lora_" in n]
         for p in lora:
             p.requires_grad_(True)
@@ -71,15 +74,15 @@ class Trainer:
     def __init__(self, model: HamburgerModel, args: TrainArgs) -> None:
         from accelerate import Accelerator  # noqa: PLC0415
 
-        if args.mode not in MODES:
-            raise HamburgerError(f"--mode must be one of {MODES}, got {args.mode!r}")
+        if args.base_training not in BASE_TRAINING:
+            raise HamburgerError(f"--base-training must be one of {BASE_TRAINING}, got {args.base_training!r}")
         if not 0 <= args.partial_steps <= 1:
             raise HamburgerError(f"--partial-steps is a probability in [0, 1], got {args.partial_steps}")
         if args.kd_weight < 0 or args.state_weight < 0:
             raise HamburgerError("--kd-weight and --state-weight must be >= 0")
-        if (args.kd_weight or args.state_weight) and args.mode != "frozen":
+        if (args.kd_weight or args.state_weight) and args.base_training != "frozen":
             raise HamburgerError("--kd-weight and --state-weight distil the unmerged base, which only stays the "
-                                 f"base in --mode frozen (not --mode {args.mode})")
+                                 f"base in --base-training frozen (not {args.base_training})")
         self.args, self.out = args, Path(args.out)
         rows = read_examples(Path(args.data))
         self.teacher_top_k = attach_teacher(rows, Path(args.data), model) if args.kd_weight and args.teacher_cache else 0
@@ -89,7 +92,9 @@ class Trainer:
                                cpu=not torch.cuda.is_available(),  # cpu=True lets torchrun workers use gloo
                                log_with=tracker, project_dir=str(self.out / "tracker") if tracker else None)
         torch.manual_seed(args.seed)
-        model.config.base_in_checkpoint = args.mode == "full"
+        if args.base_training == "lora" and not model.config.lora_rank:
+            model.attach_lora(args.lora_rank)  # B starts at zero: the run starts from the model as it was
+        model.config.base_in_checkpoint = args.base_training == "full"
         train, held = split_eval(rows, args.eval_fraction)
         self.train_ids, self.train = [r[0] for r in train], [r[1] for r in train]
         self.held = [r[1] for r in held]
@@ -108,7 +113,7 @@ class Trainer:
         optimizer = configure_optimizer(model, args)
         scheduler = get_cosine_schedule_with_warmup(optimizer, math.ceil(args.warmup_ratio * self.total_steps),
                                                     self.total_steps)
-        self.model, self.optimizer, self.scheduler = self.acc.prepare(model, optimizer, scheduler)
+        self.model, self.optimizer, self.scheduler = self.acc.prepare(bind_loss(model), optimizer, scheduler)
         self.hamburger = model
         if tracker:  # under out/tracker/hamburger; every logged row goes there too, by optimizer step
             config = {k: v for k, v in asdict(args).items() if isinstance(v, (int, float, str, bool))}
@@ -117,7 +122,7 @@ class Trainer:
         # Without the base training, the resumable state stores only the weights that train (not the whole base).
         from accelerate.utils import DistributedType  # noqa: PLC0415
 
-        self.base_in_state = args.mode == "full" or self.acc.distributed_type in (
+        self.base_in_state = args.base_training == "full" or self.acc.distributed_type in (
             DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
         if not self.base_in_state:
             self.acc.register_save_state_pre_hook(self._keep_trained_weights)
@@ -167,8 +172,9 @@ class Trainer:
         saved = json.loads(state.read_text())
         if not saved.get("base_in_state", True):  # (states written before this key held the whole model)
             if self.base_in_state:
-                raise HamburgerError(f"{state.parent} holds no base weights (saved in --mode "
-                                     f"{saved['args']['mode']}): resume in that mode, not --mode {self.args.mode}")
+                was = saved["args"].get("base_training", saved["args"].get("mode"))  # (`mode` before the rename)
+                raise HamburgerError(f"{state.parent} holds no base weights (saved with --base-training {was}): "
+                                     f"resume with that, not --base-training {self.args.base_training}")
             if saved.get("base_fingerprint") != self.hamburger.config.base_fingerprint:
                 raise HamburgerError(f"{state.parent} was trained on base {saved.get('base_fingerprint')} (not stored "
                                      f"in the state) but this run's base is {self.hamburger.config.base_fingerprint}: "
@@ -263,7 +269,7 @@ class Trainer:
         self.model.eval()
         with self.acc.autocast():
             metrics = evaluate(self.acc.unwrap_model(self.model), self.held, self.k, self.pad, self.args.batch_size,
-                               self.acc.device, dense=self.args.mode == "frozen")
+                               self.acc.device, dense=self.args.base_training == "frozen")
         self.model.train()
         return metrics
 
