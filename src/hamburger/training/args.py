@@ -31,7 +31,7 @@ class TrainArgs:
     bf16: bool = True
     verified_stops: bool = False  # the stop head also ends a step before a token the micro-decoder gets wrong
     kd_weight: float = 0.0  # dense loss: KL(unmerged base || model) at every target (--base-training frozen)
-    state_weight: float = 0.0  # dense loss: merged slots' states regressed onto the unmerged base's (--base-training frozen)
+    state_weight: float = 0.0  # dense loss: merged slots' states regressed onto the unmerged base's (frozen base)
     partial_steps: float = 0.0  # probability that a training step of >= 2 tokens is cut in two (`data.cut_steps`)
     teacher_cache: bool = True  # KD reads DATA.teacher/ (from `segment --teacher-top-k`) when it is there
     seed: int = 0
