@@ -29,6 +29,14 @@ def test_bench_runs_every_system(tmp_path, checkpoint, capsys):
         assert row["kv_entries"] >= row["prompt_tokens"]
     base = next(r for r in result["rows"] if r["system"] == "engine_base" and r["batch_size"] == 1)
     assert base["tokens_per_step"] == 1.0 and base["kv_entries_per_generated_token"] == 1.0
+    entry = result["kv_bytes_per_entry"]
+    assert base["kv_bytes_per_generated_token"] == entry  # one entry per generated token
+    for row in result["rows"]:  # KV as memory beside the entries: per generated token and per request
+        if row["system"] != "llama_cpp":  # its cache is float16 (`entry_bytes`)
+            assert row["kv_bytes_per_generated_token"] == pytest.approx(row["kv_entries_per_generated_token"] * entry)
+        assert row["kv_bytes_per_request"] == pytest.approx(row["kv_bytes"] / row["sequences"])
+    ham = next(r for r in result["rows"] if r["system"] == "hamburger_engine" and r["batch_size"] == 1)
+    assert ham["kv_bytes_per_generated_token"] == pytest.approx(entry / ham["tokens_per_step"])
     summary = result["summary"]
     assert {"hamburger_vs_base_b1", "hamburger_vs_hf_generate_b1", "kv_entries_per_generated_token"} <= summary.keys()
     assert "hamburger_vs_base_b16" not in summary  # 16 was not among the batch sizes
@@ -38,7 +46,8 @@ def test_bench_runs_every_system(tmp_path, checkpoint, capsys):
     assert curve["hamburger"][-1] <= curve["base"][-1]
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == [
         "confidence_sweep.png", "kv_entries.png", "tokens_per_s.png"]
-    assert "decode tok/s" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "decode tok/s" in out and "KV KB/gen token" in out and "KV MB/request" in out
 
 
 def test_bench_prompt_sets_are_held_out_and_long():
@@ -223,3 +232,24 @@ def test_llama_cpp_runs_once_beside_the_first_scheme(tmp_path, checkpoint, monke
     assert [(r["system"], r["quantize"]) for r in result["rows"]] == [
         ("engine_base+int8", "int8"), ("llama_cpp", "gguf"), ("engine_base", "none")]
     assert "engine_base+int8_vs_llama_cpp_b1" in result["summary"] and "engine_base_vs_llama_cpp_b1" in result["summary"]
+
+
+def test_kv_bytes_per_entry_is_layers_kv_heads_head_dim_and_dtype(checkpoint):
+    """One definition (`stats.kv_bytes_per_entry`): layers x 2 (K and V) x KV heads x head dim x the cache dtype's
+    bytes; the bench's entries take the dtype of the base's parameters, llama.cpp's float16."""
+    from types import SimpleNamespace
+
+    from hamburger.evaluation.bench_systems import entry_bytes
+    from hamburger.inference.stats import kv_bytes_per_entry
+    from hamburger.model.hamburger_model import load_model
+
+    smol = SimpleNamespace(num_hidden_layers=30, num_key_value_heads=3, num_attention_heads=9, hidden_size=576)
+    assert kv_bytes_per_entry(smol, torch.float32) == 30 * 2 * 3 * 64 * 4 == 46080
+    assert kv_bytes_per_entry(smol, torch.bfloat16) == kv_bytes_per_entry(smol, 2) == 23040
+    assert kv_bytes_per_entry(SimpleNamespace(**vars(smol), head_dim=128), torch.float16) == 30 * 2 * 3 * 128 * 2
+    model = load_model(str(checkpoint))[0]
+    cfg = model.base.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    want = cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * head_dim
+    assert entry_bytes(model) == want * next(model.base.parameters()).element_size()
+    assert entry_bytes(model, torch.float16) == want * 2

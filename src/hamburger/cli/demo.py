@@ -36,10 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def cmd_demo(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from hamburger.evaluation.demo import PROMPTS, mode_table, run_modes, side_by_side
-    from hamburger.model.base import encode_chat
     from hamburger.inference.engine import make_engine, resolve_mode
-    from hamburger.kernels.qlinear import fp16_unavailable
     from hamburger.model.config import check_confidence
     from hamburger.model.hamburger_model import HamburgerModel
 
@@ -56,39 +53,60 @@ def cmd_demo(args: argparse.Namespace) -> int:
     mode, confidence = resolve_mode(model, args.mode, args.confidence, engines["hamburger"])
     say_start(args, model, trained, scheme, mode)
     console = Console()
-    if not args.chat:
-        prompts = args.prompt or list(PROMPTS)
-        for prompt in prompts:
-            side_by_side(console, prompt, [{"role": "user", "content": prompt}], engines, confidence,
-                         args.max_new_tokens, mode)
-            console.print()
-        if not args.no_table:
-            with console.status("Running every mode on these prompts for the closing table..."):
-                runs = [run_modes(engines, encode_chat(model.tokenizer, [{"role": "user", "content": p}]),
-                                  args.max_new_tokens) for p in prompts]
-            console.print(mode_table(prompts, runs))
-            console.print("[dim]verify: the base checks every draft, so the text is exactly the base's. compress: "
-                          "drafts checked by a base that keeps one merged KV entry per step (fewer KV entries, text "
-                          "close to the base's). trust: the paper's method, drafts kept unchecked, one KV entry per "
-                          "step. tok/fwd: tokens per base forward.[/dim]")
-        ham = engines["hamburger"]
-        device = next(model.parameters()).device
-        if mode == "verify" and getattr(ham, "draft_rows", 1) == 0:
-            console.print("[dim]Verify mode drafted nothing here: with float32 weights on a CPU a base pass over a few "
-                          "positions costs about as much as that many passes, so drafts cannot pay. --quantize fp16 "
-                          "decodes both lanes about 2.3x faster and lets verify mode draft (make demo "
-                          "ARGS=\"--quantize fp16\").[/dim]")
-        elif scheme == "none" and device.type == "cpu" and fp16_unavailable(device) is None:
-            console.print("[dim]On a CPU, --quantize fp16 decodes both lanes about 2.3x faster (float16 weights, "
-                          "float32 compute; see the README).[/dim]")
-        if mode == "trust":
-            console.print("[dim]--mode verify gives exactly the base's text: the base checks the micro-step "
-                          "decoder's drafts (make demo ARGS=\"--mode verify\").[/dim]")
-        elif mode == "verify" and args.no_table:
-            console.print("[dim]--mode trust is HAMburger as in the paper: drafts kept unchecked and each step smashed "
-                          "into one KV entry (on this checkpoint about one token per step, close to the base's text "
-                          "but not equal).[/dim]")
-        return 0
+    if args.chat:
+        return _chat(console, engines, confidence, args.max_new_tokens, mode)
+    _prompts(console, args, model, engines, confidence, mode)
+    _hints(console, args, model, engines["hamburger"], scheme, mode)
+    return 0
+
+
+def _prompts(console, args: argparse.Namespace, model, engines: dict, confidence: float, mode: str) -> None:
+    """The prompts side by side, then (unless --no-table) the closing table of every mode on them."""
+    from hamburger.evaluation.demo import PROMPTS, mode_table, run_modes, side_by_side
+    from hamburger.model.base import encode_chat
+
+    prompts = args.prompt or list(PROMPTS)
+    for prompt in prompts:
+        side_by_side(console, prompt, [{"role": "user", "content": prompt}], engines, confidence,
+                     args.max_new_tokens, mode)
+        console.print()
+    if not args.no_table:
+        with console.status("Running every mode on these prompts for the closing table..."):
+            runs = [run_modes(engines, encode_chat(model.tokenizer, [{"role": "user", "content": p}]),
+                              args.max_new_tokens) for p in prompts]
+        console.print(mode_table(prompts, runs))
+        console.print("[dim]verify: the base checks every draft, so the text is exactly the base's. compress: "
+                      "drafts checked by a base that keeps one merged KV entry per step (fewer KV entries, text "
+                      "close to the base's). trust: the paper's method, drafts kept unchecked, one KV entry per "
+                      "step. tok/fwd: tokens per base forward.[/dim]")
+
+
+def _hints(console, args: argparse.Namespace, model, ham, scheme: str, mode: str) -> None:
+    """The closing hints: a faster scheme where one applies, the other modes."""
+    from hamburger.kernels.qlinear import fp16_unavailable
+
+    device = next(model.parameters()).device
+    if mode == "verify" and getattr(ham, "draft_rows", 1) == 0:
+        console.print("[dim]Verify mode drafted nothing here: with float32 weights on a CPU a base pass over a few "
+                      "positions costs about as much as that many passes, so drafts cannot pay. --quantize fp16 "
+                      "decodes both lanes about 2.3x faster and lets verify mode draft (make demo "
+                      "ARGS=\"--quantize fp16\").[/dim]")
+    elif scheme == "none" and device.type == "cpu" and fp16_unavailable(device) is None:
+        console.print("[dim]On a CPU, --quantize fp16 decodes both lanes about 2.3x faster (float16 weights, "
+                      "float32 compute; see the README).[/dim]")
+    if mode == "trust":
+        console.print("[dim]--mode verify gives exactly the base's text: the base checks the micro-step "
+                      "decoder's drafts (make demo ARGS=\"--mode verify\").[/dim]")
+    elif mode == "verify" and args.no_table:
+        console.print("[dim]--mode trust is HAMburger as in the paper: drafts kept unchecked and each step smashed "
+                      "into one KV entry (on this checkpoint about one token per step, close to the base's text "
+                      "but not equal).[/dim]")
+
+
+def _chat(console, engines: dict, confidence: float, max_new_tokens: int, mode: str) -> int:
+    """Typed prompts side by side until an empty line or the end of input."""
+    from hamburger.evaluation.demo import side_by_side
+
     console.print("[bold]Chat with both models (an empty line or Ctrl-D ends).[/bold]")
     while True:
         try:
@@ -98,5 +116,5 @@ def cmd_demo(args: argparse.Namespace) -> int:
         if not prompt.strip():
             return 0
         side_by_side(console, prompt.strip(), [{"role": "user", "content": prompt.strip()}], engines, confidence,
-                     args.max_new_tokens, mode)
+                     max_new_tokens, mode)
         console.print()

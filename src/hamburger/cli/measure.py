@@ -14,6 +14,7 @@ from hamburger.cli.common import (
     DEFAULT_TASKS,
     MAX_NEW_TOKENS,
     TASKS,
+    add_compile_arg,
     add_decode_threads_arg,
     add_engine_arg,
     add_lookup_arg,
@@ -29,6 +30,23 @@ from hamburger.model.config import DRAFT_ROWS, MODES, check_lookup, parse_draft_
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    register_eval(sub)
+    register_bench(sub)
+    register_bench_serve(sub)
+
+
+def add_report_args(parser: argparse.ArgumentParser, what: str, force: bool = True, plot: str | None = None) -> None:
+    """--json (`what` written there), --force (overwrite it), --plot (figures in a folder): what a measuring command
+    writes besides its printed table."""
+    group = parser.add_argument_group("report")
+    group.add_argument("--json", default=None, help=f"write {what} to this file")
+    if force:
+        group.add_argument("--force", action="store_true", help="overwrite the --json file if it exists")
+    if plot:
+        group.add_argument("--plot", default=None, help=f"write {plot} to this folder")
+
+
+def register_eval(sub: argparse._SubParsersAction) -> None:
     p = command(sub, "eval", "task quality and fidelity to the base: HumanEval, GSM, chat, your prompts")
     p.add_argument("--tasks", default=None, help=f"comma list from {','.join(TASKS)} "
                    f"(default: {','.join(DEFAULT_TASKS)}; with --prompts: prompts)")
@@ -45,9 +63,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompts", default=None, help="JSONL of your prompts (`messages` or `prompt` per line)")
     p.add_argument("--gsm-per-template", type=int, default=3, help="GSM variants per held-out template")
     p.add_argument("--test-timeout", type=float, default=10.0, help="seconds per HumanEval test program")
-    p.add_argument("--json", default=None, help="write rows, the table and per-item outputs to this file")
-    p.add_argument("--force", action="store_true", help="overwrite the --json file if it exists")
-    p.add_argument("--plot", default=None, help="write the quality vs KV compression figure to this folder")
+    add_report_args(p, "rows, the table and per-item outputs", plot="the quality vs KV compression figure")
     p.add_argument("--from-json", default=None, help="print the table (and --plot) of a saved --json run")
     p.add_argument("--seed", type=int, default=0, help="chooses the --limit subset (decoding is greedy)")
     add_model_args(p)
@@ -55,6 +71,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_output_args(p)
     p.set_defaults(func=cmd_eval)
 
+
+def register_bench(sub: argparse._SubParsersAction) -> None:
     p = command(sub, "bench", "decode speed, TTFT, KV entries and memory against HF generate, prompt lookup, "
                 "INT8 speculative decoding and the base in the same engine")
     p.add_argument("--systems", default=None,
@@ -74,19 +92,17 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "weights on a CPU (measured on 2 cores); 'all': at every batch size")
     add_lookup_arg(p)
     p.add_argument("--runs", type=int, default=3, help="timed runs per system (the median is reported)")
-    p.add_argument("--compile", action="store_true", help="torch.compile the fast engine's passes (base and "
-                   "micro-steps): 1.2-1.3x faster steps on a CPU after minutes of compiling at first use "
-                   "(docs/engine.md)")
+    add_compile_arg(p)
     p.add_argument("--forced-steps", default=None, metavar="SEGMENTED_JSONL",
                    help="adds the system hamburger_forced: step lengths drawn from this data's segmentation")
     p.add_argument("--profile", action="store_true", help="also profile macro-steps of 2 tokens (torch.profiler)")
-    p.add_argument("--json", default=None, help="write the results to this file")
-    p.add_argument("--force", action="store_true", help="overwrite the --json file")
-    p.add_argument("--plot", default=None, help="write PNG plots to this folder")
+    add_report_args(p, "the results", plot="PNG plots")
     add_model_args(p)
     add_quantize_args(p, many=True, default="none")  # the float model unless asked: the figures' reference
     p.set_defaults(func=cmd_bench)
 
+
+def register_bench_serve(sub: argparse._SubParsersAction) -> None:
     p = command(sub, "bench-serve", "load benchmark of the server: req/s, tokens/s, TTFT and TPOT percentiles")
     p.add_argument("--models", default=None,
                    help="comma list of models served in turn, e.g. default,SmolLM2-135M-Instruct (default: --model)")
@@ -101,7 +117,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--modes", default="trust",
                    help="comma list of trust,verify,compress: each model served in each mode")
     p.add_argument("--sets", default="chat,code,math", help="built-in prompt sets (hamburger.evaluation.bench)")
-    p.add_argument("--json", default=None, help="write the rows here")
+    add_report_args(p, "the rows", force=False)
     add_model_args(p)
     add_quantize_args(p)
     add_decode_threads_arg(p)  # the in-process server's
@@ -203,15 +219,9 @@ def _ints(text: str, what: str) -> list[int]:
     return values
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-
-    from hamburger.evaluation.bench import run_bench
-    from hamburger.evaluation.bench_costs import profile_steps
-    from hamburger.evaluation.bench_report import plot, print_table
-    from hamburger.evaluation.bench_systems import TRAINED_ONLY, ForcedSteps, bench_messages
-    from hamburger.evaluation.evaluate import parse_confidences
-    from hamburger.loading import hide_progress_bars, load, parse_schemes, resolve
-    from hamburger.model.base import encode_chat
+def _bench_plan(args: argparse.Namespace) -> tuple[list[int], object, list[str], list[str], list[str]]:
+    """bench's options checked before any loading: (batch sizes, device, schemes, systems, prompt sets)."""
+    from hamburger.loading import parse_schemes, resolve
 
     batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
     # every scheme resolved and checked against --device and --dtype before any loading
@@ -229,6 +239,35 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise HamburgerError(f"unknown prompt sets {unknown}: choose from {', '.join(BENCH_SETS)}")
     if args.json and Path(args.json).exists() and not args.force:
         raise HamburgerError(f"{args.json} exists: pass --force to overwrite it")
+    return batch_sizes, device, schemes, systems, sets
+
+
+def _bench_systems(args: argparse.Namespace, systems: list[str], model, trained: bool) -> list[str]:
+    """The systems that apply to this model: HAMburger's need a checkpoint, compress its merger (when not named)."""
+    from hamburger.evaluation.bench_systems import TRAINED_ONLY
+
+    if not args.forced_steps:
+        systems = [s for s in systems if s != "hamburger_forced"]
+    if not trained:
+        systems = [s for s in systems if s not in TRAINED_ONLY]
+        print(f"note: {args.model} is a base model, not a HAMburger checkpoint: HAMburger systems are skipped",
+              file=sys.stderr)
+    elif args.systems is None and model.merger is None and "hamburger_compress" in systems:
+        systems.remove("hamburger_compress")  # named explicitly, it fails with the reason instead
+        print("note: the checkpoint has no KV merger: hamburger_compress is skipped", file=sys.stderr)
+    return systems
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from hamburger.evaluation.bench import run_bench
+    from hamburger.evaluation.bench_costs import profile_steps
+    from hamburger.evaluation.bench_report import plot, print_table
+    from hamburger.evaluation.bench_systems import ForcedSteps, bench_messages
+    from hamburger.evaluation.evaluate import parse_confidences
+    from hamburger.loading import hide_progress_bars, load
+    from hamburger.model.base import encode_chat
+
+    batch_sizes, device, schemes, systems, sets = _bench_plan(args)
     if not sys.stderr.isatty():
         hide_progress_bars()
     model, trained = load(args.model, args.base, args.dtype, str(device), "none")
@@ -241,15 +280,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         print(f"bench: {s}", file=sys.stderr, flush=True)
 
     forced = ForcedSteps(args.forced_steps, model.config.max_step_tokens) if args.forced_steps else None
-    if not args.forced_steps:
-        systems = [s for s in systems if s != "hamburger_forced"]
-    if not trained:
-        systems = [s for s in systems if s not in TRAINED_ONLY]
-        print(f"note: {args.model} is a base model, not a HAMburger checkpoint: HAMburger systems are skipped",
-              file=sys.stderr)
-    elif args.systems is None and model.merger is None and "hamburger_compress" in systems:
-        systems.remove("hamburger_compress")  # named explicitly, it fails with the reason instead
-        print("note: the checkpoint has no KV merger: hamburger_compress is skipped", file=sys.stderr)
+    systems = _bench_systems(args, systems, model, trained)
     confidences = parse_confidences(args.confidence) or [model.config.default_confidence]
     messages = [m for name in sets for m in bench_messages(name, args.prompts_per_set)]
     prompts = [encode_chat(model.tokenizer, m) for m in messages]
@@ -275,7 +306,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_serve(args: argparse.Namespace) -> int:
-    from hamburger.evaluation.bench_serve import bench_model, print_table
+    from hamburger.evaluation.bench_serve import ServeBench, bench_model, print_table
     from hamburger.loading import hide_progress_bars, parse_schemes
 
     try:
@@ -300,7 +331,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise HamburgerError(f"--modes is a comma list of {', '.join(MODES)} (the server's modes), got {args.modes!r}")
     if args.quiet or not sys.stderr.isatty():
         hide_progress_bars()
-    rows = [row for name in names for row in bench_model(args, name, levels)]
+    run = ServeBench(requests=args.requests, max_tokens=args.max_tokens,
+                     sets=tuple(s.strip() for s in args.sets.split(",") if s.strip()), confidence=args.confidence,
+                     modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), url=args.url,
+                     api_key=args.api_key, base=args.base, dtype=args.dtype, device=args.device,
+                     quantize=args.quantize, group_size=args.group_size, max_len=args.max_len,
+                     decode_threads=args.decode_threads, lookup=args.lookup, verbose=args.verbose, quiet=args.quiet)
+    rows = [row for name in names for row in bench_model(run, name, levels)]
     print_table(rows)
     if args.json:
         meta = {k: getattr(args, k) for k in ("requests", "max_tokens", "sets", "dtype", "device", "confidence",

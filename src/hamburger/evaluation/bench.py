@@ -45,7 +45,7 @@ from hamburger.evaluation.bench_systems import (
     HAMBURGER,
     TRAINED_ONLY,
     ForcedSteps,
-    kv_bytes_per_entry,
+    entry_bytes,
     make_system,
     measure,
 )
@@ -91,7 +91,7 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
     device = next(hamburger_model.parameters()).device
     default_conf = hamburger_model.config.default_confidence
     main_conf = default_conf if default_conf in confidences else confidences[0]
-    entry_bytes = kv_bytes_per_entry(hamburger_model)
+    per_entry = entry_bytes(hamburger_model)
     rows, outputs = [], {}  # outputs: (scheme, system, confidence, batch) -> {prompt: generated tokens}
     costs: dict[str, dict] = {}  # the cost model under each scheme (HAMburger systems only)
     skipped: dict[str, str] = {}  # systems that cannot run here, and why
@@ -99,67 +99,88 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
         model = hamburger_model if scheme == "none" else load_quantized(scheme)
         plain = HamburgerModel.plain(model.base, model.tokenizer)
         weights = {"hamburger": model_bytes(model), "base": model_bytes(model.base)}
-        suffix = "" if scheme == "none" else f"+{scheme}"
-        jobs, labels, rows_info = [], [], []
-        for name in systems:
-            if name == "llama_cpp" and scheme != schemes[0]:
-                continue  # it decodes its own GGUF: one row (named without a scheme), beside the first scheme's
-            for conf in (confidences if name in HAMBURGER else [None]):
-                record: dict = {}
-                try:
-                    system = make_system(name, model, plain, conf or 1.0, compile, forced, verify_confidence, record,
-                                         draft_rows, lookup)
-                except Unavailable as exc:
-                    skipped[name + suffix] = str(exc)
-                    log(f"{name}{suffix}: skipped ({exc})")
-                    continue
-                for batch in batch_sizes:
-                    if name in BATCH1_ONLY and batch > 1:
-                        continue
-                    if conf is not None and conf != main_conf and (name != "hamburger_engine" or batch != 1):
-                        continue  # the sweep runs on the fast engine at batch 1
-                    pool = (prompts * (batch // len(prompts) + 1))[:max(batch, len(prompts))]
-                    mine: dict = {}  # this row's outputs: the system's `record` after each of this row's calls
 
-                    def job(ps, n, system=system, record=record, mine=mine):
-                        stats = system(ps, n)
-                        mine.update(record)
-                        return stats
+        def make(name: str, conf: float | None, record: dict, model=model, plain=plain):
+            return make_system(name, model, plain, conf or 1.0, compile, forced, verify_confidence, record,
+                               draft_rows, lookup)
 
-                    jobs.append((job, pool, batch))
-                    labels.append(f"{name}{'' if name == 'llama_cpp' else suffix}{'' if conf is None else f'@{conf:g}'} "
-                                  f"batch {batch}")
-                    rows_info.append((name, conf, batch, system, mine))
+        jobs, labels, planned = plan_jobs(make, scheme, schemes, systems, prompts, batch_sizes, confidences, main_conf,
+                                          skipped, log)
         # The systems' runs interleave (`measure`), so their ratios hold on a machine with slow spells.
-        for (name, conf, batch, system, record), measured in zip(rows_info, measure(jobs, max_new, runs, device,
-                                                                                    log, labels) if jobs else []):
-            row_conf = (verify_confidence or model.config.verify_confidence) \
-                if name in ("hamburger_verify", "hamburger_compress") else conf
-            row = {"system": name + ("" if name == "llama_cpp" else suffix),
-                   "quantize": "gguf" if name == "llama_cpp" else scheme, "confidence": row_conf, "batch_size": batch,
-                   "max_new_tokens": max_new, **measured}
-            drafts = 2 if name.startswith("spec_") else 1  # the draft keeps a cache of the same shape
-            generated_entries = row["kv_entries"] - row["prompt_tokens"]
-            row["kv_entries"] *= drafts
-            row["kv_bytes"] = row["kv_entries"] * getattr(system, "kv_bytes_per_entry", entry_bytes)
-            row["kv_entries_per_generated_token"] = generated_entries * drafts / max(1, row["generated_tokens"])
+        for (name, conf, batch, system, record), measured in zip(planned, measure(jobs, max_new, runs, device, log,
+                                                                                  labels) if jobs else []):
+            checked = name in ("hamburger_verify", "hamburger_compress")
+            row = {"system": name + ("" if name == "llama_cpp" or scheme == "none" else f"+{scheme}"),
+                   "quantize": "gguf" if name == "llama_cpp" else scheme, "batch_size": batch, "max_new_tokens": max_new,
+                   "confidence": (verify_confidence or model.config.verify_confidence) if checked else conf, **measured}
+            add_kv_memory(row, name, getattr(system, "kv_bytes_per_entry", per_entry))
             # The weights the system decodes with (spec_*: the base; its INT8 draft copy is not counted).
-            row["weights_mb"] = getattr(system, "weights_bytes", None) or \
-                weights["hamburger" if name in TRAINED_ONLY else "base"]
-            row["weights_mb"] /= 2**20
+            row["weights_mb"] = (getattr(system, "weights_bytes", None) or
+                                 weights["hamburger" if name in TRAINED_ONLY else "base"]) / 2**20
             outputs[scheme, name, conf, batch] = record
             if scheme != "none" and ("none", name, conf, batch) in outputs:
                 row.update(agreement(outputs["none", name, conf, batch], record))
             rows.append(row)
-        del jobs, rows_info
+        del jobs, planned, make
         if any(n in TRAINED_ONLY for n in systems):
             costs[scheme] = step_costs(model)
         del model, plain
-    summary = summarize(rows, main_conf)
-    return {"rows": rows, "summary": summary, "skipped": skipped, "step_costs": costs.get(schemes[0], {}),
-            "step_costs_by_scheme": costs, "confidence": main_conf, "kv_curve": kv_curve(hamburger_model, prompts,
-            max_new, main_conf), "device": describe_device(device), "kv_bytes_per_entry": entry_bytes}
+    return {"rows": rows, "summary": summarize(rows, main_conf), "skipped": skipped, "step_costs": costs.get(
+            schemes[0], {}), "step_costs_by_scheme": costs, "confidence": main_conf, "kv_curve": kv_curve(
+            hamburger_model, prompts, max_new, main_conf), "device": describe_device(device), "kv_bytes_per_entry": per_entry}
 
+
+def plan_jobs(make: Callable, scheme: str, schemes: Sequence[str], systems: Sequence[str], prompts: list[list[int]],
+              batch_sizes: Sequence[int], confidences: Sequence[float], main_conf: float, skipped: dict[str, str],
+              log: Callable[[str], None]) -> tuple[list, list[str], list[tuple]]:
+    """Under one scheme: the jobs `measure` runs (a system's call, the prompts, the batch size), their labels, and
+    per job (system name, confidence, batch size, the system, the dict its outputs are kept in). A system that
+    cannot run here is noted in `skipped` instead. `make(name, confidence, record)` builds a system."""
+    suffix = "" if scheme == "none" else f"+{scheme}"
+    jobs, labels, planned = [], [], []
+    for name in systems:
+        if name == "llama_cpp" and scheme != schemes[0]:
+            continue  # it decodes its own GGUF: one row (named without a scheme), beside the first scheme's
+        for conf in (confidences if name in HAMBURGER else [None]):
+            record: dict = {}
+            try:
+                system = make(name, conf, record)
+            except Unavailable as exc:
+                skipped[name + suffix] = str(exc)
+                log(f"{name}{suffix}: skipped ({exc})")
+                continue
+            for batch in batch_sizes:
+                if name in BATCH1_ONLY and batch > 1:
+                    continue
+                if conf is not None and conf != main_conf and (name != "hamburger_engine" or batch != 1):
+                    continue  # the sweep runs on the fast engine at batch 1
+                pool = (prompts * (batch // len(prompts) + 1))[:max(batch, len(prompts))]
+                mine: dict = {}  # this row's outputs: the system's `record` after each of this row's calls
+
+                def job(ps, n, system=system, record=record, mine=mine):
+                    stats = system(ps, n)
+                    mine.update(record)
+                    return stats
+
+                jobs.append((job, pool, batch))
+                labels.append(f"{name}{'' if name == 'llama_cpp' else suffix}{'' if conf is None else f'@{conf:g}'} "
+                              f"batch {batch}")
+                planned.append((name, conf, batch, system, mine))
+    return jobs, labels, planned
+
+
+def add_kv_memory(row: dict, name: str, entry_bytes: int) -> None:
+    """A measured row's KV cache as memory, beside its entries: `kv_bytes` (the run's requests together),
+    `kv_bytes_per_request` (a request's entries at its end, prompt included) and `kv_bytes_per_generated_token`
+    (what the cache grows by per generated token), each entry `entry_bytes` (`stats.kv_bytes_per_entry`). spec_*
+    systems count their draft's cache too (the same shape as the base's)."""
+    drafts = 2 if name.startswith("spec_") else 1
+    generated_entries = row["kv_entries"] - row["prompt_tokens"]
+    row["kv_entries"] *= drafts
+    row["kv_bytes"] = row["kv_entries"] * entry_bytes
+    row["kv_entries_per_generated_token"] = generated_entries * drafts / max(1, row["generated_tokens"])
+    row["kv_bytes_per_generated_token"] = row["kv_entries_per_generated_token"] * entry_bytes
+    row["kv_bytes_per_request"] = row["kv_bytes"] / max(1, row["sequences"])
 
 
 def summarize(rows: list[dict], conf: float) -> dict:

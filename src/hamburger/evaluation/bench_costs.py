@@ -12,6 +12,19 @@ import torch
 # --- the cost model ---------------------------------------------------------------------------------------------
 
 
+def median_time(fn: Callable[[], None], repeats: int, device: torch.device) -> float:
+    """Median wall time of `fn` over `repeats` calls after one untimed call (CUDA synchronised after each)."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def step_costs(model, context: int = 256, repeats: int = 20) -> dict:
     """Wall time of one base decode step and of one micro-step (batch 1, `context` cached slots), median of repeats.
 
@@ -31,16 +44,8 @@ def step_costs(model, context: int = 256, repeats: int = 20) -> dict:
     ids = torch.randint(0, cfg.vocab_size, (1, context + 1), generator=gen).to(dev)
     mask = torch.ones(1, 1, context + 1, context + 1, dtype=torch.bool, device=dev).tril()
 
-    def timed(fn) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            fn()
-            if dev.type == "cuda":
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+    def timed(fn: Callable[[], None]) -> float:
+        return median_time(fn, repeats, dev)
 
     with torch.inference_mode():
         engine.base_pass(model.embed(ids[:, :context]), torch.arange(context, device=dev)[None], cache, 0,

@@ -21,7 +21,8 @@ def find(rows: list[dict], system: str, batch: int, conf: float | None = None) -
 def table(result: dict) -> tuple[list[str], list[list[str]]]:
     quantized = any(r.get("quantize", "none") != "none" for r in result["rows"])
     header = ["system", "conf", "batch", "decode tok/s", "× base engine", *(["× float base"] if quantized else []),
-              "TTFT s", "tok/step", "tok/forward", "KV entries", "KV MB", "KV/gen token", "peak MB", "weights MB",
+              "TTFT s", "tok/step", "tok/forward", "KV entries", "KV/gen token", "KV KB/gen token", "KV MB/request",
+              "peak MB", "weights MB",
               "= float"]
     body = []
 
@@ -39,10 +40,18 @@ def table(result: dict) -> tuple[list[str], list[list[str]]]:
                      f"{r['decode_tokens_per_s']:.1f}", ratio(r, same), *([ratio(r, float_base)] if quantized else []),
                      f"{r['ttft_s']:.3f}", f"{r['tokens_per_step']:.2f}",
                      f"{r['tokens_per_forward']:.2f}" if "tokens_per_forward" in r else "-", str(r["kv_entries"]),
-                     f"{r['kv_bytes'] / 2**20:.1f}", f"{r['kv_entries_per_generated_token']:.2f}",
+                     f"{r['kv_entries_per_generated_token']:.2f}", *kv_memory_cells(r),
                      f"{r['peak_memory_mb']:.0f}", f"{r['weights_mb']:.0f}" if "weights_mb" in r else "-",
                      f"{r['prefix_vs_float']:.0%}" if "prefix_vs_float" in r else "-"])
     return header, body
+
+
+def kv_memory_cells(row: dict) -> list[str]:
+    """A row's KV cache as memory (`bench.add_kv_memory`): KB per generated token, MB per request; "-" in a row
+    saved before they were measured."""
+    if "kv_bytes_per_generated_token" not in row:
+        return ["-", "-"]
+    return [f"{row['kv_bytes_per_generated_token'] / 2**10:.1f}", f"{row['kv_bytes_per_request'] / 2**20:.2f}"]
 
 
 def print_table(result: dict) -> None:

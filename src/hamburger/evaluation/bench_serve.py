@@ -11,14 +11,39 @@ output tokens/s over the wall time of the run, and tokens per step = completion 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import gc
 import json
 import sys
 import time
+from dataclasses import dataclass
 
 from hamburger.errors import HamburgerError
+
+
+@dataclass(frozen=True)
+class ServeBench:
+    """What a bench-serve run sends (the requests) and, unless it targets a server at `url`, how it serves them in
+    process (`loading.load`'s model options, the `Service`'s cache and threads)."""
+
+    requests: int = 64  # at each concurrency level
+    max_tokens: int = 128  # each request's max_tokens
+    sets: tuple[str, ...] = ("chat", "code", "math")  # built-in prompt sets
+    confidence: float | None = None  # sent with each request (None: the server's)
+    modes: tuple[str, ...] = ("trust",)  # each model served in each mode
+    url: str | None = None  # a server already running there instead of one in process
+    api_key: str | None = None
+    base: str | None = None
+    dtype: str = "float32"
+    device: str = "auto"
+    quantize: str = "auto"
+    group_size: int = 32
+    max_len: int = 1024  # KV entries per batch row
+    decode_threads: int | None = None
+    lookup: int | None = None
+    verbose: bool = False  # the quantization's details
+    quiet: bool = False  # no start line
+
 
 COLUMNS = ("model", "conc", "req/s", "out tok/s", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99", "tok/step")
 
@@ -83,42 +108,42 @@ async def _run(url: str, bodies: list[dict], concurrency: int, api_key: str | No
     return row
 
 
-def _bodies(args: argparse.Namespace, model_name: str, mode: str) -> list[dict]:
+def _bodies(run: ServeBench, model_name: str, mode: str) -> list[dict]:
     from hamburger.evaluation.bench_systems import bench_messages
 
-    pool = [m for name in args.sets.split(",") for m in bench_messages(name.strip(), args.requests)]
+    pool = [m for name in run.sets for m in bench_messages(name, run.requests)]
     if not pool:
         raise HamburgerError("no prompts: check --sets")
-    extra = {"confidence": args.confidence} if args.confidence is not None else {}
+    extra = {"confidence": run.confidence} if run.confidence is not None else {}
     if mode != "trust":
         extra["mode"] = mode
-    return [{"model": model_name, "messages": pool[i % len(pool)], "max_tokens": args.max_tokens, "stream": True,
-             "stream_options": {"include_usage": True}, "temperature": 0, **extra} for i in range(args.requests)]
+    return [{"model": model_name, "messages": pool[i % len(pool)], "max_tokens": run.max_tokens, "stream": True,
+             "stream_options": {"include_usage": True}, "temperature": 0, **extra} for i in range(run.requests)]
 
 
-def bench_model(args: argparse.Namespace, name: str, levels: list[int]) -> list[dict]:
-    """The rows of one model: served in-process (or at --url) in each of --modes at each concurrency level."""
-    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    label = lambda mode: name if modes == ["trust"] else f"{name} [{mode}]"  # noqa: E731
-    bodies = {m: _bodies(args, "default" if args.url is None else name, m) for m in modes}
-    log = lambda s: print(f"bench-serve: {s}", file=sys.stderr, flush=True)  # noqa: E731
-    if args.url is not None:
-        return [dict(model=label(m), mode=m, **asyncio.run(_run(args.url, bodies[m], c, args.api_key)))
+def bench_model(run: ServeBench, name: str, levels: list[int]) -> list[dict]:
+    """The rows of one model: served in-process (or at `run.url`) in each of `run.modes` at each concurrency level."""
+    modes = list(run.modes)
+    label = lambda mode: name if modes == ["trust"] else f"{name} [{mode}]"
+    bodies = {m: _bodies(run, "default" if run.url is None else name, m) for m in modes}
+    log = lambda s: print(f"bench-serve: {s}", file=sys.stderr, flush=True)
+    if run.url is not None:
+        return [dict(model=label(m), mode=m, **asyncio.run(_run(run.url, bodies[m], c, run.api_key)))
                 for m in modes for c in levels]
     from hamburger.loading import describe_run, load, resolve
     from hamburger.serving.server import BackgroundServer, Service
     from hamburger.serving.service import decode_threads
 
-    device, scheme = resolve(args.device, args.quantize, args.dtype, args.group_size)
-    threads = decode_threads(args.decode_threads, device)
-    model, trained = load(name, args.base, args.dtype, str(device), scheme, args.group_size, quiet=not args.verbose)
-    service = Service(model, name, max_batch_size=max(levels), max_queue=args.requests + 1, max_len=args.max_len,
-                      decode_threads=threads, lookup=args.lookup)
+    device, scheme = resolve(run.device, run.quantize, run.dtype, run.group_size)
+    threads = decode_threads(run.decode_threads, device)
+    model, trained = load(name, run.base, run.dtype, str(device), scheme, run.group_size, quiet=not run.verbose)
+    service = Service(model, name, max_batch_size=max(levels), max_queue=run.requests + 1, max_len=run.max_len,
+                      decode_threads=threads, lookup=run.lookup)
     rows = []
     with BackgroundServer(service) as server:
-        if not args.quiet:
-            auto = args.quantize == "auto"
-            log(f"{name} on {server.url}: {describe_run(model, trained, scheme, auto, args.modes, args.lookup)}")
+        if not run.quiet:
+            auto = run.quantize == "auto"
+            log(f"{name} on {server.url}: {describe_run(model, trained, scheme, auto, ','.join(modes), run.lookup)}")
         for m in modes:
             for c in levels:
                 rows.append(dict(model=label(m), mode=m, hamburger=trained,
@@ -130,7 +155,7 @@ def bench_model(args: argparse.Namespace, name: str, levels: list[int]) -> list[
 
 
 def _format(row: dict) -> list[str]:
-    ms = lambda s: f"{1000 * s:.0f} ms"  # noqa: E731
+    ms = lambda s: f"{1000 * s:.0f} ms"
     return [row["model"], str(row["concurrency"]), f"{row['requests_per_s']:.2f}", f"{row['output_tokens_per_s']:.1f}",
             *(ms(row[f"ttft_p{q}_s"]) for q in (50, 90, 99)), *(ms(row[f"tpot_p{q}_s"]) for q in (50, 90, 99)),
             f"{row['tokens_per_step']:.2f}"]

@@ -15,7 +15,7 @@ import torch
 
 from hamburger.errors import HamburgerError
 from hamburger.inference.reference import left_pad
-from hamburger.inference.stats import GenerationStats
+from hamburger.inference.stats import GenerationStats, kv_bytes_per_entry
 
 SETS = ("code", "math", "chat", "long")
 SYSTEMS = ("hf_generate", "engine_base", "prompt_lookup", "spec_int8_k2", "spec_int8_k4", "hamburger_ref",
@@ -191,7 +191,6 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
     also notes every prompt's generated tokens there (prompt tuple -> tokens). `draft_rows`: `Engine`'s, for
     hamburger_verify; `lookup`: `Engine`'s, for hamburger_verify and hamburger_compress."""
     from hamburger.inference.engine import Engine, ReferenceEngine
-    from hamburger.inference.reference import eos_ids
 
     def kept(prompts: list[list[int]], out) -> GenerationStats:
         if record is not None:
@@ -199,28 +198,8 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
                 record[tuple(prompt)] = list(tokens)
         return out.stats
 
-    base = plain_model.base
-    eos = eos_ids(plain_model)
-    pad = getattr(plain_model.tokenizer, "pad_token_id", None)
-    pad = pad if pad is not None else min(eos)
-    if name == "hf_generate":
-        return lambda prompts, n: hf_call(base, prompts, n, eos, pad, record)
-    if name == "prompt_lookup":
-        return lambda prompts, n: hf_call(base, prompts, n, eos, pad, record, prompt_lookup_num_tokens=10)
-    if name.startswith("spec_int8_k"):
-        if next(base.parameters()).device.type != "cpu":
-            raise HamburgerError("the INT8 draft (dynamic quantisation) runs on the CPU only")
-        draft = int8_draft(base)
-        draft.generation_config.num_assistant_tokens = int(name.removeprefix("spec_int8_k"))
-        return lambda prompts, n: hf_call(base, prompts, n, eos, pad, record, assistant_model=draft)
-    if name == "llama_cpp":
-        from hamburger.evaluation.llamacpp import gguf_path, llama_cpp_system
-
-        refs = [getattr(base.config, "hamburger_ref", None), hamburger_model.config.base_model]
-        system = llama_cpp_system(gguf_path([r for r in refs if r]), eos, record=record)
-        # llama.cpp keeps keys and values in float16 by default
-        system.kv_bytes_per_entry = kv_bytes_per_entry(plain_model) // next(base.parameters()).element_size() * 2
-        return system
+    if name in ("hf_generate", "prompt_lookup", "llama_cpp") or name.startswith("spec_int8_k"):
+        return outside_system(name, hamburger_model, plain_model, record)
     if name == "hamburger_forced":
         if forced is None:
             raise HamburgerError("the hamburger_forced system needs --forced-steps SEGMENTED_JSONL")
@@ -247,12 +226,40 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
     return lambda prompts, n: kept(prompts, engine.generate(prompts, max_new_tokens=n, confidence=conf, mode="trust"))
 
 
-def kv_bytes_per_entry(model) -> int:
-    """Bytes one KV entry takes over all layers of the base: keys and values."""
-    cfg = model.base.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    elem = next(model.base.parameters()).element_size()
-    return 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * elem
+def outside_system(name: str, hamburger_model, plain_model, record: dict | None = None,
+                   ) -> Callable[[list[list[int]], int], GenerationStats]:
+    """The systems outside our engine: transformers' `generate` (plain, prompt lookup, an INT8 speculative draft)
+    and llama.cpp on the base's GGUF (`make_system` for the arguments)."""
+    from hamburger.inference.reference import eos_ids
+
+    base = plain_model.base
+    eos = eos_ids(plain_model)
+    pad = getattr(plain_model.tokenizer, "pad_token_id", None)
+    pad = pad if pad is not None else min(eos)
+    if name == "hf_generate":
+        return lambda prompts, n: hf_call(base, prompts, n, eos, pad, record)
+    if name == "prompt_lookup":
+        return lambda prompts, n: hf_call(base, prompts, n, eos, pad, record, prompt_lookup_num_tokens=10)
+    if name.startswith("spec_int8_k"):
+        if next(base.parameters()).device.type != "cpu":
+            raise HamburgerError("the INT8 draft (dynamic quantisation) runs on the CPU only")
+        draft = int8_draft(base)
+        draft.generation_config.num_assistant_tokens = int(name.removeprefix("spec_int8_k"))
+        return lambda prompts, n: hf_call(base, prompts, n, eos, pad, record, assistant_model=draft)
+    if name != "llama_cpp":
+        raise HamburgerError(f"unknown system {name!r}: choose from {', '.join(SYSTEMS)}")
+    from hamburger.evaluation.llamacpp import gguf_path, llama_cpp_system
+
+    refs = [getattr(base.config, "hamburger_ref", None), hamburger_model.config.base_model]
+    system = llama_cpp_system(gguf_path([r for r in refs if r]), eos, record=record)
+    system.kv_bytes_per_entry = entry_bytes(plain_model, torch.float16)  # llama.cpp's cache: float16 by default
+    return system
+
+
+def entry_bytes(model, dtype: torch.dtype | None = None) -> int:
+    """Bytes one KV entry of `model`'s base takes (`stats.kv_bytes_per_entry`), in `dtype` (default: the dtype the
+    engine's cache takes, that of the base's parameters)."""
+    return kv_bytes_per_entry(model.base.config, dtype or next(model.base.parameters()).dtype)
 
 
 def measure(jobs: list[tuple[Callable, list[list[int]], int]], max_new: int, runs: int, device: torch.device,

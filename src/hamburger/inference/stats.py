@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 
 @dataclass
@@ -81,3 +82,14 @@ class GenerationStats:
                      "decode_tokens_per_s"):
             out[name] = getattr(self, name)
         return out
+
+
+def kv_bytes_per_entry(config: Any, dtype: Any) -> int:
+    """Bytes one KV entry takes in the base's cache: over all layers, a key and a value of every KV head, in the
+    cache's dtype: layers x 2 x kv_heads x head_dim x bytes per element. `config`: the base's (a transformers
+    config: num_hidden_layers, num_key_value_heads, head_dim or hidden_size / num_attention_heads); `dtype`: a
+    torch dtype (its `itemsize`) or bytes per element. KV bytes = KV entries (`GenerationStats.kv_entries`) x this."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    elem = dtype if isinstance(dtype, int) else dtype.itemsize
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * elem

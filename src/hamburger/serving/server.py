@@ -46,6 +46,8 @@ from hamburger.serving.service import Handle, Service, T
 
 CLIENT_CLOSED = 499  # nginx's "client closed request": the status of an answer nobody is left to read
 log = logging.getLogger("uvicorn.error")  # uvicorn's own: our one-line warnings look like its and share its level
+
+
 async def _steps(handle: Handle, text: TextStream) -> AsyncIterator[tuple[str, str | None, RequestEvent]]:
     """(new text, finish reason once it ends, event) per macro-step; a stop string ends the request early."""
     outcome = None
@@ -185,6 +187,13 @@ def create_app(service: Service, access_log: bool = False) -> FastAPI:
     app = FastAPI(title="HAMburger", lifespan=lifespan)
     if access_log:
         app.add_middleware(AccessLog)
+    add_error_handlers(app)
+    add_routes(app, service)
+    return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error as an OpenAI-style JSON answer (a client that left early: an empty 499)."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
@@ -207,6 +216,10 @@ def create_app(service: Service, access_log: bool = False) -> FastAPI:
         traceback.print_exception(exc, file=sys.stderr)
         return JSONResponse(ApiError(500, "internal server error; see the server log", kind="server_error").body(),
                             status_code=500)
+
+
+def add_routes(app: FastAPI, service: Service) -> None:
+    """/health, the web page, /metrics, /v1/models and the two completion endpoints."""
 
     @app.get("/health")
     async def health() -> dict:
@@ -236,8 +249,6 @@ def create_app(service: Service, access_log: bool = False) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         return await _complete(service, request, chat=False)
-
-    return app
 
 
 class BackgroundServer:

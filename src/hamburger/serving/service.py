@@ -16,11 +16,11 @@ from fastapi import Request
 
 from hamburger.errors import HamburgerError
 from hamburger.inference.admission import PREFILL_TOKENS, RequestEvent
-from hamburger.inference.engine import check_merger
+from hamburger.inference.engine import resolve_mode
 from hamburger.inference.sampling import SamplingParams
 from hamburger.inference.scheduler import Scheduler
 from hamburger.model.base import encode_chat
-from hamburger.model.config import check_confidence, check_lookup, check_mode
+from hamburger.model.config import check_confidence, check_lookup
 from hamburger.model.hamburger_model import HamburgerModel
 from hamburger.serving.openai_api import (
     ApiError,
@@ -90,9 +90,8 @@ class Service:
         None: the checkpoint's)."""
         self.model, self.tokenizer = model, model.tokenizer
         self.names = list(dict.fromkeys([name, "default"]))
-        self.default_mode = check_mode(model.config.default_mode if default_mode is None else default_mode)
-        if self.default_mode == "compress":
-            check_merger(model)  # before the caches are allocated: every request would fail otherwise
+        # compress needs the checkpoint's merger: checked before the caches are allocated (every request would fail)
+        self.default_mode = resolve_mode(model, default_mode)[0]
         self.scheduler = Scheduler(model, max_batch_size, max_len, prefill_tokens, interleave_prefill, decode_threads,
                                    draft_rows, lookup=None if lookup is None else check_lookup(lookup))
         self.max_queue, self.api_key = max_queue, api_key
@@ -160,17 +159,7 @@ class Service:
         if body.model not in self.names:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server has {self.names}", "model",
                            "model_not_found")
-        mode = body.mode or self.default_mode
-        if mode == "compress":
-            try:
-                check_merger(self.model)
-            except HamburgerError as exc:
-                raise ApiError(400, f"mode=compress: {exc}", "mode") from None
-        default = self.default_confidence if mode == "trust" else self.verify_confidence
-        try:
-            confidence = check_confidence(default if body.confidence is None else body.confidence)
-        except HamburgerError as exc:
-            raise ApiError(400, str(exc), "confidence") from None
+        mode, confidence = self.resolve(body.mode, body.confidence)
         limit = check_limits(len(prompt), body.limit(), self.scheduler.max_len, param)
         if self.scheduler.waiting >= self.max_queue:
             raise ApiError(429, f"the server is busy ({self.max_queue} requests waiting); retry later",
@@ -181,6 +170,21 @@ class Service:
         self.queues[rid] = queue = asyncio.Queue()
         self.wake.set()
         return Handle(self, rid, queue, arrival)
+
+    def resolve(self, mode: str | None, confidence: float | None) -> tuple[str, float]:
+        """A request's mode and confidence by the one rule (`engine.resolve_mode`), with this server's defaults (its
+        mode, and its confidence for trust mode); a problem becomes a 400 naming the field at fault."""
+        mode = mode or self.default_mode
+        if confidence is None and mode == "trust":
+            confidence = self.default_confidence  # the server's --confidence (verify and compress: the model's)
+        try:
+            return resolve_mode(self.model, mode, confidence)
+        except HamburgerError as exc:
+            try:  # the mode alone resolves (compress: a merger): the confidence is at fault
+                resolve_mode(self.model, mode)
+            except HamburgerError:
+                raise ApiError(400, f"mode={mode}: {exc}", "mode") from None
+            raise ApiError(400, str(exc), "confidence") from None
 
     def chat_prompt(self, body: ChatRequest) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
