@@ -24,7 +24,13 @@ def test_bench_serve_base_and_hamburger(checkpoint, tiny_model_dir, tmp_path, ca
         assert r["requests"] == 4 and r["requests_per_s"] > 0 and 0 < r["ttft_p50_s"] <= r["ttft_p99_s"]
         assert r["completion_tokens"] <= 16 and r["tokens_per_step"] >= 1.0
     assert all(r["tokens_per_step"] == 1.0 for r in rows if not r["hamburger"])
-    assert "TTFT p50" in capsys.readouterr().out
+    for r in rows:  # KV as memory: entries per generated token from `usage`, bytes from the served model
+        if not r["hamburger"]:
+            assert r["kv_entries_per_generated_token"] == 1.0
+        assert r["kv_bytes_per_generated_token"] == r["kv_entries_per_generated_token"] * r["kv_bytes_per_entry"]
+        assert r["kv_bytes_per_request"] == r["kv_entries_per_request"] * r["kv_bytes_per_entry"] > 0
+    out = capsys.readouterr().out
+    assert "TTFT p50" in out and "KV KB/gen token" in out
 
 
 def test_bench_serve_bad_arguments(capsys):

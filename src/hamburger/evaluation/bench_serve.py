@@ -5,8 +5,9 @@ the server runs in-process on a loopback port (or `--url` targets one already ru
 streaming chat requests on the built-in held-out prompts go out at each concurrency of `--concurrency`.
 Per request, measured by the client: TTFT = arrival of the first streamed chunk (the first macro-step's
 tokens) since sending; TPOT = (last chunk - first chunk) / (completion tokens - 1). Per run: requests/s and
-output tokens/s over the wall time of the run, and tokens per step = completion tokens / macro-steps
-(both from the server's `usage`, `stats.GenerationStats`).
+output tokens/s over the wall time of the run, tokens per step = completion tokens / macro-steps, and KV entries per
+generated token = (KV entries - prompt tokens) / completion tokens (all from the server's `usage`,
+`stats.GenerationStats`); served in process, the same in bytes (`stats.kv_bytes_per_entry`) and per request.
 """
 
 from __future__ import annotations
@@ -45,7 +46,8 @@ class ServeBench:
     quiet: bool = False  # no start line
 
 
-COLUMNS = ("model", "conc", "req/s", "out tok/s", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99", "tok/step")
+COLUMNS = ("model", "conc", "req/s", "out tok/s", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99", "tok/step",
+           "KV/gen token", "KV KB/gen token")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -77,7 +79,9 @@ async def _one(client, body: dict) -> dict:
             usage = chunk.get("usage") or usage
     tokens = usage.get("completion_tokens", 0)
     tpot = (last - first) / (tokens - 1) if tokens > 1 else None
-    return {"ttft": first - sent, "tpot": tpot, "tokens": tokens, "steps": usage.get("macro_steps", 0)}
+    return {"ttft": first - sent, "tpot": tpot, "tokens": tokens, "steps": usage.get("macro_steps", 0),
+            "kv_generated": usage.get("kv_entries", 0) - usage.get("prompt_tokens", 0),
+            "kv_entries": usage.get("kv_entries", 0)}
 
 
 async def _run(url: str, bodies: list[dict], concurrency: int, api_key: str | None) -> dict:
@@ -101,7 +105,10 @@ async def _run(url: str, bodies: list[dict], concurrency: int, api_key: str | No
     tokens, steps = sum(r["tokens"] for r in results), sum(r["steps"] for r in results)
     row = {"concurrency": concurrency, "requests": len(results), "wall_s": wall, "requests_per_s": len(results) / wall,
            "output_tokens_per_s": tokens / wall, "completion_tokens": tokens, "macro_steps": steps,
-           "tokens_per_step": tokens / steps if steps else 0.0}
+           "tokens_per_step": tokens / steps if steps else 0.0,
+           # KV entries a request's reply added, per generated token, and a request's entries at its end (`usage`)
+           "kv_entries_per_generated_token": sum(r["kv_generated"] for r in results) / tokens if tokens else 0.0,
+           "kv_entries_per_request": sum(r["kv_entries"] for r in results) / len(results)}
     for name, xs in (("ttft", ttft), ("tpot", tpot)):
         for q in (50, 90, 99):
             row[f"{name}_p{q}_s"] = percentile(xs, q)
@@ -130,6 +137,7 @@ def bench_model(run: ServeBench, name: str, levels: list[int]) -> list[dict]:
     if run.url is not None:
         return [dict(model=label(m), mode=m, **asyncio.run(_run(run.url, bodies[m], c, run.api_key)))
                 for m in modes for c in levels]
+    from hamburger.evaluation.bench_systems import entry_bytes
     from hamburger.loading import describe_run, load, resolve
     from hamburger.serving.server import BackgroundServer, Service
     from hamburger.serving.service import decode_threads
@@ -137,6 +145,7 @@ def bench_model(run: ServeBench, name: str, levels: list[int]) -> list[dict]:
     device, scheme = resolve(run.device, run.quantize, run.dtype, run.group_size)
     threads = decode_threads(run.decode_threads, device)
     model, trained = load(name, run.base, run.dtype, str(device), scheme, run.group_size, quiet=not run.verbose)
+    entry = entry_bytes(model)
     service = Service(model, name, max_batch_size=max(levels), max_queue=run.requests + 1, max_len=run.max_len,
                       decode_threads=threads, lookup=run.lookup)
     rows = []
@@ -146,19 +155,28 @@ def bench_model(run: ServeBench, name: str, levels: list[int]) -> list[dict]:
             log(f"{name} on {server.url}: {describe_run(model, trained, scheme, auto, ','.join(modes), run.lookup)}")
         for m in modes:
             for c in levels:
-                rows.append(dict(model=label(m), mode=m, hamburger=trained,
-                                 **asyncio.run(_run(server.url, bodies[m], c, None))))
+                rows.append(with_kv_bytes(dict(model=label(m), mode=m, hamburger=trained,
+                                               **asyncio.run(_run(server.url, bodies[m], c, None))), entry))
                 log(f"{label(m)} at concurrency {c}: {rows[-1]['requests_per_s']:.2f} req/s")
     del service, model
     gc.collect()
     return rows
 
 
+def with_kv_bytes(row: dict, entry_bytes: int) -> dict:
+    """The row's KV entries as bytes (`stats.kv_bytes_per_entry`): known for the in-process server only."""
+    row["kv_bytes_per_entry"] = entry_bytes
+    row["kv_bytes_per_generated_token"] = row["kv_entries_per_generated_token"] * entry_bytes
+    row["kv_bytes_per_request"] = row["kv_entries_per_request"] * entry_bytes
+    return row
+
+
 def _format(row: dict) -> list[str]:
     ms = lambda s: f"{1000 * s:.0f} ms"
     return [row["model"], str(row["concurrency"]), f"{row['requests_per_s']:.2f}", f"{row['output_tokens_per_s']:.1f}",
             *(ms(row[f"ttft_p{q}_s"]) for q in (50, 90, 99)), *(ms(row[f"tpot_p{q}_s"]) for q in (50, 90, 99)),
-            f"{row['tokens_per_step']:.2f}"]
+            f"{row['tokens_per_step']:.2f}", f"{row['kv_entries_per_generated_token']:.2f}",
+            f"{row['kv_bytes_per_generated_token'] / 2**10:.1f}" if "kv_bytes_per_generated_token" in row else "-"]
 
 
 def print_table(rows: list[dict]) -> None:
