@@ -13,9 +13,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import hamburger, tiny_base
 from hamburger import HamburgerModel, generate
+from hamburger.inference.engine import Engine
 from hamburger.kernels import qlinear
 from hamburger.kernels import quantize as qz
-from hamburger.inference.engine import Engine
 from hamburger.kernels.fused import FusedPart
 from hamburger.kernels.qlinear import Fp16Linear, Int4Linear, Int8Linear, QuantizedLinear, fp16_unavailable
 from hamburger.kernels.quantize import quantize_cached, quantize_model
@@ -565,3 +565,34 @@ def test_default_q4_1_base_is_exact_in_int4():
         assert (fcodes == codes).float().mean() > 0.999, name
         deq = fcodes.float() * fscales.float().repeat_interleave(32, 1) + fmins.float().repeat_interleave(32, 1)
         assert ((deq - w).abs() <= 2**-7 * (w.abs() + 16 * scales.repeat_interleave(32, 1))).all(), name
+
+
+@pytest.mark.parametrize("scheme", [pytest.param("fp16", marks=needs_fbgemm), "int8", "int4"])
+def test_siblings_quantized_as_one_layer_equal_the_parts_fused(scheme):
+    """`quantize_model` quantizes q/k/v and gate/up as one layer each (one packing of their weights): bit for bit the
+    group `fuse_projections` makes of the siblings quantized one by one, biases (Qwen2's q/k/v) included."""
+    from hamburger.kernels.fused import fuse_projections
+
+    ids = torch.randint(2, 90, (2, 10), generator=torch.Generator().manual_seed(0))
+    models = []
+    for _ in range(2):
+        model = tiny_base("qwen2").eval()
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(1)
+            for m in model.modules():
+                if isinstance(m, nn.Linear) and m.bias is not None:
+                    m.bias.copy_(torch.randn(m.bias.shape, generator=gen))
+        models.append(model)
+    one_by_one, at_once = models
+    quantize_model(one_by_one, scheme, fuse=False)
+    assert fuse_projections(one_by_one) == 2 * len(one_by_one.model.layers)  # q/k/v and gate/up of each layer
+    quantize_model(at_once, scheme)
+    for a, b in zip(one_by_one.modules(), at_once.modules()):
+        assert type(a) is type(b)
+        if isinstance(a, FusedPart):
+            assert a.group.bounds == b.group.bounds
+            assert torch.equal(a.dequantize(), b.dequantize())
+            assert all(torch.equal(x, y) for x, y in zip(a.group.linear.portable().values(),
+                                                          b.group.linear.portable().values()))
+            assert (a.bias is None) == (b.bias is None) and (a.bias is None or torch.equal(a.bias, b.bias))
+    assert torch.equal(logits(at_once, ids), logits(one_by_one, ids))

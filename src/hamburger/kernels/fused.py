@@ -21,9 +21,10 @@ class FusedGroup:
     tensor, computes afresh: an input is never changed in place between its projections in these layers.
     """
 
-    def __init__(self, parts: list[QuantizedLinear]) -> None:
-        self.linear = type(parts[0]).concat(parts)
-        ends = torch.tensor([p.out_features for p in parts]).cumsum(0).tolist()
+    def __init__(self, linear: QuantizedLinear, sizes: list[int]) -> None:
+        """`linear`: the siblings' output rows end to end, `sizes` rows each."""
+        self.linear = linear
+        ends = torch.tensor(sizes).cumsum(0).tolist()
         self.bounds = list(zip([0, *ends[:-1]], ends))
         self._x: torch.Tensor | None = None
         self._out: torch.Tensor | None = None
@@ -102,8 +103,48 @@ def fuse_projections(model: nn.Module) -> int:
             if len({(type(p), p.in_features, p.group_size, p.compute_dtype, getattr(p, "packed_for", None))
                     for p in parts}) != 1:  # one class and the same settings, or no single kernel serves them
                 continue
-            group = FusedGroup(parts)
-            for i, (name, old) in enumerate(zip(names, parts)):
-                setattr(module, name, carry_hooks(old, FusedPart(group, i, old.bias)))
+            install(module, names, parts, type(parts[0]).concat(parts))
             made += 1
     return made
+
+
+def install(module: nn.Module, names: tuple[str, ...], parts: list[nn.Module], linear: QuantizedLinear) -> None:
+    """`module`'s siblings `names` (the layers `parts`) become the parts of one group around `linear`, whose output
+    rows are the parts' end to end; each part keeps its layer's bias and hooks."""
+    group = FusedGroup(linear, [p.out_features for p in parts])
+    for i, (name, old) in enumerate(zip(names, parts)):
+        setattr(module, name, carry_hooks(old, FusedPart(group, i, old.bias)))
+
+
+def sibling_sets(model: nn.Module, todo: dict[str, str]) -> list[tuple[nn.Module, tuple[str, ...], list[str], str]]:
+    """The `FUSED_SIBLINGS` that `quantize_model` is about to quantize alike (`todo`: layer name -> scheme), float
+    `nn.Linear`s of one input size, device and dtype in a module of transformers' own classes: (module, sibling
+    names, their names in `model`, scheme) for each, to quantize as one layer (`quantize_fused`)."""
+    out = []
+    for prefix, module in model.named_modules():
+        if not type(module).__module__.startswith("transformers."):
+            continue
+        for names in FUSED_SIBLINGS:
+            full = [f"{prefix}.{n}" if prefix else n for n in names]
+            parts = [getattr(module, n, None) for n in names]
+            wants = {todo.get(f) for f in full}
+            if not all(type(p) is nn.Linear for p in parts) or None in wants or len(wants) != 1:
+                continue
+            if len({(p.in_features, p.weight.device, p.weight.dtype) for p in parts}) == 1:
+                out.append((module, names, full, todo[full[0]]))
+    return out
+
+
+def quantize_fused(module: nn.Module, names: tuple[str, ...], quantized: type[QuantizedLinear], group_size: int,
+                   dtype: torch.dtype | None) -> None:
+    """Quantize `module`'s float siblings `names` as one layer of class `quantized` and install it as their group:
+    each output row is quantized on its own in every scheme, so this is bit for bit the group `fuse_projections`
+    makes of the siblings quantized one by one, at one packing of the weights instead of three (fp16: packed,
+    unpacked to concatenate, packed again)."""
+    parts = [getattr(module, n) for n in names]
+    whole = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=False, device="meta")
+    whole.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
+    if any(p.bias is not None for p in parts):
+        whole.bias = nn.Parameter(torch.cat([p.bias.detach() if p.bias is not None else
+                                             p.weight.new_zeros(p.out_features) for p in parts]), requires_grad=False)
+    install(module, names, parts, quantized.from_linear(whole, group_size, dtype))

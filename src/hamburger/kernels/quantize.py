@@ -44,7 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from hamburger.kernels.fused import fuse_projections
+from hamburger.kernels.fused import fuse_projections, quantize_fused, sibling_sets
 from hamburger.kernels.qlinear import (
     MODULES,
     WIDE_ROWS,
@@ -215,12 +215,16 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
     plan = _plan(model, scheme, group_size, head, tuple(skip))
     before = model_bytes(model)
     linear_before = _linear_bytes(model, plan["todo"])
+    fused: set[str] = set()
+    for module, names, full, want in sibling_sets(model, plan["todo"]) if fuse else ():  # one packing per group
+        quantize_fused(module, names, MODULES[want], group_size, act_dtype if want in ("int8", "int4") else None)
+        fused.update(full)
     for name, want in plan["todo"].items():
-        linear = model.get_submodule(name)
-        dtype = act_dtype if want in ("int8", "int4") else None
-        _swap(model, name, MODULES[want].from_linear(linear, group_size, dtype))
+        if name not in fused:
+            dtype = act_dtype if want in ("int8", "int4") else None
+            _swap(model, name, MODULES[want].from_linear(model.get_submodule(name), group_size, dtype))
     if fuse:
-        fuse_projections(model)
+        fuse_projections(model)  # siblings quantized before this call
     if wide:
         if (why := wide_unavailable(next(model.parameters()).device)) is not None:
             raise ValueError(why)
