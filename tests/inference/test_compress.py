@@ -13,7 +13,6 @@ import torch
 from conftest import base_greedy, hamburger, random_merger
 from hamburger import HamburgerError
 from hamburger.cli import main
-from hamburger.inference import verify as verify_mod
 from hamburger.inference.engine import Engine
 from hamburger.inference.reference import drain
 from hamburger.model.hamburger_model import MERGER_NAME, HamburgerModel
@@ -56,21 +55,22 @@ def test_compress_decoding_equals_the_mergers_stepwise_reference(arch, window, m
     model.config.merge_window = window
     rng = random.Random(0)
 
-    def drafter(engine, states, t0, limit, *args, **kwargs):
+    seen: dict[int, list[int]] = {}  # each row's steps so far, read off the growth of its history
+
+    def drafter(ids, histories, room):
         rows = []
-        for b, prompt in enumerate(PROMPTS):
-            toks, closed, drafts = list(gen.tokens[b]), gen.steps[b][1:], []
-            for _ in range(min(int(limit[b]), 3)):
-                nxt = reference_next(model, prompt, toks, closed)
-                drafts.append(nxt if rng.random() > 0.3 else (nxt + 1) % 100)
+        for b, hist, limit in zip(ids, histories, room):
+            steps = seen.setdefault(b, [])
+            steps.append(len(hist) - sum(steps))  # this pass's step: its kept drafts and the base's token 0
+            toks, closed, drafts = list(hist), steps[1:], []
+            for _ in range(min(limit, 3)):
+                nxt = reference_next(model, PROMPTS[b], toks, closed)
+                drafts.append(nxt if rng.random() > 0.3 else (nxt + 1) % 96)
                 toks.append(drafts[-1])
             rows.append(drafts)
-        most = max(map(len, rows))
-        return (torch.tensor([r + [0] * (most - len(r)) for r in rows], dtype=torch.long).view(len(rows), most),
-                torch.tensor([len(r) for r in rows]), None)
+        return rows
 
-    monkeypatch.setattr(verify_mod, "draft", drafter)
-    gen = Engine(model).stream(PROMPTS, max_new_tokens=20, confidence=0.5, mode="compress")
+    gen = Engine(model, drafter=drafter).stream(PROMPTS, max_new_tokens=20, confidence=0.5, mode="compress")
     out = drain(gen)
     for prompt, tokens, steps in zip(PROMPTS, out.tokens, out.steps):
         assert sum(steps) == len(tokens)
@@ -111,16 +111,11 @@ def test_with_drafts_that_are_always_right_every_step_is_k_tokens(monkeypatch):
     prompt, n = PROMPTS[0], 24
     expected = reference_greedy(model, prompt, n, 4)
     assert 1 not in expected  # no EOS: the run goes the whole way
-    emitted = [1]  # tokens emitted before each draft: t0 from the prefill
 
-    def oracle(engine, states, t0, limit, *args, **kwargs):
-        got = min(int(limit[0]), 3)
-        drafts = expected[emitted[0] : emitted[0] + got]
-        emitted[0] += got + 1  # all kept, and the base's own next token
-        return torch.tensor([drafts], dtype=torch.long).view(1, got), torch.tensor([got]), None
+    def oracle(ids, histories, room):
+        return [expected[len(h): len(h) + min(r, 3)] for h, r in zip(histories, room)]
 
-    monkeypatch.setattr(verify_mod, "draft", oracle)
-    out = Engine(model).generate([prompt], max_new_tokens=n, confidence=0.5, mode="compress")
+    out = Engine(model, drafter=oracle).generate([prompt], max_new_tokens=n, confidence=0.5, mode="compress")
     assert out.tokens[0] == expected
     assert out.steps[0] == [1, 4, 4, 4, 4, 4, 3]  # the last step cut by the token budget
     stats = out.stats

@@ -12,7 +12,7 @@ import torch
 from conftest import PAD, base_greedy, exact_marginals, hamburger, random_merger, run_staggered, tv
 from hamburger import HamburgerError, SamplingParams
 from hamburger.cli import main
-from hamburger.inference import verify as verify_mod
+from hamburger.inference import checked_rows
 from hamburger.inference.core import Limits, macro_step
 from hamburger.inference.engine import Engine
 from hamburger.inference.kv import KVCache
@@ -121,23 +121,22 @@ def test_lookup_drafts_are_point_masses_when_sampling(monkeypatch):
     """A sampled lookup draft is a draw from a point mass: `draft` returns that distribution for acceptance."""
     model = hamburger("llama", k=4)
     seen = []
-    real = verify_mod.draft
+    real = Scheduler._macro_step
 
-    def record(*args, **kwargs):
-        drafts, n, q = real(*args, **kwargs)
-        look = kwargs["lookup"]
-        if look is not None and look.counts is not None and int(look.counts.sum()):
-            seen.append((drafts, n, q, look.counts.clone()))
-        return drafts, n, q
+    def record(self):
+        events = real(self)
+        for i, req in enumerate(self.rows):
+            if req is not None and req.looked:
+                seen.append((self.batch.step_tok[i, 1 : 1 + req.looked].clone(), self.batch.q[i].clone()))
+        return events
 
-    monkeypatch.setattr(verify_mod, "draft", record)
+    monkeypatch.setattr(Scheduler, "_macro_step", record)
     Engine(model, draft_rows=None, lookup=1).generate([PROMPTS[0]], max_new_tokens=12, confidence=0.05,
                                                       sampling=SamplingParams(temperature=1.0, seed=3), mode="verify")
     assert seen
-    for drafts, n, q, counts in seen:
-        for b in range(drafts.shape[0]):
-            for j in range(int(counts[b])):
-                assert q[b, j, drafts[b, j]] == 1.0 and q[b, j].sum() == 1.0
+    for drafts, q in seen:
+        for j, d in enumerate(drafts.tolist()):
+            assert q[j, d] == 1.0 and q[j].sum() == 1.0
 
 
 def test_sampled_verify_with_lookup_follows_the_base_distribution():
@@ -210,20 +209,20 @@ def test_verify_lookup_drafts_run_past_k_minus_1_and_compress_keeps_k_minus_1():
     engine = Engine(model, draft_rows=None)
     assert engine.lookup_drafts > model.config.max_step_tokens - 1
     widest = {}
-    original = verify_mod.check_pass
+    original = checked_rows.check_pass
 
     def spy(engine_, embeds, *args, **kwargs):
         widest[mode] = max(widest.get(mode, 0), embeds.shape[1])
         return original(engine_, embeds, *args, **kwargs)
 
-    verify_mod.check_pass = spy
+    checked_rows.check_pass = spy
     try:
         for mode in ("verify", "compress"):
             out = engine.generate([prompt], max_new_tokens=30, confidence=1.0, mode=mode)
             if mode == "verify":
                 assert out.tokens[0] == base_greedy(model, prompt, 30)
     finally:
-        verify_mod.check_pass = original
+        checked_rows.check_pass = original
     assert widest["compress"] <= 3 < widest["verify"]  # t0 + K-1; verify: more lookup drafts than K-1
     sched = Scheduler(model, max_batch_size=2, max_len=64, draft_rows=None)
     out = run_staggered(sched, [(0, prompt, 30, "verify")], confidence=1.0)

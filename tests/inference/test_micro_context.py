@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from conftest import base_greedy, hamburger, run_staggered
-from hamburger.inference import verify as verify_mod
 from hamburger.inference.engine import Engine, ReferenceEngine
 from hamburger.inference.scheduler import Scheduler
 from hamburger.training.drafter import draft_batch, draft_forward, drafted
@@ -33,15 +32,20 @@ def teacher_forced_drafts(model, prompt: list[int], output: list[int]) -> dict[i
 @pytest.mark.parametrize("window", [3, 64])
 def test_verify_drafts_with_context_are_the_trained_forwards(arch, window, monkeypatch):
     model = hamburger(arch, k=K, micro_layers=2, micro_context=window)
-    calls = []
-    real = verify_mod.draft
+    calls = []  # per macro-step: each prompt's drafts (its micro tokens of the step) and their number
+    real = Scheduler._macro_step
 
-    def record(engine, states, t0, *args, **kwargs):
-        drafts, n, q = real(engine, states, t0, *args, **kwargs)
-        calls.append((drafts.tolist(), n.tolist()))
-        return drafts, n, q
+    def record(self):
+        events = real(self)
+        b, drafts, n = self.batch, [[] for _ in PROMPTS], [0] * len(PROMPTS)
+        for i, req in enumerate(self.rows):
+            if req is not None:
+                n[req.id] = int(b.n_drafts[i])
+                drafts[req.id] = b.step_tok[i, 1 : 1 + n[req.id]].tolist()
+        calls.append((drafts, n))
+        return events
 
-    monkeypatch.setattr(verify_mod, "draft", record)
+    monkeypatch.setattr(Scheduler, "_macro_step", record)
     out = Engine(model, draft_rows=None, draft_policy=False).generate(PROMPTS, max_new_tokens=20, confidence=0.01,
                                                                       mode="verify")
     checked = 0

@@ -224,7 +224,7 @@ class OracleScheduler(Scheduler):
             for i, req in enumerate(self.rows[: len(h)]):
                 if req is not None and req.mode == "verify":
                     want = self.expected[tuple(req.prompt)]
-                    j = len(req.tokens) + len(self.pending[i]) + self.depth  # emitted so far, then token 0
+                    j = len(req.tokens) + len(self.batch.pending[i]) + self.depth  # emitted so far, then token 0
                     if j < len(want):
                         spoiled = bool(torch.rand(1, generator=self.noise) < 0.3)
                         tok[i] = (want[j] + 1) % 96 if spoiled else want[j]
@@ -334,8 +334,8 @@ class CompressOracle(Scheduler):
                 continue
             # merged so far: each pass merged [token 0, kept drafts], i.e. each reported step after the first,
             # and the last pass's (its kept drafts are still pending)
-            closed = req.steps[1:] + ([len(self.pending[i]) + 1] if req.steps else [])
-            toks = req.tokens + self.pending[i] + self.open[i]
+            closed = req.steps[1:] + ([len(self.batch.pending[i]) + 1] if req.steps else [])
+            toks = req.tokens + self.batch.pending[i] + self.open[i]
             steps = closed + [len(toks) - sum(closed) + 1]
             logits = stepwise_forward(self.model.base, self.model.merger, req.prompt + toks + [0], len(req.prompt),
                                       steps)[0]

@@ -10,11 +10,10 @@ import torch
 
 from conftest import PAD, base_greedy, exact_marginals, greedy_no_eos, hamburger, tv
 from hamburger import HamburgerError, SamplingParams
-from hamburger.inference import verify as verify_mod
 from hamburger.inference.engine import Engine, make_engine
+from hamburger.inference.verify import accept_greedy, accept_sampled
 from hamburger.kernels.qlinear import fp16_unavailable
 from hamburger.kernels.quantize import quantize_model
-from hamburger.inference.verify import accept_greedy, accept_sampled
 from hamburger.model.config import DRAFT_ROWS
 
 PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51]]
@@ -93,18 +92,14 @@ def test_verify_keeps_long_agreeing_drafts_with_rows_at_different_lengths(monkey
     expected = [base_greedy(model, p, n) for p in prompts]
     noise = torch.Generator().manual_seed(0)
 
-    def oracle(engine, states, t0, limit, confidence, sampling, rng, warpers, cache, context=None, lookup=None,
-               micro_len=None):
+    def oracle(ids, histories, room):
         # The base's continuation after the tokens emitted so far (t0 included), 30% of tokens spoiled.
-        width = engine.k - 1
-        rows = [expected[b][len(gen.tokens[b]): len(gen.tokens[b]) + width] for b in range(len(prompts))]
-        n_drafts = torch.tensor([min(len(r), max(0, lim)) for r, lim in zip(rows, limit.tolist())])
-        drafts = torch.tensor([r + [0] * (width - len(r)) for r in rows])
-        wrong = torch.rand(drafts.shape, generator=noise) < 0.3
-        return torch.where(wrong, (drafts + 1) % 96, drafts), n_drafts, None
+        rows = [expected[b][len(h): len(h) + min(r, model.config.max_step_tokens - 1)]
+                for b, h, r in zip(ids, histories, room)]
+        return [[(t + 1) % 96 if bool(torch.rand(1, generator=noise) < 0.3) else t for t in r] for r in rows]
 
-    monkeypatch.setattr(verify_mod, "draft", oracle)
-    gen = Engine(model, draft_rows=None).stream(prompts, max_new_tokens=n, confidence=0.5, mode="verify")
+    gen = Engine(model, draft_rows=None, drafter=oracle).stream(prompts, max_new_tokens=n, confidence=0.5,
+                                                                mode="verify")
     for _ in gen:
         pass
     out = gen.output()
@@ -124,16 +119,12 @@ def test_a_row_that_ends_early_does_not_outgrow_the_cache(monkeypatch):
     n = 40
     expected = [base_greedy(model, p, n) for p in prompts]
 
-    def oracle(engine, states, t0, limit, confidence, sampling, rng, warpers, cache, context=None, lookup=None,
-               micro_len=None):
-        width = engine.k - 1
-        row = expected[0][len(gen.tokens[0]): len(gen.tokens[0]) + width]
-        drafts = torch.zeros(2, width, dtype=torch.long)
-        drafts[0, : len(row)] = torch.tensor(row, dtype=torch.long)
-        return drafts, torch.tensor([min(len(row), max(0, int(limit[0]))), 0]), None
+    def oracle(ids, histories, room):
+        width = model.config.max_step_tokens - 1
+        return [expected[0][len(h): len(h) + min(width, r)] if b == 0 else [] for b, h, r in zip(ids, histories, room)]
 
-    monkeypatch.setattr(verify_mod, "draft", oracle)
-    gen = Engine(model, draft_rows=None).stream(prompts, max_new_tokens=n, confidence=0.5, mode="verify")
+    gen = Engine(model, draft_rows=None, drafter=oracle).stream(prompts, max_new_tokens=n, confidence=0.5,
+                                                                mode="verify")
     for _ in gen:
         pass
     out = gen.output()

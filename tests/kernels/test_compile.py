@@ -11,9 +11,9 @@ import torch
 from torch._dynamo.utils import counters
 
 from conftest import hamburger
-from hamburger.kernels import compiled_ops
 from hamburger.inference.engine import Engine
-from hamburger.inference.kv import KVCache, RowSlots, SlotWrites
+from hamburger.inference.kv import KVCache, RowSlots
+from hamburger.kernels import compiled_ops
 from hamburger.kernels.qlinear import Fp16Linear, fp16_unavailable
 from hamburger.kernels.quantize import quantize_model
 
@@ -62,7 +62,7 @@ def test_cache_writes_eager_and_as_operators():
     one_k, one_v = k[:, :, :1], v[:, :, :1]
     want = _written(2, 0, [[5], [1]], one_k, one_v)
     eager = _cache(2)
-    keys, _ = SlotWrites(eager, torch.tensor([5, 1])).update(0, 0, one_k, one_v)
+    keys, _ = eager.update(0, RowSlots(torch.tensor([[5], [1]]), 6), one_k, one_v)
     assert torch.equal(eager.k, want.k) and torch.equal(eager.v, want.v) and keys.shape[2] == 6
 
 

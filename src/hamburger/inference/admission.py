@@ -33,7 +33,6 @@ PREFILL_TOKENS = 256
 # Interleaved admission takes the shortest waiting prompts first, but a request passed over this many times goes
 # first (no prompt waits forever behind a stream of shorter ones).
 MAX_PASSED = 8
-CHECKED = ("verify", "compress")  # modes whose micro tokens are drafts that the next base pass checks
 
 
 @dataclass
@@ -68,6 +67,7 @@ class Request:
     index: NgramIndex | None = None  # verify and compress mode with lookup drafts: its prompt and output, indexed
     looked: int = 0  # lookup drafts of its last macro-step, waiting for the pass that checks them
     passed: int = 0  # interleaved admission: prefill passes it waited through
+    forced: list[int] | None = None  # trust mode: the lengths of its first steps (bench's forced-steps system)
 
 
 def fits(group: list[Request], req: Request, budget: int) -> bool:

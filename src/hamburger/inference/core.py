@@ -1,8 +1,8 @@
-"""The macro-step: the one definition of how a HAMburger step is decoded on the fast path.
+"""The macro-step: the one definition of how a HAMburger step is decoded.
 
-`Engine` (batch generation, bench, eval, demo) and `Scheduler` (the server's continuous batching) both decode
-trust mode by `macro_step`, and verify and compress modes draft by it (token 0 given, the micro tokens read as
-drafts), in the engine (`verify.draft`) and in the scheduler. What differs between them is only where the rows' states, lengths and limits live (`Limits`) and how a token is chosen (`pick`).
+The decode loop (`scheduler.Scheduler`, which `Engine.generate` and the server both run) decodes trust mode by
+`macro_step`, and verify and compress modes draft by it (token 0 given, the micro tokens read as drafts). A row's
+limits live in `Limits` and how a token is chosen in `pick`.
 
 One macro-step over n rows: token 0 from the base's LM head at the state the base pass left, then the
 micro-step decoder, one token per micro-step, while any row's step goes on. A row's step ends at EOS, at its
@@ -21,8 +21,8 @@ import torch
 from hamburger.inference.sampling import continues
 
 if TYPE_CHECKING:
-    from hamburger.inference.engine import Engine
     from hamburger.inference.kv import KVCache
+    from hamburger.inference.runner import ModelRunner
 
 # pick(h, active, micro) -> (n,) token ids: `h` (n, d) the states that predict them, `active` (n,) the rows
 # whose token is used (samplers draw only for those), `micro` whether h comes from the micro-step decoder.
@@ -45,7 +45,7 @@ class MicroContext:
     base_pos: torch.Tensor
 
 
-def micro_context(engine: Engine, cache: KVCache, used: torch.Tensor | list[int] | int, base_pos: torch.Tensor,
+def micro_context(engine: ModelRunner, cache: KVCache, used: torch.Tensor | list[int] | int, base_pos: torch.Tensor,
                   valid: torch.Tensor | None = None) -> MicroContext | None:
     """The context of a macro-step, None for a decoder without one. A row's entries in use are its first `used`
     slots ((n,), a list, or one int for every row), less those `valid` (n, >= end) marks False (left padding); the
@@ -69,12 +69,14 @@ class MicroRun:
     (t_0 first, then each micro token) and returns the normed state (n, d) that predicts the next one.
     """
 
-    def __init__(self, engine: Engine, feats: list[torch.Tensor], cache: KVCache,
-                 context: MicroContext | None = None) -> None:
+    def __init__(self, engine: ModelRunner, feats: list[torch.Tensor], cache: KVCache,
+                 context: MicroContext | Callable[[], MicroContext | None] | None = None) -> None:
         self.engine, self.feats, self.cache, self.context, self.fed = engine, feats, cache, context, 0
 
     def __call__(self, tok: torch.Tensor) -> torch.Tensor:
         micro = self.engine.model.micro
+        if callable(self.context):  # made on the first micro-step (none on a step without one)
+            self.context = self.context()
         x = self.engine.model.embed(tok)[:, None]
         if self.fed == 0:
             normed = [norm(f) for f, norm in zip(self.feats, micro.feature_norms)]
@@ -107,9 +109,9 @@ class Limits:
         return (tok[:, None] == self.eos).any(-1) | (gen_len >= self.max_new)
 
 
-def macro_step(engine: Engine, states: list[torch.Tensor], live: torch.Tensor, gen_len: torch.Tensor, limits: Limits,
+def macro_step(engine: ModelRunner, states: list[torch.Tensor], live: torch.Tensor, gen_len: torch.Tensor, limits: Limits,
                pick: Pick, cache: KVCache | None, forced_len: torch.Tensor | None = None,
-               context: MicroContext | None = None, lookup: LookupFn | None = None, lookup_width: int = 0):
+               context: MicroContext | Callable[[], MicroContext | None] | None = None, lookup: LookupFn | None = None, lookup_width: int = 0):
     """One macro-step over n rows: token 0 from the base's head, then micro-steps while any live row's step goes on.
 
     `states`: [final normed state, feature_1..feature_m] of the last base pass, each (n, d). `live` (n,): the
@@ -137,20 +139,13 @@ def macro_step(engine: Engine, states: list[torch.Tensor], live: torch.Tensor, g
     if k == 1:
         return step_tok, step_len, ended
     if lookup is not None:
-        room = (torch.as_tensor(limits.max_new, device=gen_len.device) - gen_len).clamp(0, width) * go_on
-        drafts, n = lookup(tok, go_on, room)
-        n = torch.minimum(n, room)
-        drafts = drafts[:, :width]
-        cols = slice(1, 1 + drafts.shape[1])
-        step_tok[:, cols] = torch.where(n[:, None] > torch.arange(drafts.shape[1], device=n.device), drafts,
-                                        step_tok[:, cols])
-        step_len += n
-        gen_len += n
-        go_on &= n == 0
+        go_on &= _take_lookup(lookup, tok, go_on, gen_len, limits, step_tok, step_len, width) == 0
     reach = torch.ones(h0.shape[0], device=h0.device)  # the stop head's P(every token of the step so far is right)
-    go_on &= _goes_on(model.stop_logits(h0, limits.path), step_len, forced_len, limits, reach)
     if limits.micro_len is not None:
         go_on &= limits.micro_len > 0
+    if not bool(go_on.any()):  # no row runs a micro-step (lookup drafts only, or none): no stop head either
+        return step_tok, step_len, ended
+    go_on &= _goes_on(model.stop_logits(h0, limits.path), step_len, forced_len, limits, reach)
     run = MicroRun(engine, feats, cache, context)
     for i in range(1, k):
         if not bool(go_on.any()):  # the one host sync per micro-step: does any step go on?
@@ -167,6 +162,22 @@ def macro_step(engine: Engine, states: list[torch.Tensor], live: torch.Tensor, g
             go_on &= step_len <= limits.micro_len
         go_on &= _goes_on(model.stop_logits(h, limits.path), step_len, forced_len, limits, reach)
     return step_tok, step_len, ended
+
+
+def _take_lookup(lookup: LookupFn, tok: torch.Tensor, go_on: torch.Tensor, gen_len: torch.Tensor, limits: Limits,
+                 step_tok: torch.Tensor, step_len: torch.Tensor, width: int) -> torch.Tensor:
+    """The rows' drafts from `lookup` after token 0 `tok`, within each row's budget: written into `step_tok` as its
+    micro tokens, `step_len` and `gen_len` advanced in place. Returns how many each row took (n,)."""
+    room = (torch.as_tensor(limits.max_new, device=gen_len.device) - gen_len).clamp(0, width) * go_on
+    drafts, n = lookup(tok, go_on, room)
+    n = torch.minimum(n, room)
+    drafts = drafts[:, :width]
+    cols = slice(1, 1 + drafts.shape[1])
+    step_tok[:, cols] = torch.where(n[:, None] > torch.arange(drafts.shape[1], device=n.device), drafts,
+                                    step_tok[:, cols])
+    step_len += n
+    gen_len += n
+    return n
 
 
 def _goes_on(stop_logits: torch.Tensor, step_len: torch.Tensor, forced_len: torch.Tensor | None, limits: Limits,

@@ -1,9 +1,8 @@
 """Preallocated KV caches and the decoder layer that reads and writes them.
 
 One cache holds a stack of layers as (layers, B, kv_heads, max_len, head_dim). A pass writes its new keys and
-values at slots `start..` (the same for every row), at each row's own slots (`RowSlots`: verify mode's rows
-accept different numbers of drafts), or one entry per row at its own slot (`SlotWrites`: the scheduler's
-rows are at different lengths). `CacheView` takes the first rows of a cache as a cache of their own.
+values at slots `start..` (the same for every row) or at each row's own slots (`RowSlots`: the rows of the
+running batch are at different lengths). `CacheView` takes the first rows of a cache as a cache of their own.
 """
 
 from __future__ import annotations
@@ -57,18 +56,6 @@ class CacheView(KVCache):
 
     def __init__(self, parent: KVCache, rows: slice) -> None:
         self.k, self.v = parent.k[:, rows], parent.v[:, rows]
-
-
-class SlotWrites(CacheView):
-    """Rows 0..n-1 of a cache where each row writes its one new entry at its own slot."""
-
-    def __init__(self, parent: KVCache, slots: torch.Tensor) -> None:
-        super().__init__(parent, slice(0, len(slots)))
-        self.slots = slots[:, None]  # (B, 1): RowSlots' layout, one slot a row
-        self.width = int(slots.max()) + 1
-
-    def update(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return super().update(layer, RowSlots(self.slots, self.width), k, v)
 
 
 def layer_forward(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, index: int,

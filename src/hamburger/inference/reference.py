@@ -20,7 +20,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 from hamburger.errors import HamburgerError
 from hamburger.inference.sampling import SamplingParams, continues, sample
 from hamburger.inference.stats import GenerationStats
-from hamburger.model.base import eos_ids  # noqa: F401 - re-exported: the engines and the CLI read it here
+from hamburger.model.base import eos_ids
 from hamburger.model.config import check_confidence
 from hamburger.model.hamburger_model import HamburgerModel
 

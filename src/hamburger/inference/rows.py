@@ -1,0 +1,147 @@
+"""The per-row state of the running batch, in one place: a struct of arrays (one row per running request) with
+add, free and compact, as vLLM's `InputBatch`.
+
+Row i of every tensor belongs to the request `requests[i]`; rows 0..span-1 cover every running request (`compact`
+moves the highest running rows down into freed ones, so no pass computes a free row).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from hamburger.inference.admission import Request, RequestEvent
+from hamburger.inference.kv import KVCache
+from hamburger.inference.modes import CHECKED
+
+# The per-row tensors (dimension 0 is the row), all moved together by `compact`.
+ROW_TENSORS = ("states", "step_tok", "step_len", "cache_len", "gen_len", "prompt_len", "max_new", "confidence",
+               "live", "verify", "compress", "n_drafts", "next_t0", "eos", "merged_len")
+
+
+class RowBatch:
+    """`size` rows of `slots` KV entries each for the base (and K + features for the micro-step decoder).
+
+    - states (rows, 1 + features, d): the base's last normed state and features each row's next step starts from;
+    - step_tok (rows, 1 + drafts), step_len: the last macro-step's tokens (a checked row's token 0 and drafts);
+    - cache_len: entries in use (the next write slot); prompt_len, gen_len: tokens of the prompt and generated;
+    - max_new, confidence, eos (rows, E; -1 pads): the request's limits; live: still generating;
+    - verify, compress: checked rows (their micro tokens are drafts), compress rows (steps merged);
+    - n_drafts: drafts in step_tok[1 : 1 + n] waiting for the next base pass; next_t0: a sampled checked row's
+      token 0 drawn by the last acceptance (-1: none);
+    - merged_len (rows, slots): tokens merged into each entry (0: an ordinary one), for the merger's bias;
+    - q (rows, drafts, V): a sampled checked row's draft distributions, made on first use;
+    - pending: the drafts a check pass kept, reported with this step; ended_early: one of them was EOS.
+    """
+
+    def __init__(self, size: int, slots: int, drafts: int, k: int, cache: KVCache, micro_cache: KVCache | None,
+                 n_states: int, hidden: int, vocab: int, dtype, device) -> None:
+        self.size, self.drafts, self.vocab, self.k = size, drafts, vocab, k
+        self.cache, self.micro_cache = cache, micro_cache
+        self.states = torch.zeros(size, n_states, hidden, dtype=dtype, device=device)
+        self.step_tok = torch.zeros(size, 1 + max(k - 1, drafts), dtype=torch.long, device=device)
+        zeros = lambda dt=torch.long: torch.zeros(size, dtype=dt, device=device)
+        self.step_len, self.cache_len, self.gen_len, self.prompt_len = zeros(), zeros(), zeros(), zeros()
+        self.max_new, self.n_drafts, self.confidence = zeros(), zeros(), zeros(torch.float32)
+        self.live, self.verify, self.compress = zeros(torch.bool), zeros(torch.bool), zeros(torch.bool)
+        self.next_t0 = torch.full((size,), -1, dtype=torch.long, device=device)
+        self.eos = torch.full((size, 1), -1, dtype=torch.long, device=device)
+        self.merged_len = torch.zeros(size, slots, dtype=torch.long, device=device)
+        self.q: torch.Tensor | None = None
+        self.requests: list[Request | None] = [None] * size
+        self.pending: list[list[int]] = [[] for _ in range(size)]
+        self.ended_early = [False] * size
+
+    # --- membership ---------------------------------------------------------------------------------------------
+
+    def span(self) -> int:
+        """Rows 0..n-1 cover every running request."""
+        return max((i + 1 for i, r in enumerate(self.requests) if r is not None), default=0)
+
+    def running(self) -> int:
+        return sum(r is not None for r in self.requests)
+
+    def free_rows(self) -> list[int]:
+        return [i for i, r in enumerate(self.requests) if r is None]
+
+    def add(self, req: Request, row: int, prompt_len: int) -> None:
+        """Row `row` starts `req` after its prompt's prefill (its entries and states written by the caller)."""
+        req.row, self.requests[row] = row, req
+        for name, value in (("cache_len", prompt_len), ("prompt_len", prompt_len), ("gen_len", 0),
+                            ("max_new", req.max_new_tokens), ("confidence", req.confidence), ("live", True),
+                            ("verify", req.mode in CHECKED), ("compress", req.mode == "compress"),
+                            ("n_drafts", 0), ("next_t0", -1), ("merged_len", 0)):
+            getattr(self, name)[row] = value
+        self.pending[row], self.ended_early[row] = [], False
+        self.set_eos(row, req.eos)
+
+    def free(self, req: Request) -> None:
+        if req.row >= 0:
+            self.requests[req.row] = None
+            self.live[req.row] = False
+            req.row = -1
+
+    def compact(self) -> None:
+        """Move the highest running requests into the lowest free rows, so rows 0..n-1 are exactly the running
+        ones. A move copies the row's cache entries in use and its per-row state once."""
+        while True:
+            free = next((i for i, r in enumerate(self.requests) if r is None), None)
+            src = self.span() - 1
+            if free is None or src < free:
+                return
+            req, used = self.requests[src], int(self.cache_len[src])
+            for cache in (self.cache.k, self.cache.v):
+                cache[:, free, :, :used] = cache[:, src, :, :used]
+            for name in ROW_TENSORS:
+                tensor = getattr(self, name)
+                tensor[free] = tensor[src]
+            if self.q is not None:
+                self.q[free] = self.q[src]
+            self.pending[free], self.ended_early[free] = self.pending[src], self.ended_early[src]
+            self.requests[free], self.requests[src], req.row = req, None, free
+            self.live[src] = False
+
+    def set_eos(self, row: int, ids: set[int]) -> None:
+        if len(ids) > self.eos.shape[1]:
+            pad = self.eos.new_full((self.eos.shape[0], len(ids) - self.eos.shape[1]), -1)
+            self.eos = torch.cat([self.eos, pad], 1)
+        self.eos[row] = -1
+        self.eos[row, : len(ids)] = torch.tensor(sorted(ids), dtype=torch.long)
+
+    def report(self, rows: list[list[int]], lens: list[int], ended: list[bool], drafts: list[int]) -> list[RequestEvent]:
+        """A macro-step's tokens `rows` (n, width), `lens` (n,) of them per row, the rows that `ended` and the drafts
+        each checked row made: each request's new tokens (a checked row's kept drafts, then token 0) and stats;
+        a finished request leaves its row."""
+        now, events, b = time.perf_counter(), [], self
+        for i, req in enumerate(self.requests[: len(rows)]):
+            if req is None:
+                continue
+            new = b.pending[i] + rows[i][: lens[i]]  # a checked row: the drafts its pass kept, then token 0
+            if req.index is not None:  # (the kept drafts went in when the pass kept them)
+                req.index.extend(rows[i][: lens[i]])
+            done = ended[i] or b.ended_early[i]
+            b.pending[i], b.ended_early[i] = [], False
+            req.tokens += new
+            req.steps.append(len(new))
+            s = req.stats
+            s.generated_tokens, s.macro_steps = len(req.tokens), len(req.steps)
+            s.micro_steps = s.generated_tokens - s.macro_steps
+            s.drafted_tokens += drafts[i]
+            if s.macro_steps == 1:
+                s.prefill_s = now - req.started
+            s.decode_s = now - req.started - s.prefill_s
+            reason = None
+            if done:
+                reason = "stop" if new[-1] in req.eos else "length"
+                self.free(req)
+            events.append(RequestEvent(req.id, new, done, reason, s))
+        return events
+
+    # --- a sampled checked row's draft distributions ------------------------------------------------------------
+
+    def keep_distribution(self, row: int, depth: int, full: torch.Tensor) -> None:
+        """The distribution (over the whole vocabulary) the row's draft `depth` (1..) was drawn from."""
+        if self.q is None:
+            self.q = torch.zeros(self.size, max(self.drafts, 1), self.vocab, device=full.device)
+        self.q[row, depth - 1] = full

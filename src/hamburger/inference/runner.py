@@ -1,0 +1,180 @@
+"""The model runner: a `HamburgerModel`'s base and micro-step decoder run over static KV caches.
+
+In the spirit of gpt-fast, for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3): the base's own modules
+(projections, norms, MLPs, rotary embedding) do the math, this file owns the passes (eager or compiled), the
+micro-step shortlist head and the drafting settings; `scheduler.py` owns the rows and the loop.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from hamburger.errors import HamburgerError
+from hamburger.inference import draft_policy as draft_policy_mod
+from hamburger.inference.core import MicroContext
+from hamburger.inference.draft_policy import StepCosts
+from hamburger.inference.kv import KVCache, RowSlots, layer_forward
+from hamburger.inference.lookup import reply_store
+from hamburger.kernels.qlinear import Fp16Linear, QuantizedLinear, fp16_unavailable
+from hamburger.model.config import DRAFT_ROWS, LOOKUP_DRAFTS, check_draft_rows, check_lookup
+from hamburger.model.hamburger_model import HamburgerModel
+from hamburger.model.slot_adapters import AdapterPass
+
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def auto_draft_rows(model: HamburgerModel) -> int:
+    """`draft_rows` "auto": DRAFT_ROWS on a GPU and on a CPU with packed weights (a pass of 4 positions costs 1.08x
+    one of 1 with fp16, 1.22x with int8/int4 in bfloat16, where verify mode runs at 1.9-2.0x its base at batch 1;
+    docs/quantize.md), 0 on a CPU with float32/bfloat16 weights (2 positions 1.55x, 3 positions 1.92x: torch's small
+    CPU matmuls run row by row)."""
+    device = next(model.parameters()).device
+    if device.type != "cpu" or any(isinstance(m, QuantizedLinear) for m in model.base.modules()):
+        return DRAFT_ROWS
+    return 0
+
+
+def check_supported(model: HamburgerModel) -> None:
+    kind = getattr(model.base.config, "model_type", "")
+    if kind not in SUPPORTED:
+        raise HamburgerError(f"the fast engine supports {', '.join(SUPPORTED)} models, not {kind!r}: "
+                             "use the reference engine (--engine reference)")
+
+
+class ModelRunner:
+    """The two networks of a `HamburgerModel` over static caches: base passes and micro-step passes (optionally
+    compiled), the micro-step shortlist head, and the settings and measured step costs of drafting. The decode
+    loop (`scheduler.Scheduler`) calls these; `Engine` is this plus the fixed-batch `generate`."""
+
+    def __init__(self, model: HamburgerModel, compile: bool = False, shortlist: bool = True,
+                 draft_rows: int | str | None = "auto", lookup: int | None = None,
+                 draft_policy: bool | None = None) -> None:
+        """`draft_rows`: verify mode drafts only in batches of at most this many rows (None: always; 0: never;
+        "auto": `config.DRAFT_ROWS` where a pass of a few positions costs about one of one position, else 0; see
+        `auto_draft_rows`). Compress mode always drafts: its steps are what it merges. `lookup`: verify and
+        compress mode also draft by lookup (`lookup.py`) where a row's last `lookup` or more tokens occurred
+        before (0: never; None: the checkpoint's `lookup`). `draft_policy`: a verify row drafts only while its
+        drafts pay for their cost, measured on this engine's own steps (`draft_policy.py`); False: every step;
+        None: `draft_policy.ON_BY_DEFAULT`."""
+        check_supported(model)
+        self.model = model
+        self.lookup = check_lookup(model.config.lookup if lookup is None else lookup)
+        self.draft_rows = auto_draft_rows(model) if check_draft_rows(draft_rows) == "auto" else draft_rows
+        self.draft_policy = draft_policy_mod.ON_BY_DEFAULT if draft_policy is None else draft_policy
+        self.lookup_drafts = LOOKUP_DRAFTS
+        # the checkpoint's stored replies, where a row's own history offers no lookup draft
+        self.store = reply_store(model.reply_tokens) if self.lookup else None
+        self._step_costs: dict[int, StepCosts] = {}
+        # Micro-steps choose among the checkpoint's shortlist (if it has one): a head of |shortlist| rows
+        # instead of the whole vocabulary. Token 0 of every step always uses the full head.
+        self.vocab = model.micro_vocab if shortlist else None
+        self._short: Fp16Linear | None = None
+        p = next(model.parameters())
+        self.dtype, self.device = p.dtype, p.device
+        if self.vocab is not None:
+            self.vocab = self.vocab.to(self.device)
+            head = model.base.get_output_embeddings()
+            self.short_head = head.weight[self.vocab].to(self.dtype).contiguous()
+            if isinstance(head, QuantizedLinear) and fp16_unavailable(self.device) is None:
+                # A quantized head's rows packed as fp16: its own float16 values for fp16; int8/int4 rows are
+                # bfloat16 values, which float16 holds exactly within its normal range (a test)
+                self._short, self.short_head = Fp16Linear(self.short_head), None
+        self.base = model.base.base_model
+        self.k = model.config.max_step_tokens
+        self.compiled = False
+        # What --compile compiles: every base pass (the slot adapters inline in smashed ones) and every micro-step.
+        self._layers_fn = self._compile(self._layers) if compile else self._layers
+        self._micro_fn = self._compile(self._micro_layers) if compile else self._micro_layers
+
+    def _compile(self, fn):
+        """`fn` compiled (dynamic shapes: the cache grows each step), falling back to eager if compiling fails.
+
+        torch.compile is lazy, so failures (no C++ compiler, an unsupported op) show at the first call. Each kind
+        of pass compiles once (about a minute each on 2 CPU cores): the prefill, a step, a step with a smashed
+        slot (the slot adapters inline), verify mode's multi-position passes.
+        """
+        try:
+            # One graph per kind of pass (prefill, step, smashed step at every or some rows, verify passes...).
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
+            compiled = torch.compile(fn, dynamic=True)
+        except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager
+            warnings.warn(f"torch.compile is unavailable ({exc}); running eagerly", stacklevel=2)
+            return fn
+        self.compiled = True
+
+        def run(*args):
+            if self.compiled:
+                try:
+                    return compiled(*args)
+                except Exception as exc:  # noqa: BLE001
+                    warnings.warn(f"torch.compile failed ({type(exc).__name__}: {exc}); running eagerly", stacklevel=2)
+                    self.compiled = False
+            return fn(*args)
+
+        return run
+
+    def step_costs(self, rows: int) -> StepCosts:
+        """The measured cost of a decode step over `rows` rows (`draft_policy.StepCosts`), kept across calls."""
+        return self._step_costs.setdefault(rows, StepCosts())
+
+    def short_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits of (..., d) states over the micro-step shortlist (requires one)."""
+        return self._short(h) if self._short is not None else F.linear(h, self.short_head)
+
+    # --- the two networks ------------------------------------------------------------------------------
+
+    def base_pass(self, embeds, positions, cache: KVCache, start: int | RowSlots, mask, merged=None,
+              last: bool = True) -> list[torch.Tensor]:
+        """Base pass over (B, T, d) at cache slots start.. -> [final normed state, feature_1 .. feature_m] at the
+        last position, each (B, d); with `last=False` at every position, each (B, T, d). `mask`: one for every
+        layer, or a function of the layer index (compress mode's merged entries carry a per-layer bias).
+        `merged` (B, T): the slot adapters act there (inline, in the engine's own layer code)."""
+        adapters = self.model.slot_adapters.inline(merged)
+        return self._layers_fn(embeds, positions, cache, start, mask, last, adapters)
+
+    def _layers(self, embeds, positions, cache: KVCache, start: int | RowSlots, mask, last: bool,
+                adapters: list[AdapterPass] | None) -> list[torch.Tensor]:
+        """The base's layers and final norm (what --compile compiles); `adapters`: the slot adapters of each layer."""
+        model, base = self.model, self.base
+        wanted = model.micro.feature_layers if self.k > 1 else []
+        depth = len(base.layers)
+        rope = base.rotary_emb(embeds, positions)
+        feats: dict[int, torch.Tensor] = {}
+        x = embeds
+        for i, layer in enumerate(base.layers):
+            x = layer_forward(layer, x, rope, cache, i, start, mask(i) if callable(mask) else mask,
+                              None if adapters is None else adapters[i])
+            if i + 1 in wanted and i + 1 < depth:
+                feats[i + 1] = x[:, -1] if last else x
+        final = base.norm(x[:, -1] if last else x)
+        return [final] + [feats[i] if i < depth else final for i in wanted]
+
+    def micro_pass(self, x: torch.Tensor, cache: KVCache, start: int, context: MicroContext | None = None) -> torch.Tensor:
+        """Micro-step decoder over (B, T, d) new inputs following `start` cached ones -> normed (B, d) at the last.
+
+        With a `context`, each micro layer also attends to the base's entries of the layer it was copied from
+        (`MicroContext.visible` of them), and the inputs take the positions after the features' state."""
+        return self._micro_fn(x, cache, start, context)
+
+    def _micro_layers(self, x: torch.Tensor, cache: KVCache, start: int, context: MicroContext | None) -> torch.Tensor:
+        micro = self.model.micro
+        b, t, _ = x.shape
+        offsets = torch.arange(start, start + t, device=x.device)[None]
+        own = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)[None, None]
+        if context is None:
+            rope = micro.rotary_emb(x, offsets.expand(b, -1))
+            for i, layer in enumerate(micro.layers):
+                x = layer_forward(layer, x, rope, cache, i, start, own)
+            return micro.norm(x[:, -1])
+        rope = micro.rotary_emb(x, context.base_pos[:, None] + 1 + offsets)
+        end = context.visible.shape[1]
+        seen = context.visible[:, None, None]  # (B, 1, 1, end)
+        base_k, base_v = context.cache.k, context.cache.v
+        for i in range(len(micro.layers)):
+            src = micro.context_layers[i]
+            x = micro.context_layer(i, x, rope, (None, None, own), (base_k[src, :, :, :end], base_v[src, :, :, :end], seen),
+                                    write=lambda k, v, i=i: cache.update(i, start, k, v))
+        return micro.norm(x[:, -1])
