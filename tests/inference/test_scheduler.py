@@ -170,7 +170,7 @@ def test_cancel_frees_the_row_and_queue_drains():
 
 def test_submit_rejects_what_cannot_fit():
     sched = Scheduler(hamburger("llama", k=4), max_batch_size=1, max_len=32, draft_rows=None)
-    with pytest.raises(HamburgerError, match="context"):
+    with pytest.raises(HamburgerError, match="KV entries"):
         sched.submit([5] * 30, 3)
     with pytest.raises(HamburgerError, match="at least one"):
         sched.submit([], 3)

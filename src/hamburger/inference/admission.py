@@ -16,6 +16,7 @@ against 2.33 s).
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -33,6 +34,16 @@ PREFILL_TOKENS = 256
 # Interleaved admission takes the shortest waiting prompts first, but a request passed over this many times goes
 # first (no prompt waits forever behind a stream of shorter ones).
 MAX_PASSED = 8
+# KV entries a reply is expected to take per generated token, when a request is admitted: one per token in verify
+# mode; one per step in trust and compress mode, which is at most one per token (trust's default takes about one
+# token a step: 1.0 is its safe bound) and 0.58-0.64 for compress on the default checkpoint (docs/RESULTS.md),
+# bounded up to 0.75. A row that runs out of entries all the same ends there (finish reason "length").
+ENTRIES_PER_TOKEN = {"trust": 1.0, "verify": 1.0, "compress": 0.75}
+
+
+def entries_needed(prompt_len: int, max_new_tokens: int, per_token: float) -> int:
+    """The KV entries a request is expected to take: its prompt's, and `per_token` for each token of its reply."""
+    return prompt_len + math.ceil(max_new_tokens * per_token)
 
 
 @dataclass

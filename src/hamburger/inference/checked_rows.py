@@ -124,6 +124,29 @@ def keep_point_masses(rows: RowBatch, drafts: torch.Tensor, counts: torch.Tensor
                 rows.keep_distribution(i, j + 1, torch.nn.functional.one_hot(drafts[i, j], rows.vocab).float())
 
 
+def drafts_wanted(runner: ModelRunner, rows: RowBatch, n: int) -> list[tuple[int, int]]:
+    """(lookup, micro-step) drafts at most per row this step. Verify rows draft while few rows run
+    (`draft_rows`) and, greedy ones, while their drafts pay (the draft policy: a seeded sampled request's draws
+    must not depend on timings); compress rows always draft; trust rows' micro tokens are their step."""
+    most = runner.k - 1
+    few = runner.draft_rows is None or n <= runner.draft_rows
+    costs = runner.step_costs(n)
+    return [(0, 0) if r is None or r.mode == "trust" or (r.mode == "verify" and not few)
+            else r.drafting.wants(costs, rows.drafts, most) if (r.mode == "verify" and runner.draft_policy
+                                                                and r.sampling.greedy)
+            else (rows.drafts, most) for r in rows.requests[:n]]
+
+
+def step_drafts(runner: ModelRunner, rows: RowBatch, wants: list[tuple[int, int]], drafter: Drafter | None):
+    """The macro-step's drafts from elsewhere than the micro-step decoder (`core.macro_step`'s lookup): the custom
+    drafter's, or lookup drafts from the checked rows' own histories (None: none this step)."""
+    caps = [look for look, _ in wants]
+    if drafter is not None:
+        return given_drafts(drafter, rows, caps) if any(caps) else None
+    indexes = [r.index if r is not None and look > 0 else None for r, look in zip(rows.requests, caps)]
+    return lookup_drafts(runner, rows, indexes, caps) if any(i is not None for i in indexes) else None
+
+
 def lookup_drafts(runner: ModelRunner, rows: RowBatch, indexes: list[NgramIndex | None], caps: list[int]):
     """`core.macro_step`'s lookup over the running rows, at most `caps` drafts each, from their own histories
     (and the checkpoint's stored replies); compress rows at most K-1 (the merger's steps have at most K tokens)."""

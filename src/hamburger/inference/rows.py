@@ -8,12 +8,32 @@ moves the highest running rows down into freed ones, so no pass computes a free 
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
+from hamburger.errors import HamburgerError
 from hamburger.inference.admission import Request, RequestEvent
 from hamburger.inference.kv import KVCache
 from hamburger.inference.modes import CHECKED
+from hamburger.inference.stats import kv_bytes_per_entry
+
+if TYPE_CHECKING:
+    from hamburger.inference.runner import ModelRunner
+
+def draft_slots(runner: ModelRunner) -> int:
+    """The most drafts a row feeds in one pass: K-1, or more lookup drafts in verify mode."""
+    return max(runner.k - 1, runner.lookup_drafts if runner.lookup else 0) if runner.k > 1 else 0
+
+
+def rows_in(kv_memory: int, runner: ModelRunner, max_len: int) -> int:
+    """How many rows of `max_len` KV entries (and their spare draft slots) `kv_memory` bytes of base cache hold."""
+    row = (max_len + 1 + draft_slots(runner)) * kv_bytes_per_entry(runner.model.base.config, runner.dtype)
+    if kv_memory < row:
+        raise HamburgerError(f"kv_memory of {kv_memory} bytes holds no row of {max_len} KV entries ({row} bytes): "
+                             "give more memory or a smaller max_len")
+    return kv_memory // row
+
 
 # The per-row tensors (dimension 0 is the row), all moved together by `compact`.
 ROW_TENSORS = ("states", "step_tok", "step_len", "cache_len", "gen_len", "prompt_len", "max_new", "confidence",
@@ -52,6 +72,21 @@ class RowBatch:
         self.requests: list[Request | None] = [None] * size
         self.pending: list[list[int]] = [[] for _ in range(size)]
         self.ended_early = [False] * size
+
+    @classmethod
+    def for_model(cls, runner: ModelRunner, size: int, max_len: int) -> RowBatch:
+        """`size` rows of `max_len` entries for the runner's model, and the caches: a verify row drafts up to
+        `draft_slots` tokens (lookup drafts may run past K-1; compress rows keep K-1), written past its entries
+        in use, so each row has that many spare slots (and one for token 0)."""
+        model, cfg, k = runner.model, runner.model.base.config, runner.k
+        drafts, dev, dtype = draft_slots(runner), runner.device, runner.dtype
+        slots = max_len + 1 + drafts
+        cache = KVCache.for_layers(runner.base.layers, cfg, size, slots, dtype, dev)
+        micro_cache = (KVCache.for_layers(model.micro.layers, cfg, size, model.micro.num_features + k, dtype, dev)
+                       if k > 1 else None)
+        n_states = 1 + (model.micro.num_features if k > 1 else 0)
+        return cls(size, slots, drafts, k, cache, micro_cache, n_states, cfg.hidden_size, cfg.vocab_size, dtype,
+                   dev)
 
     # --- membership ---------------------------------------------------------------------------------------------
 
@@ -101,6 +136,14 @@ class RowBatch:
             self.pending[free], self.ended_early[free] = self.pending[src], self.ended_early[src]
             self.requests[free], self.requests[src], req.row = req, None, free
             self.live[src] = False
+
+    def forced(self, n: int) -> torch.Tensor | None:
+        """Forced step lengths of this macro-step per row (0: the stop head decides), None when no row has any."""
+        reqs = self.requests[:n]
+        if all(r is None or r.forced is None for r in reqs):
+            return None
+        return torch.tensor([r.forced[len(r.steps)] if r is not None and r.forced and len(r.steps) < len(r.forced)
+                             else 0 for r in reqs], device=self.live.device)
 
     def set_eos(self, row: int, ids: set[int]) -> None:
         if len(ids) > self.eos.shape[1]:

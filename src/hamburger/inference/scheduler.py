@@ -31,13 +31,21 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from hamburger.errors import HamburgerError
-from hamburger.inference.admission import PREFILL_TOKENS, Request, RequestEvent, prefill_groups, take_shortest
-from hamburger.inference.checked_rows import Drafter, feed_checked, given_drafts, lookup_drafts
+from hamburger.inference.admission import (
+    ENTRIES_PER_TOKEN,
+    PREFILL_TOKENS,
+    Request,
+    RequestEvent,
+    entries_needed,
+    prefill_groups,
+    take_shortest,
+)
+from hamburger.inference.checked_rows import Drafter, drafts_wanted, feed_checked, step_drafts
 from hamburger.inference.core import Limits, macro_step, micro_context
 from hamburger.inference.kv import CacheView, KVCache, RowSlots
 from hamburger.inference.lookup import NgramIndex
 from hamburger.inference.modes import CHECKED, resolve_mode
-from hamburger.inference.rows import RowBatch
+from hamburger.inference.rows import RowBatch, rows_in
 from hamburger.inference.runner import ModelRunner
 from hamburger.inference.sampling import SamplingParams, sample
 from hamburger.inference.stats import GenerationStats
@@ -49,7 +57,13 @@ DECODE_THREADS_ROWS = 16  # decode passes of at most this many rows run on `deco
 
 
 class Scheduler:
-    """`max_batch_size` rows of `max_len` KV entries each; requests wait for a free row.
+    """`max_batch_size` rows of `max_len` KV entries each (`kv_memory`: as many rows as that many bytes of base
+    cache hold); requests wait for a free row.
+
+    A request is admitted when its expected KV entries fit a row: its prompt, and per generated token one entry in
+    verify mode and `entries_per_token[mode]` in trust and compress mode (`admission.ENTRIES_PER_TOKEN`: one
+    entry per step, so a compress row holds a longer reply than a verify row of the same entries); a row whose
+    entries run out all the same ends there (finish reason "length").
 
     Waiting requests are prefilled in one base pass per step of at most `prefill_tokens` padded prompt tokens (a
     longer prompt goes alone), shortest first, which bounds the pass's memory and the running requests' wait
@@ -62,7 +76,8 @@ class Scheduler:
                  prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = True,
                  decode_threads: int | None = None, draft_rows: int | str | None = "auto",
                  draft_policy: bool | None = None, lookup: int | None = None, runner: ModelRunner | None = None,
-                 drafter: Drafter | None = None) -> None:
+                 drafter: Drafter | None = None, kv_memory: int | None = None,
+                 entries_per_token: dict[str, float] | None = None) -> None:
         self.engine = runner or ModelRunner(model, draft_rows=draft_rows, draft_policy=draft_policy, lookup=lookup)
         if decode_threads is not None and decode_threads < 1:
             raise HamburgerError(f"decode_threads must be >= 1 (or None: torch's setting), got {decode_threads}")
@@ -71,14 +86,17 @@ class Scheduler:
         self.decode_threads, self.prefill_threads = decode_threads, torch.get_num_threads()
         self.model, self.k, self.drafter = model, self.engine.k, drafter
         cfg = model.base.config
-        context = getattr(cfg, "max_position_embeddings", None) or 2048
-        self.max_len = min(max_len or context, context)
+        self.context = getattr(cfg, "max_position_embeddings", None) or 2048
+        self.max_len = min(max_len or self.context, self.context)
         if max_batch_size < 1 or self.max_len < 2:
             raise HamburgerError(f"need max_batch_size >= 1 and max_len >= 2, got {max_batch_size}, {self.max_len}")
         if prefill_tokens < 1:
             raise HamburgerError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.prefill_tokens, self.interleave_prefill = prefill_tokens, interleave_prefill
-        self.batch = self._rows(max_batch_size)
+        self.entries_per_token = {**ENTRIES_PER_TOKEN, **(entries_per_token or {})}
+        if kv_memory is not None:
+            max_batch_size = rows_in(kv_memory, self.engine, self.max_len)
+        self.batch = RowBatch.for_model(self.engine, max_batch_size, self.max_len)
         self.default_eos = eos_ids(model)
         self.passes = 0  # base passes run (prefills and decode passes): a fixed batch's `base_forwards`
         self._depth = 0  # micro-steps into the current macro-step (which draft a pick makes)
@@ -88,19 +106,9 @@ class Scheduler:
         self._lock = threading.Lock()
         self._ids = itertools.count()
 
-    def _rows(self, size: int) -> RowBatch:
-        """The rows and their caches: a verify row drafts up to `drafts` tokens (lookup drafts may run past K-1;
-        compress rows keep K-1), written past its entries in use, so each row has that many spare slots."""
-        engine, model, cfg = self.engine, self.model, self.model.base.config
-        drafts = max(self.k - 1, engine.lookup_drafts if engine.lookup else 0) if self.k > 1 else 0
-        slots = self.max_len + 1 + drafts
-        dev, dtype = engine.device, engine.dtype
-        cache = KVCache.for_layers(engine.base.layers, cfg, size, slots, dtype, dev)
-        micro_cache = (KVCache.for_layers(model.micro.layers, cfg, size, model.micro.num_features + self.k, dtype,
-                                          dev) if self.k > 1 else None)
-        n_states = 1 + (model.micro.num_features if self.k > 1 else 0)
-        return RowBatch(size, slots, drafts, self.k, cache, micro_cache, n_states, cfg.hidden_size,
-                        cfg.vocab_size, dtype, dev)
+    def kv_bytes(self) -> int:
+        """The bytes the base's KV cache takes (every row, allocated once)."""
+        return self.batch.cache.k.nbytes + self.batch.cache.v.nbytes
 
     @property
     def rows(self) -> list[Request | None]:
@@ -125,12 +133,16 @@ class Scheduler:
             raise HamburgerError("the prompt must have at least one token")
         if max_new_tokens < 1:
             raise HamburgerError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        if len(prompt) + max_new_tokens > self.max_len:
+        if len(prompt) + max_new_tokens > self.context:
             raise HamburgerError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
-                                 f"context of {self.max_len} tokens")
+                                 f"model's context of {self.context} tokens")
         if mode not in MODES:  # a mode must be named here (the service resolves the server's default)
             raise HamburgerError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         mode, conf = resolve_mode(self.model, mode, confidence)
+        need = entries_needed(len(prompt), max_new_tokens, self.entries_per_token[mode])
+        if need > self.max_len:
+            raise HamburgerError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) need about {need} "
+                                 f"KV entries in {mode} mode; a row holds {self.max_len}")
         if forced_steps is not None and mode != "trust":
             raise HamburgerError(f"forced steps replay trust-mode step lengths: they do not apply to {mode} mode")
         sampling = sampling or SamplingParams()
@@ -333,42 +345,13 @@ class Scheduler:
             0, vocab, probs)
         self.batch.keep_distribution(row, self._depth, full)
 
-    def _drafts_wanted(self, n: int) -> list[tuple[int, int]]:
-        """(lookup, micro-step) drafts at most per row this step. Verify rows draft while few rows run
-        (`draft_rows`) and, greedy ones, while their drafts pay (the draft policy: a seeded sampled request's draws
-        must not depend on timings); compress rows always draft; trust rows' micro tokens are their step."""
-        engine, most = self.engine, self.k - 1
-        few = engine.draft_rows is None or n <= engine.draft_rows
-        costs, drafts = engine.step_costs(n), self.batch.drafts
-        return [(0, 0) if r is None or r.mode == "trust" or (r.mode == "verify" and not few)
-                else r.drafting.wants(costs, drafts, most) if (r.mode == "verify" and engine.draft_policy
-                                                               and r.sampling.greedy)
-                else (drafts, most) for r in self.rows[:n]]
-
-    def _lookup(self, n: int, wants: list[tuple[int, int]]):
-        """The macro-step's drafts from elsewhere than the micro-step decoder: the custom drafter's, or lookup
-        drafts from the checked rows' own histories (None: none this step)."""
-        caps = [look for look, _ in wants]
-        if self.drafter is not None:
-            return given_drafts(self.drafter, self.batch, caps) if any(caps) else None
-        indexes = [r.index if r is not None and look > 0 else None for r, look in zip(self.rows[:n], caps)]
-        return lookup_drafts(self.engine, self.batch, indexes, caps) if any(i is not None for i in indexes) else None
-
-    def _forced(self, n: int) -> torch.Tensor | None:
-        """Forced step lengths of this macro-step per row (0: the stop head decides), None when no row has any."""
-        reqs = self.rows[:n]
-        if all(r is None or r.forced is None for r in reqs):
-            return None
-        return torch.tensor([r.forced[len(r.steps)] if r is not None and r.forced and len(r.steps) < len(r.forced)
-                             else 0 for r in reqs], device=self.batch.live.device)
-
     def _macro_step(self) -> list[RequestEvent]:
         """`core.macro_step` over the running rows, each with its own limits and sampler. A checked row emits
         token 0 now; its micro tokens are drafts for the next pass (room is left for the base's token after
         them), so they do not count as generated and do not end the request."""
         b, n = self.batch, self.batch.span()
         live, verify = b.live[:n].clone(), b.verify[:n]
-        wants = self._drafts_wanted(n)
+        wants = drafts_wanted(self.engine, b, n)
         micro_len = torch.tensor([self.k - 1 if r is not None and r.mode == "trust" else m
                                   for r, (_, m) in zip(self.rows[:n], wants)], device=verify.device)
         limits = Limits(b.eos[:n], b.max_new[:n] - verify.long(), b.confidence[:n], path=verify, micro_len=micro_len)
@@ -380,8 +363,9 @@ class Scheduler:
             return micro_context(self.engine, CacheView(b.cache, slice(0, n)), b.cache_len[:n], base_pos)
 
         step_tok, step_len, ended = macro_step(self.engine, list(b.states[:n].unbind(1)), live, b.gen_len[:n],
-                                               limits, self._pick, micro_cache, self._forced(n), context=ctx,
-                                               lookup=self._lookup(n, wants), lookup_width=b.drafts)
+                                               limits, self._pick, micro_cache, b.forced(n), context=ctx,
+                                               lookup=step_drafts(self.engine, b, wants, self.drafter),
+                                               lookup_width=b.drafts)
         looked = torch.tensor([r.looked if r is not None else 0 for r in self.rows[:n]], device=step_len.device)
         self._micro_calls = int(torch.where(looked > 0, 0, step_len - 1).clamp(min=0).max()) if n else 0
         drafts = torch.zeros_like(step_len)
@@ -393,5 +377,8 @@ class Scheduler:
             ended = torch.where(v, t0_ends, ended)
             step_len = torch.where(v, 1, step_len)
             b.n_drafts[:n] = drafts
+        # A row whose entries have run out ends here (admitted on an estimate of its entries per token: trust and
+        # compress mode); its cache never holds more than `max_len` entries in use.
+        ended |= live & (b.cache_len[:n] >= self.max_len)
         b.step_tok[:n, : step_tok.shape[1]], b.step_len[:n] = step_tok, step_len
         return b.report(step_tok.tolist(), step_len.tolist(), ended.tolist(), drafts.tolist())  # one transfer
