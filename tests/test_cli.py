@@ -444,3 +444,20 @@ def test_quiet_prints_no_start_line_and_no_progress_bar(capsys, checkpoint):
         assert start_lines(captured.err) == []
     finally:
         logging.enable_progress_bar()
+
+
+def test_kv_memory_takes_bytes_or_entries():
+    from hamburger.cli.serve import parse_kv_memory
+
+    assert parse_kv_memory("512MB") == (512 * 10**6, "bytes")
+    assert parse_kv_memory("2GiB") == (2 * 2**30, "bytes")
+    assert parse_kv_memory("300000000") == (300000000, "bytes")
+    assert parse_kv_memory("40000entries") == (40000, "entries")
+    for bad in ("lots", "12XB", "0", "-5MB"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_kv_memory(bad)
+
+
+def test_serve_refuses_kv_memory_beside_a_batch_size(capsys):
+    assert main(["serve", "--kv-memory", "64MB", "--max-batch-size", "4"]) == 2
+    assert "--kv-memory" in capsys.readouterr().err

@@ -162,6 +162,29 @@ def test_compress_mode_is_served_when_the_model_has_a_merger():
                 assert reply.usage.completion_tokens == len(out.tokens[0])
 
 
+def test_a_compress_request_may_ask_for_more_tokens_than_a_verify_one_in_the_same_rows():
+    """Rows are sized in KV entries: a compress reply keeps about one entry per step (admitted at 0.75 entries a
+    token), so a max_tokens that a verify request of the same prompt is refused (one entry a token) is served; a
+    request past even that is a 400 that names the mode and the most new tokens. `kv_memory` sizes the rows."""
+    merged = hamburger("llama", k=4)
+    merged.attach_merger(random_merger(merged.base))
+    probe = Service(merged, "tiny", max_batch_size=1, max_len=64).scheduler
+    service = Service(merged, "tiny", max_len=64, kv_memory=3 * probe.kv_bytes())
+    assert service.scheduler.batch.size == 3
+    prompt = len(encode_chat(merged.tokenizer, messages(1)))
+    asked = 64 - prompt + 4  # past a verify row, within a compress row
+    with BackgroundServer(service) as srv:
+        body = {"model": "tiny", "messages": messages(1), "max_tokens": asked, "confidence": 0.05}
+        refused = httpx.post(srv.url + "/v1/chat/completions", json={**body, "mode": "verify"}, timeout=60)
+        assert refused.status_code == 400 and "verify mode" in refused.json()["error"]["message"]
+        assert refused.json()["error"]["param"] == "max_tokens"
+        served = httpx.post(srv.url + "/v1/chat/completions", json={**body, "mode": "compress"}, timeout=60)
+        assert served.status_code == 200, served.text
+        too_many = httpx.post(srv.url + "/v1/chat/completions", json={**body, "mode": "compress", "max_tokens": 200},
+                              timeout=60)
+        assert too_many.status_code == 400 and "compress mode" in too_many.json()["error"]["message"]
+
+
 def test_stop_strings_end_the_reply(server, model):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     full = client.chat.completions.create(model="tiny", messages=messages(2), max_tokens=16).choices[0].message.content

@@ -27,9 +27,9 @@ ENGINES = ("auto", "fast", "reference")  # hamburger.inference.engine.ENGINES
 PREFILL_TOKENS = 256  # hamburger.inference.admission.PREFILL_TOKENS
 BUILTIN_SOURCES = ("gsm", "chat", "code", "stdlib")  # hamburger.training.sources.BUILTIN
 MERGER_WEIGHTS = "merger.safetensors"  # hamburger.model.merger.WEIGHTS
-TASKS = ("humaneval", "gsm", "chat", "prompts")  # hamburger.evaluation.evaluate.TASKS
+TASKS = ("humaneval", "gsm", "chat", "prompts", "needle", "summary")  # hamburger.evaluation.evaluate.TASKS
 DEFAULT_TASKS = ("humaneval", "gsm", "chat")  # hamburger.evaluation.evaluate.DEFAULT_TASKS
-MAX_NEW_TOKENS = {"humaneval": 384, "gsm": 320, "chat": 256, "prompts": 256}  # ...evaluate.MAX_NEW_TOKENS
+MAX_NEW_TOKENS = {"humaneval": 384, "gsm": 320, "chat": 256, "prompts": 256, "needle": 16, "summary": 192}  # ...evaluate.MAX_NEW_TOKENS
 BENCH_SETS = ("code", "math", "chat", "long")  # hamburger.evaluation.bench_systems.SETS
 BENCH_SYSTEMS = ("hf_generate", "engine_base", "prompt_lookup", "spec_int8_k2", "spec_int8_k4", "hamburger_ref",
                  "hamburger_engine", "hamburger_forced", "hamburger_verify", "hamburger_compress",

@@ -21,16 +21,39 @@ from hamburger.errors import HamburgerError
 from hamburger.model.config import DRAFT_ROWS, check_confidence, parse_draft_rows
 
 DEFAULT_MAX_LEN = 2048  # per row: 8 rows of SmolLM2-135M then hold 0.7 GB of float32 keys and values
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_kv_memory(text: str) -> tuple[int, str]:
+    """`--kv-memory`: bytes ("512MB", "2GiB", "300000000") or KV entries ("40000entries"): (amount, "bytes" or
+    "entries")."""
+    value = text.strip().lower().replace(" ", "")
+    unit = "entries" if value.endswith("entries") else "bytes"
+    number = value.removesuffix("entries")
+    digits = number.rstrip("kmgib")
+    suffix = number[len(digits):]
+    try:
+        amount = float(digits) * (1 if unit == "entries" else UNITS[suffix])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 512MB, 2GiB, 40000entries)") from None
+    if amount < 1:
+        raise argparse.ArgumentTypeError(f"--kv-memory must be positive, got {text!r}")
+    return int(amount), unit
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = command(sub, "serve", "OpenAI-compatible HTTP server with streaming and continuous batching")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     p.add_argument("--port", type=int, default=8000, help="the port to listen on")
-    p.add_argument("--max-batch-size", type=int, default=8, help="rows of the batch (requests decoded together)")
+    p.add_argument("--max-batch-size", type=int, default=None,
+                   help="rows of the batch (requests decoded together); default: 8, or as many as --kv-memory holds")
     p.add_argument("--max-queue", type=int, default=64, help="requests that may wait for a row; more get 429")
-    p.add_argument("--max-len", type=int, default=None, help=f"KV entries per row (prompt + max_tokens); default: "
+    p.add_argument("--max-len", type=int, default=None, help=f"KV entries per row (prompt + max_tokens in verify "
+                   "mode; a compress or trust reply keeps about one entry per step, so it may be longer); default: "
                    f"the model's context, at most {DEFAULT_MAX_LEN}")
+    p.add_argument("--kv-memory", type=parse_kv_memory, default=None, metavar="SIZE",
+                   help="size the base's KV cache by memory instead of --max-batch-size: as many rows of --max-len "
+                        "entries as SIZE holds (bytes: 512MB, 2GiB; or entries over all rows: 40000entries)")
     p.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
                    help="waiting prompts are prefilled together, shortest first, in passes of at most this many padded "
                         "tokens (1: each alone)")
@@ -58,6 +81,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
+def kv_bytes(model, kv_memory: tuple[int, str] | None) -> int | None:
+    """`--kv-memory` in bytes of the loaded model's base cache."""
+    if kv_memory is None:
+        return None
+    from hamburger.inference.stats import kv_bytes_per_entry
+
+    amount, unit = kv_memory
+    dtype = next(model.parameters()).dtype
+    return amount * kv_bytes_per_entry(model.base.config, dtype) if unit == "entries" else amount
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -71,20 +105,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise HamburgerError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if args.default_confidence is not None:
         check_confidence(args.default_confidence)
+    if args.kv_memory is not None and args.max_batch_size is not None:
+        raise HamburgerError("--kv-memory sizes the batch: give it or --max-batch-size, not both")
     threads = decode_threads(args.decode_threads, resolve_device(args.device))
     model, trained, scheme = load_model(args)
-    service = Service(model, args.model, args.max_batch_size, args.max_queue, args.max_len or DEFAULT_MAX_LEN,
+    service = Service(model, args.model, args.max_batch_size or 8, args.max_queue, args.max_len or DEFAULT_MAX_LEN,
                       args.default_confidence, args.api_key, prefill_tokens=args.prefill_tokens,
                       interleave_prefill=args.interleave_prefill, decode_threads=threads, draft_rows=args.draft_rows,
-                      default_mode=args.mode, lookup=args.lookup)
+                      default_mode=args.mode, lookup=args.lookup, kv_memory=kv_bytes(model, args.kv_memory))
     config = uvicorn.Config(create_app(service, args.access_log), host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     # uvicorn re-raises the SIGTERM it handled after its graceful shutdown; a no-op handler makes that a clean exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     if not args.quiet:
         run = describe_run(model, trained, scheme, args.quantize == "auto", service.default_mode, args.lookup)
-        print(f"hamburger: serving {args.model} on http://{args.host}:{args.port}/v1 ({args.max_batch_size} rows x "
-              f"{service.scheduler.max_len} tokens"
+        sched = service.scheduler
+        print(f"hamburger: serving {args.model} on http://{args.host}:{args.port}/v1 ({sched.batch.size} rows x "
+              f"{sched.max_len} KV entries, {sched.kv_bytes() / 1e6:.0f} MB"
               + (f"; decode on {threads} of {service.scheduler.prefill_threads} threads" if threads else "")
               + f"): {run}", file=sys.stderr, flush=True)
     uvicorn.Server(config).run()

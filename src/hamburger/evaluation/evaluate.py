@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hamburger.errors import HamburgerError
+from hamburger.evaluation.long_context import found, rouge_l
 from hamburger.evaluation.tasks import (
     answer_correct,
     base_nll,
@@ -41,10 +42,10 @@ if TYPE_CHECKING:
 
     from hamburger.model.hamburger_model import HamburgerModel
 
-TASKS = ("humaneval", "gsm", "chat", "prompts")
+TASKS = ("humaneval", "gsm", "chat", "prompts", "needle", "summary")
 DEFAULT_TASKS = ("humaneval", "gsm", "chat")
-MAX_NEW_TOKENS = {"humaneval": 384, "gsm": 320, "chat": 256, "prompts": 256}
-QUALITY = {"humaneval": "pass@1", "gsm": "accuracy"}
+MAX_NEW_TOKENS = {"humaneval": 384, "gsm": 320, "chat": 256, "prompts": 256, "needle": 16, "summary": 192}
+QUALITY = {"humaneval": "pass@1", "gsm": "accuracy", "needle": "found", "summary": "ROUGE-L vs base"}
 PROGRESS_EVERY_S = 30.0  # stderr not a terminal (a log file): a plain progress line at most this often
 
 # --- running systems --------------------------------------------------------------------------------------
@@ -81,8 +82,14 @@ def run_system(model: HamburgerModel, prompts: list[list[int]], max_new_tokens: 
 
 
 def score(task: str, items: list[Prompt], texts: list[str], timeout: float,
-          advance: Callable[[int], None] = lambda n: None) -> list[bool] | None:
-    """Per-item correctness for tasks with references (HumanEval tests run 2 at a time), else None."""
+          advance: Callable[[int], None] = lambda n: None, base_texts: list[str] | None = None,
+          ) -> list[float] | None:
+    """Per-item scores for tasks with references (HumanEval tests run 2 at a time; the needle's planted word; a
+    summary's ROUGE-L against the base's own, `base_texts`), else None."""
+    if task == "needle":
+        return [float(found(text, item.answer)) for item, text in zip(items, texts)]
+    if task == "summary":
+        return [rouge_l(text, base) for text, base in zip(texts, base_texts or texts)]
     if task == "humaneval":
         programs = [humaneval_program(item.meta["problem"], text) for item, text in zip(items, texts)]
 
@@ -138,6 +145,7 @@ def evaluate_task(task: str, items: list[Prompt], model: HamburgerModel, base_sy
     rows: list[dict] = []
     per_item: list[dict] = []
     base_tokens: list[list[int]] = []
+    base_texts: list[str] = []
     for name, confidence, mode in systems:
         total = len(items) * (2 if task == "humaneval" else 1)
         step = _progress(progress, f"{task} {name}", total)
@@ -146,7 +154,8 @@ def evaluate_task(task: str, items: list[Prompt], model: HamburgerModel, base_sy
                                           getattr(args, "engine", "auto"), mode, getattr(args, "lookup", None))
         base_tokens = base_tokens or tokens
         texts = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
-        correct = score(task, items, texts, args.test_timeout, step)
+        base_texts = base_texts or texts
+        correct = score(task, items, texts, args.test_timeout, step, base_texts)
         nll_sum, nll_count = base_nll(model.base, prompts, tokens, args.batch_size)
         agreement = [token_agreement(t, b) for t, b in zip(tokens, base_tokens)]
         nll = nll_sum / nll_count if nll_count else None

@@ -166,6 +166,10 @@ def load_items(task: str, args: argparse.Namespace) -> list[Prompt]:
                  for p in humaneval_problems()]
     elif task == "gsm":
         items = sources.gsm_prompts("heldout", per_template=args.gsm_per_template)
+    elif task in ("needle", "summary"):
+        from hamburger.evaluation.long_context import long_items
+
+        items = long_items(task)
     else:
         items = sources.chat_prompts("heldout") if task == "chat" else sources.user_prompts(args.prompts)
     if args.limit is not None and args.limit < len(items):

@@ -36,6 +36,7 @@ from hamburger.model.base import eos_ids
 from hamburger.model.hamburger_model import HamburgerModel
 
 ENGINES = ("auto", "fast", "reference")
+PREFILL_PASS = 4096  # padded prompt tokens a fixed batch prefills in one pass at most (attention's memory grows as T^2)
 __all__ = ["ENGINES", "SUPPORTED", "Engine", "EngineGeneration", "ReferenceEngine", "auto_draft_rows",
            "check_merger", "check_supported", "make_engine", "resolve_mode"]
 
@@ -74,10 +75,11 @@ class EngineGeneration:
         return timed(self._run(), self.stats)
 
     def _scheduler(self) -> Scheduler:
-        """A scheduler of one row per prompt, the prompts submitted; one prefill pass for them all."""
+        """A scheduler of one row per prompt, the prompts submitted; one prefill pass for them all (prompts of more
+        than `PREFILL_PASS` padded tokens together: in passes of at most that many, a longer prompt alone)."""
         n, width = len(self.prompts), max(map(len, self.prompts))
         sched = Scheduler(self.engine.model, max_batch_size=n, max_len=width + self.max_new_tokens,
-                          prefill_tokens=max(PREFILL_TOKENS, n * width), interleave_prefill=False,
+                          prefill_tokens=max(PREFILL_TOKENS, min(n * width, PREFILL_PASS)), interleave_prefill=False,
                           runner=self.engine, drafter=self.engine.drafter)
         context = sched.max_len
         if width + self.max_new_tokens > context:

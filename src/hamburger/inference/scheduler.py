@@ -23,6 +23,7 @@ pass computes exactly the running rows.
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections import deque
@@ -105,6 +106,14 @@ class Scheduler:
         self._cancels: set[int] = set()
         self._lock = threading.Lock()
         self._ids = itertools.count()
+
+    def token_room(self, prompt_len: int, mode: str) -> int:
+        """The most max_new_tokens a request of `mode` with a prompt of `prompt_len` tokens is admitted with: its
+        expected KV entries within a row (`entries_per_token`), its positions within the model's context."""
+        if prompt_len >= self.max_len:
+            return 0
+        by_entries = math.floor((self.max_len - prompt_len) / self.entries_per_token[mode])
+        return max(0, min(self.context - prompt_len, by_entries))
 
     def kv_bytes(self) -> int:
         """The bytes the base's KV cache takes (every row, allocated once)."""

@@ -148,18 +148,24 @@ def parse(raw: bytes, schema: type[_Sampling]) -> _Sampling:
     return body
 
 
-def check_limits(prompt_tokens: int, max_tokens: int | None, context: int, param: str) -> int:
-    """max_tokens checked against the context (None: all that is left of it)."""
+def check_limits(prompt_tokens: int, max_tokens: int | None, context: int, param: str, room: int | None = None,
+                 mode: str | None = None) -> int:
+    """max_tokens checked against the context (None: all that is left of it); `room`: the most new tokens a row
+    holds for this prompt in its `mode` (the scheduler's rows are sized in KV entries: a mode that keeps one entry
+    per step holds a longer reply), when it differs from the context's."""
     if prompt_tokens >= context:
         raise ApiError(400, f"the prompt has {prompt_tokens} tokens; this server's context is {context}", "messages"
                        if param == "messages" else "prompt", "context_length_exceeded")
+    room = context - prompt_tokens if room is None else room
     if max_tokens is None:
-        return context - prompt_tokens
+        return room
     if max_tokens <= 0:
         raise ApiError(400, f"max_tokens must be >= 1, got {max_tokens}", "max_tokens")
-    if prompt_tokens + max_tokens > context:
+    if max_tokens > room:
+        where = f" in {mode} mode" if mode else ""
         raise ApiError(400, f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceed this server's "
-                       f"context of {context} tokens", "max_tokens", "context_length_exceeded")
+                       f"context of {context} KV entries{where}: at most {room} new tokens with this prompt",
+                       "max_tokens", "context_length_exceeded")
     return max_tokens
 
 

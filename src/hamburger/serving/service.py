@@ -84,16 +84,18 @@ class Service:
                  max_len: int | None = None, default_confidence: float | None = None, api_key: str | None = None,
                  prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = True,
                  decode_threads: int | None = None, draft_rows: int | str | None = "auto",
-                 default_mode: str | None = None, lookup: int | None = None) -> None:
+                 default_mode: str | None = None, lookup: int | None = None, kv_memory: int | None = None) -> None:
         """`default_mode`: the mode of requests that name none (None: the checkpoint's); compress needs the
         checkpoint's KV merger, checked here. `lookup`: verify and compress requests' lookup drafts (`Engine`;
-        None: the checkpoint's)."""
+        None: the checkpoint's). `kv_memory`: bytes of base KV cache, rows of `max_len` entries: as many rows as fit
+        (instead of `max_batch_size`)."""
         self.model, self.tokenizer = model, model.tokenizer
         self.names = list(dict.fromkeys([name, "default"]))
         # compress needs the checkpoint's merger: checked before the caches are allocated (every request would fail)
         self.default_mode = resolve_mode(model, default_mode)[0]
         self.scheduler = Scheduler(model, max_batch_size, max_len, prefill_tokens, interleave_prefill, decode_threads,
-                                   draft_rows, lookup=None if lookup is None else check_lookup(lookup))
+                                   draft_rows, lookup=None if lookup is None else check_lookup(lookup),
+                                   kv_memory=kv_memory)
         self.max_queue, self.api_key = max_queue, api_key
         self.default_confidence = check_confidence(
             model.config.default_confidence if default_confidence is None else default_confidence)
@@ -109,6 +111,7 @@ class Service:
             "hamburger_kv_entries": ("KV entries per layer held by running requests", s.kv_entries),
             "hamburger_kv_capacity": ("KV entries per layer the cache holds (rows x max_len)",
                                       lambda: len(s.rows) * s.max_len),
+            "hamburger_kv_bytes": ("bytes the base's KV cache takes (all rows, allocated at start)", s.kv_bytes),
         })
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -160,7 +163,8 @@ class Service:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server has {self.names}", "model",
                            "model_not_found")
         mode, confidence = self.resolve(body.mode, body.confidence)
-        limit = check_limits(len(prompt), body.limit(), self.scheduler.max_len, param)
+        sched = self.scheduler
+        limit = check_limits(len(prompt), body.limit(), sched.max_len, param, sched.token_room(len(prompt), mode), mode)
         if self.scheduler.waiting >= self.max_queue:
             raise ApiError(429, f"the server is busy ({self.max_queue} requests waiting); retry later",
                            kind="rate_limit_error", code="queue_full")
