@@ -132,7 +132,11 @@ def quantize_loaded(model: HamburgerModel, spec: str, group_size: int = 32, quie
     param = next(model.parameters())
     check_quantize(spec, group_size, param.device, param.dtype)
     if model.config.lora_rank:
-        model.merge_lora()  # the LoRA deltas go into the base weights first: the kernels take plain weights
+        # The kernels take plain weights: the LoRA deltas go into the base first, and can no longer be switched off
+        print("quantize: this checkpoint's LoRA is merged into the base to quantize it: verify and compress mode then "
+              "check drafts against the adapted base, not the untouched one (--quantize none keeps them exact)",
+              file=sys.stderr, flush=True)
+        model.merge_lora()
     # A plain base (one token per step) never runs its placeholder micro-step decoder: it stays as it is.
     skip = DEFAULT_SKIP + (("micro",) if model.config.max_step_tokens == 1 else ())
     try:

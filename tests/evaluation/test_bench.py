@@ -139,8 +139,9 @@ def test_llama_cpp_is_skipped_with_the_reason(tmp_path, checkpoint, capsys, monk
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    with pytest.raises(Unavailable, match="llama-cpp-python is not installed"):
-        llama_cpp_system(gguf, {1})
+    for lookup in (False, True):
+        with pytest.raises(Unavailable, match="llama-cpp-python is not installed"):
+            llama_cpp_system(gguf, {1}, lookup=lookup)
     out = tmp_path / "bench.json"
     assert main(["bench", "--model", str(checkpoint), "--systems", "engine_base,llama_cpp", "--sets", "chat",
                  "--batch-sizes", "1", "--max-new-tokens", "4", "--runs", "1", "--json", str(out)]) == 0

@@ -33,7 +33,7 @@ MAX_NEW_TOKENS = {"humaneval": 384, "gsm": 320, "chat": 256, "prompts": 256, "ne
 BENCH_SETS = ("code", "math", "chat", "long")  # hamburger.evaluation.bench_systems.SETS
 BENCH_SYSTEMS = ("hf_generate", "engine_base", "prompt_lookup", "spec_int8_k2", "spec_int8_k4", "hamburger_ref",
                  "hamburger_engine", "hamburger_forced", "hamburger_verify", "hamburger_compress",
-                 "llama_cpp")  # hamburger.evaluation.bench_systems.SYSTEMS
+                 "llama_cpp", "llama_cpp_lookup")  # hamburger.evaluation.bench_systems.SYSTEMS
 
 
 Options = argparse.ArgumentParser | argparse._ArgumentGroup  # where an option can be added

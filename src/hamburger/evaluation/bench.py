@@ -43,6 +43,7 @@ from hamburger.evaluation.bench_report import find
 from hamburger.evaluation.bench_systems import (
     BATCH1_ONLY,
     HAMBURGER,
+    LLAMA_CPP,
     TRAINED_ONLY,
     ForcedSteps,
     entry_bytes,
@@ -74,8 +75,7 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
               verify_confidence: float | None = None, schemes: Sequence[str] = ("none",),
               load_quantized: Callable[[str], object] | None = None, draft_rows: int | str | None = "auto",
               lookup: int | None = None) -> dict:
-    """Every system at every batch size (HAMburger at every confidence), under every quantization scheme: rows,
-    a summary and the KV curve.
+    """Every system at every batch size (HAMburger at every confidence), every scheme: rows, summary, KV curve.
 
     `hamburger_model` is the float model (scheme "none"); `load_quantized(scheme)` gives a freshly loaded model
     quantized with that scheme (a copy would share the slot adapters' hooks with the float model). Schemes run
@@ -110,8 +110,8 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
         for (name, conf, batch, system, record), measured in zip(planned, measure(jobs, max_new, runs, device, log,
                                                                                   labels) if jobs else []):
             checked = name in ("hamburger_verify", "hamburger_compress")
-            row = {"system": name + ("" if name == "llama_cpp" or scheme == "none" else f"+{scheme}"),
-                   "quantize": "gguf" if name == "llama_cpp" else scheme, "batch_size": batch, "max_new_tokens": max_new,
+            row = {"system": name + ("" if name in LLAMA_CPP or scheme == "none" else f"+{scheme}"),
+                   "quantize": "gguf" if name in LLAMA_CPP else scheme, "batch_size": batch, "max_new_tokens": max_new,
                    "confidence": (verify_confidence or model.config.verify_confidence) if checked else conf, **measured}
             add_kv_memory(row, name, getattr(system, "kv_bytes_per_entry", per_entry))
             # The weights the system decodes with (spec_*: the base; its INT8 draft copy is not counted).
@@ -125,9 +125,10 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
         if any(n in TRAINED_ONLY for n in systems):
             costs[scheme] = step_costs(model)
         del model, plain
-    return {"rows": rows, "summary": summarize(rows, main_conf), "skipped": skipped, "step_costs": costs.get(
-            schemes[0], {}), "step_costs_by_scheme": costs, "confidence": main_conf, "kv_curve": kv_curve(
-            hamburger_model, prompts, max_new, main_conf), "device": describe_device(device), "kv_bytes_per_entry": per_entry}
+    return {"rows": rows, "summary": {**summarize(rows, main_conf), **llama_identical(outputs, schemes[0])},
+            "skipped": skipped, "step_costs": costs.get(schemes[0], {}), "step_costs_by_scheme": costs,
+            "confidence": main_conf, "kv_curve": kv_curve(hamburger_model, prompts, max_new, main_conf),
+            "device": describe_device(device), "kv_bytes_per_entry": per_entry}
 
 
 def plan_jobs(make: Callable, scheme: str, schemes: Sequence[str], systems: Sequence[str], prompts: list[list[int]],
@@ -139,7 +140,7 @@ def plan_jobs(make: Callable, scheme: str, schemes: Sequence[str], systems: Sequ
     suffix = "" if scheme == "none" else f"+{scheme}"
     jobs, labels, planned = [], [], []
     for name in systems:
-        if name == "llama_cpp" and scheme != schemes[0]:
+        if name in LLAMA_CPP and scheme != schemes[0]:
             continue  # it decodes its own GGUF: one row (named without a scheme), beside the first scheme's
         for conf in (confidences if name in HAMBURGER else [None]):
             record: dict = {}
@@ -183,6 +184,35 @@ def add_kv_memory(row: dict, name: str, entry_bytes: int) -> None:
     row["kv_bytes_per_request"] = row["kv_bytes"] / max(1, row["sequences"])
 
 
+def llama_identical(outputs: dict, scheme: str) -> dict[str, float]:
+    """llama.cpp's prompt lookup is exact too: the share of prompts its greedy output equals its plain one's."""
+    plain, looked = (outputs.get((scheme, name, None, 1)) for name in LLAMA_CPP)
+    if not plain or not looked:
+        return {}
+    return {"llama_cpp_lookup_identical": sum(looked.get(p) == t for p, t in plain.items()) / len(plain)}
+
+
+def beside_llama(rows: list[dict], batch: int, base: dict | None) -> dict[str, float]:
+    """Each scheme's base and checked modes against llama.cpp plain and against its best configuration (plain or
+    with prompt lookup, whichever decodes faster here)."""
+    out: dict[str, float] = {}
+    llamas = [r for r in (find(rows, name, batch) for name in LLAMA_CPP) if r and r["decode_tokens_per_s"]]
+    if not llamas:
+        return out
+    plain = find(rows, "llama_cpp", batch)
+    best = max(llamas, key=lambda r: r["decode_tokens_per_s"])
+    out[f"best_llama_cpp_b{batch}"] = best["system"]
+    if base and plain and plain["decode_tokens_per_s"]:
+        out[f"engine_base_vs_llama_cpp_b{batch}"] = base["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+    for row in rows:  # each scheme's base and modes beside it
+        if row["batch_size"] == batch and "+" in row["system"] and row["system"].split("+")[0] in (
+                "engine_base", "hamburger_verify", "hamburger_compress"):
+            if plain and plain["decode_tokens_per_s"]:
+                out[f"{row['system']}_vs_llama_cpp_b{batch}"] = row["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
+            out[f"{row['system']}_vs_best_llama_cpp_b{batch}"] = row["decode_tokens_per_s"] / best["decode_tokens_per_s"]
+    return out
+
+
 def summarize(rows: list[dict], conf: float) -> dict:
     """Ratios of HAMburger's decode tokens/s (fast engine, the main confidence) to the other systems."""
     out: dict[str, float | None] = {}
@@ -196,13 +226,7 @@ def summarize(rows: list[dict], conf: float) -> dict:
             if row and base and base["decode_tokens_per_s"]:
                 out[f"{mode}_vs_base_b{batch}"] = row["decode_tokens_per_s"] / base["decode_tokens_per_s"]
                 out[f"{mode}_tokens_per_forward_b{batch}"] = row["tokens_per_forward"]
-        llama = find(rows, "llama_cpp", batch)
-        if llama and base and llama["decode_tokens_per_s"]:
-            out[f"engine_base_vs_llama_cpp_b{batch}"] = base["decode_tokens_per_s"] / llama["decode_tokens_per_s"]
-        for row in rows if llama and llama["decode_tokens_per_s"] else []:  # each scheme's base and modes beside it
-            if row["batch_size"] == batch and "+" in row["system"] and row["system"].split("+")[0] in (
-                    "engine_base", "hamburger_verify", "hamburger_compress"):
-                out[f"{row['system']}_vs_llama_cpp_b{batch}"] = row["decode_tokens_per_s"] / llama["decode_tokens_per_s"]
+        out.update(beside_llama(rows, batch, base))
         compress = find(rows, "hamburger_compress", batch)
         if compress:
             out[f"compress_kv_entries_per_generated_token_b{batch}"] = compress["kv_entries_per_generated_token"]

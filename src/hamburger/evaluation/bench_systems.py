@@ -19,8 +19,10 @@ from hamburger.inference.stats import GenerationStats, kv_bytes_per_entry
 
 SETS = ("code", "math", "chat", "long")
 SYSTEMS = ("hf_generate", "engine_base", "prompt_lookup", "spec_int8_k2", "spec_int8_k4", "hamburger_ref",
-           "hamburger_engine", "hamburger_forced", "hamburger_verify", "hamburger_compress", "llama_cpp")
-BATCH1_ONLY = ("prompt_lookup", "spec_int8_k2", "spec_int8_k4", "llama_cpp")
+           "hamburger_engine", "hamburger_forced", "hamburger_verify", "hamburger_compress", "llama_cpp",
+           "llama_cpp_lookup")
+BATCH1_ONLY = ("prompt_lookup", "spec_int8_k2", "spec_int8_k4", "llama_cpp", "llama_cpp_lookup")
+LLAMA_CPP = ("llama_cpp", "llama_cpp_lookup")  # decode their own GGUF: one row, beside the first scheme's
 HAMBURGER = ("hamburger_ref", "hamburger_engine")
 TRAINED_ONLY = HAMBURGER + ("hamburger_forced", "hamburger_verify", "hamburger_compress")  # systems that need a trained checkpoint
 
@@ -198,7 +200,7 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
                 record[tuple(prompt)] = list(tokens)
         return out.stats
 
-    if name in ("hf_generate", "prompt_lookup", "llama_cpp") or name.startswith("spec_int8_k"):
+    if name in ("hf_generate", "prompt_lookup", *LLAMA_CPP) or name.startswith("spec_int8_k"):
         return outside_system(name, hamburger_model, plain_model, record)
     if name == "hamburger_forced":
         if forced is None:
@@ -246,12 +248,12 @@ def outside_system(name: str, hamburger_model, plain_model, record: dict | None 
         draft = int8_draft(base)
         draft.generation_config.num_assistant_tokens = int(name.removeprefix("spec_int8_k"))
         return lambda prompts, n: hf_call(base, prompts, n, eos, pad, record, assistant_model=draft)
-    if name != "llama_cpp":
+    if name not in LLAMA_CPP:
         raise HamburgerError(f"unknown system {name!r}: choose from {', '.join(SYSTEMS)}")
     from hamburger.evaluation.llamacpp import gguf_path, llama_cpp_system
 
     refs = [getattr(base.config, "hamburger_ref", None), hamburger_model.config.base_model]
-    system = llama_cpp_system(gguf_path([r for r in refs if r]), eos, record=record)
+    system = llama_cpp_system(gguf_path([r for r in refs if r]), eos, record=record, lookup=name == "llama_cpp_lookup")
     system.kv_bytes_per_entry = entry_bytes(plain_model, torch.float16)  # llama.cpp's cache: float16 by default
     return system
 

@@ -1,17 +1,23 @@
-"""llama.cpp as a bench system (`hamburger bench --systems llama_cpp`): the CPU anchor a user would compare with.
+"""llama.cpp as bench systems: the CPU anchor a user would compare with.
+
+- `llama_cpp`: plain greedy decoding; `llama_cpp_lookup`: with llama.cpp's own prompt-lookup decoding
+  (`LlamaPromptLookupDecoding`), its draft length the fastest of `LOOKUP_DRAFTS` on the first prompt.
 
 The same GGUF file the base was loaded from, the same prompt token ids, greedy, the same token limit and EOS
 set, threads = CPU cores, batch 1. Needs `llama-cpp-python` (not part of `make setup`: it compiles llama.cpp);
-without it the system is skipped with the reason. `n_batch` is 1: larger prompt batches crashed
-(segmentation fault) while evaluating a prompt on the project's development CPU, so llama.cpp's time to first
-token here is a token-by-token prefill; its decode speed is unaffected.
+without it the systems are skipped with the reason. `n_batch` (prompt tokens per prefill pass) is 512 where a
+child process shows it works (a real prefill, for the time to the first token), else 1: larger prompt batches
+crashed (segmentation fault) while evaluating a prompt on one development CPU; decode speed is unaffected.
 """
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Callable
+from functools import cache
 from pathlib import Path
 
 from hamburger.errors import HamburgerError
@@ -34,18 +40,69 @@ def gguf_path(refs: list[str | None]) -> Path:
     raise Unavailable("llama.cpp needs the base as a .gguf file (--model path/to/model.gguf or the embedded default)")
 
 
-def llama_cpp_system(gguf: Path, eos: set[int], n_ctx: int = 4096,
-                     record: dict | None = None) -> Callable[[list[list[int]], int], GenerationStats]:
-    """A bench system (prompts, max_new_tokens) -> GenerationStats running llama.cpp on `gguf`, one prompt at a time."""
+LOOKUP_DRAFTS = (2, 3, 5, 10)  # llama_cpp_lookup's draft lengths tried; the fastest decodes the bench
+PROBE = """
+import llama_cpp, sys
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=1024, n_batch=int(sys.argv[2]), verbose=False)
+llm.eval(list(range(10, 300)))
+"""
+
+
+@cache
+def working_n_batch(gguf: Path, wanted: int = 512) -> int:
+    """`wanted` where a child process evaluates a 290-token prompt with it (it crashed on one CPU: a segmentation
+    fault would take the bench with it), else 1."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", PROBE, str(gguf), str(wanted)], capture_output=True, timeout=120, check=False)
+    except subprocess.TimeoutExpired:
+        return 1
+    return wanted if proc.returncode == 0 else 1
+
+
+def load_llama(gguf: Path, n_ctx: int, draft: int = 0):
+    """llama.cpp on `gguf` with threads = cores, the n_batch that works here, and prompt-lookup drafts of `draft`
+    tokens (0: none)."""
     try:
         import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError as exc:
         raise Unavailable("llama-cpp-python is not installed (pip install llama-cpp-python)") from exc
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                          n_batch=1, verbose=False)
+    return llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                           n_batch=working_n_batch(gguf), verbose=False,
+                           draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft) if draft else None)
+
+
+def fastest_draft(gguf: Path, prompt: list[int], eos: set[int], n_ctx: int, tokens: int = 96) -> int:
+    """The LOOKUP_DRAFTS length that decodes `tokens` tokens of `prompt` fastest here."""
+    timed = {}
+    for draft in LOOKUP_DRAFTS:
+        llm = load_llama(gguf, n_ctx, draft)
+        start = time.perf_counter()
+        for n, tok in enumerate(llm.generate(prompt, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0,
+                                             reset=True), 1):
+            if tok in eos or n >= tokens:
+                break
+        timed[draft] = (time.perf_counter() - start) / n
+        del llm
+    return min(timed, key=timed.get)
+
+
+def llama_cpp_system(gguf: Path, eos: set[int], n_ctx: int = 4096, record: dict | None = None,
+                     lookup: bool = False) -> Callable[[list[list[int]], int], GenerationStats]:
+    """A bench system (prompts, max_new_tokens) -> GenerationStats running llama.cpp on `gguf`, one prompt at a time;
+    `lookup`: with its prompt-lookup decoding, the draft length chosen on the first prompt of the first call."""
+    try:
+        import llama_cpp  # noqa: F401 - here, so a missing package skips the system before any run
+    except ImportError as exc:
+        raise Unavailable("llama-cpp-python is not installed (pip install llama-cpp-python)") from exc
+    llm = None if lookup else load_llama(gguf, n_ctx)
 
     def run(prompts: list[list[int]], max_new_tokens: int) -> GenerationStats:
+        nonlocal llm
+        if llm is None:
+            run.draft = fastest_draft(gguf, prompts[0], eos, n_ctx)
+            llm = load_llama(gguf, n_ctx, run.draft)
         total = GenerationStats()
         for prompt in prompts:
             if len(prompt) + max_new_tokens > n_ctx:
@@ -76,4 +133,5 @@ def llama_cpp_system(gguf: Path, eos: set[int], n_ctx: int = 4096,
         return total
 
     run.weights_bytes = gguf.stat().st_size  # what it decodes with: the quantized file itself
+    run.n_batch, run.draft = working_n_batch(gguf), 0
     return run
