@@ -13,6 +13,7 @@ names), which `hamburger_model.is_trained_key` keeps in a checkpoint without the
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -37,7 +38,10 @@ def inject_lora(base: nn.Module, rank: int, alpha: float, targets: list[str]) ->
 
 
 def lora_layers(base: nn.Module) -> list[nn.Module]:
-    """The base's projections that carry a LoRA (peft's `LoraLayer` wrappers)."""
+    """The base's projections that carry a LoRA (peft's `LoraLayer` wrappers). Without peft imported there are none:
+    importing it to look would cost every model load about half a second."""
+    if "peft" not in sys.modules:
+        return []
     from peft.tuners.lora import LoraLayer  # noqa: PLC0415
 
     return [m for m in base.modules() if isinstance(m, LoraLayer)]
