@@ -43,3 +43,15 @@ def test_a_mixed_batch_switches_the_lora_per_row():
     out = run_staggered(sched, [(0, PROMPTS[0], 10, "verify"), (0, PROMPTS[1], 10, "trust")], confidence=1.0)
     assert [t for e in out[0] for t in e.tokens] == plain
     assert [t for e in out[1] for t in e.tokens] == adapted
+
+
+def test_a_plain_model_over_a_lora_checkpoints_base_decodes_the_untouched_base():
+    """`HamburgerModel.plain(model.base)` (eval's and bench's "base" system) shares the base's modules, LoRA included:
+    it decodes with the LoRA off, in trust mode too."""
+    from hamburger import HamburgerModel
+
+    model = with_lora()
+    with model.base_lora(False):
+        plain = [base_greedy(model, p, 10) for p in PROMPTS]
+    base = HamburgerModel.plain(model.base, model.tokenizer)
+    assert Engine(base).generate(PROMPTS, max_new_tokens=10, mode="trust").tokens == plain

@@ -156,7 +156,8 @@ def evaluate_task(task: str, items: list[Prompt], model: HamburgerModel, base_sy
         texts = [tokenizer.decode(t, skip_special_tokens=True) for t in tokens]
         base_texts = base_texts or texts
         correct = score(task, items, texts, args.test_timeout, step, base_texts)
-        nll_sum, nll_count = base_nll(model.base, prompts, tokens, args.batch_size)
+        with model.base_lora(False):  # the untouched base scores every system (a LoRA checkpoint's is switched off)
+            nll_sum, nll_count = base_nll(model.base, prompts, tokens, args.batch_size)
         agreement = [token_agreement(t, b) for t, b in zip(tokens, base_tokens)]
         nll = nll_sum / nll_count if nll_count else None
         base_row_nll = rows[0]["nll"] if rows else nll

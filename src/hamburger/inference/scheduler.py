@@ -268,6 +268,8 @@ class Scheduler:
         off for verify and compress rows, which check drafts against the untouched base."""
         if not self.model.lora.layers:
             return nullcontext()
+        if not self.model.config.lora_rank:  # a plain model over a LoRA checkpoint's base: the untouched base
+            return self.model.base_lora(False)
         if all(trust) or not any(trust):
             return self.model.base_lora(bool(trust and trust[0]))
         return self.model.base_lora(torch.tensor(trust, device=self.batch.live.device))
