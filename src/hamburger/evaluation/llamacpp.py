@@ -43,20 +43,32 @@ def gguf_path(refs: list[str | None]) -> Path:
 LOOKUP_DRAFTS = (2, 3, 5, 10)  # llama_cpp_lookup's draft lengths tried; the fastest decodes the bench
 PROBE = """
 import llama_cpp, sys
-llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=1024, n_batch=int(sys.argv[2]), verbose=False)
-llm.eval(list(range(10, 300)))
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+draft = int(sys.argv[3])
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=1024, n_batch=int(sys.argv[2]), verbose=False, logits_all=draft > 0,
+                      draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft) if draft else None)
+for n, _ in enumerate(llm.generate(list(range(10, 300)), temp=0.0, top_k=1, reset=True)):
+    if n >= 8:
+        break
 """
+
+
+def probe(gguf: Path, n_batch: int, draft: int = 0) -> bool:
+    """Whether llama.cpp evaluates a 290-token prompt and decodes a few tokens with these settings, in a child
+    process: a native abort (one CPU's segmentation fault with n_batch > 1; llama-cpp-python 0.3.36's assertion in
+    prompt-lookup decoding with n_batch 1) must not take the bench with it."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", PROBE, str(gguf), str(n_batch), str(draft)],
+                              capture_output=True, timeout=120, check=False)
+    except subprocess.TimeoutExpired:
+        return False
+    return proc.returncode == 0
 
 
 @cache
 def working_n_batch(gguf: Path, wanted: int = 512) -> int:
-    """`wanted` where a child process evaluates a 290-token prompt with it (it crashed on one CPU: a segmentation
-    fault would take the bench with it), else 1."""
-    try:
-        proc = subprocess.run([sys.executable, "-c", PROBE, str(gguf), str(wanted)], capture_output=True, timeout=120, check=False)
-    except subprocess.TimeoutExpired:
-        return 1
-    return wanted if proc.returncode == 0 else 1
+    """`wanted` where a child process shows it works, else 1."""
+    return wanted if probe(gguf, wanted) else 1
 
 
 def load_llama(gguf: Path, n_ctx: int, draft: int = 0):
@@ -69,8 +81,8 @@ def load_llama(gguf: Path, n_ctx: int, draft: int = 0):
         raise Unavailable("llama-cpp-python is not installed (pip install llama-cpp-python)") from exc
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                           n_batch=working_n_batch(gguf), verbose=False,
-                           draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft) if draft else None)
+                           n_batch=working_n_batch(gguf), verbose=False, logits_all=bool(draft),  # drafts: every
+                           draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft) if draft else None)  # position
 
 
 def fastest_draft(gguf: Path, prompt: list[int], eos: set[int], n_ctx: int, tokens: int = 96) -> int:
@@ -96,6 +108,9 @@ def llama_cpp_system(gguf: Path, eos: set[int], n_ctx: int = 4096, record: dict 
         import llama_cpp  # noqa: F401 - here, so a missing package skips the system before any run
     except ImportError as exc:
         raise Unavailable("llama-cpp-python is not installed (pip install llama-cpp-python)") from exc
+    if lookup and not probe(gguf, working_n_batch(gguf), LOOKUP_DRAFTS[0]):
+        raise Unavailable("llama.cpp's prompt-lookup decoding aborts on this machine (a child process running it "
+                          f"failed, n_batch {working_n_batch(gguf)})")
     llm = None if lookup else load_llama(gguf, n_ctx)
 
     def run(prompts: list[list[int]], max_new_tokens: int) -> GenerationStats:
