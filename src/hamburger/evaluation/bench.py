@@ -201,7 +201,7 @@ def beside_llama(rows: list[dict], batch: int, base: dict | None) -> dict[str, f
         return out
     plain = find(rows, "llama_cpp", batch)
     best = max(llamas, key=lambda r: r["decode_tokens_per_s"])
-    out[f"best_llama_cpp_b{batch}"] = best["system"]
+    out[f"best_llama_cpp_tok_s_b{batch}"] = best["decode_tokens_per_s"]
     if base and plain and plain["decode_tokens_per_s"]:
         out[f"engine_base_vs_llama_cpp_b{batch}"] = base["decode_tokens_per_s"] / plain["decode_tokens_per_s"]
     for row in rows:  # each scheme's base and modes beside it

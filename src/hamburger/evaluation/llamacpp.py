@@ -76,13 +76,17 @@ def load_llama(gguf: Path, n_ctx: int, draft: int = 0):
     tokens (0: none)."""
     try:
         import llama_cpp
-        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError as exc:
         raise Unavailable("llama-cpp-python is not installed (pip install llama-cpp-python)") from exc
+    drafter = None
+    if draft:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        drafter = LlamaPromptLookupDecoding(num_pred_tokens=draft)
     threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return llama_cpp.Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                            n_batch=working_n_batch(gguf), verbose=False, logits_all=bool(draft),  # drafts: every
-                           draft_model=LlamaPromptLookupDecoding(num_pred_tokens=draft) if draft else None)  # position
+                           draft_model=drafter)  # position
 
 
 def fastest_draft(gguf: Path, prompt: list[int], eos: set[int], n_ctx: int, tokens: int = 96) -> int:
