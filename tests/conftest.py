@@ -172,3 +172,14 @@ def run_staggered(sched, jobs: list[tuple], **kw) -> dict[int, list]:
         step += 1
         assert step < 500
     return out
+
+
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one process-wide state; tests that train in-process each need their own
+    (`pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")` in their module)."""
+    from accelerate.state import AcceleratorState, PartialState
+
+    yield
+    AcceleratorState._reset_state(True)
+    PartialState._reset_state()

@@ -16,16 +16,9 @@ from hamburger.cli import main
 from hamburger.training.loss import hamburger_loss
 from hamburger.training.train import TrainArgs, Trainer
 
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
+
 PROMPT = [5, 17, 33, 8, 60, 12, 9]
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, PartialState
-
-    yield
-    AcceleratorState._reset_state(True)
-    PartialState._reset_state()
 
 
 def make_data(path, n: int = 40, seed: int = 0):

@@ -10,16 +10,9 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_run.py"
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, PartialState
-
-    yield
-    AcceleratorState._reset_state(True)
-    PartialState._reset_state()
 
 
 def gpu_run():

@@ -33,15 +33,7 @@ from hamburger.training.segment import (
 )
 from hamburger.training.train import TrainArgs, Trainer
 
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """accelerate keeps one process-wide state; tests that train in-process each need their own."""
-    from accelerate.state import AcceleratorState, PartialState
-
-    yield
-    AcceleratorState._reset_state(True)
-    PartialState._reset_state()
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
 
 
 def test_segmentation_rule_on_hand_set_entropies():

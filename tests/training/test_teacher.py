@@ -23,19 +23,12 @@ from hamburger.training.loss import hamburger_loss
 from hamburger.training.teacher import read_teacher, sparse_kl, teacher_dir, top_k
 from hamburger.training.train import TrainArgs, Trainer
 
+pytestmark = pytest.mark.usefixtures("fresh_accelerate_state")
+
 EXAMPLES = [
     SegmentedExample([5, 6, 7, 8, 9, 10, 11, 12, 13, 14], 4, [2, 1, 3]),
     SegmentedExample([20, 21, 22, 23, 24, 25, 26], 2, [4, 1]),
 ]
-
-
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    from accelerate.state import AcceleratorState, PartialState
-
-    yield
-    AcceleratorState._reset_state(True)
-    PartialState._reset_state()
 
 
 def test_sparse_kl_is_the_full_kl_with_the_whole_vocabulary_and_a_lower_bound_below():

@@ -234,7 +234,7 @@ class Scheduler:
         n = self.batch.span()
         if n == 0:
             return
-        with self._base_lora([r is not None and r.mode == "trust" for r in self.rows[:n]]):
+        with self._base_lora(self.rows[:n]):
             if any(r is not None and r.mode in CHECKED for r in self.rows[:n]):
                 feed_checked(self.engine, self.batch, n)
             else:
@@ -263,13 +263,14 @@ class Scheduler:
         b.states[:n] = torch.stack(states, 1)
         b.cache_len[:n] += live.long()
 
-    def _base_lora(self, trust: list[bool]) -> AbstractContextManager[None]:
-        """The base's LoRA (a checkpoint trained with `--base-training lora`) on for the trust rows of a pass and
-        off for verify and compress rows, which check drafts against the untouched base."""
-        if not self.model.lora.layers:
+    def _base_lora(self, reqs: list[Request | None]) -> AbstractContextManager[None]:
+        """The base's LoRA (a checkpoint trained with `--base-training lora`) on for the trust rows `reqs` of a pass
+        and off for verify and compress rows, which check drafts against the untouched base."""
+        if not self.model.lora.layers:  # no LoRA (every shipped checkpoint): nothing to switch, nothing built
             return nullcontext()
         if not self.model.config.lora_rank:  # a plain model over a LoRA checkpoint's base: the untouched base
             return self.model.base_lora(False)
+        trust = [r is not None and r.mode == "trust" for r in reqs]
         if all(trust) or not any(trust):
             return self.model.base_lora(bool(trust and trust[0]))
         return self.model.base_lora(torch.tensor(trust, device=self.batch.live.device))
@@ -308,7 +309,7 @@ class Scheduler:
         mask = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None, None]
         c = b.cache
         scratch = KVCache(c.k.shape[0], m, c.k.shape[2], width, c.k.shape[4], c.k.dtype, dev)
-        with self._base_lora([r.mode == "trust" for r in reqs]):
+        with self._base_lora(reqs):
             states = self.engine.base_pass(self.model.embed(ids), positions, scratch, 0, mask, last=False)
         self.passes += 1
         at, rows_t = torch.tensor(lens, device=dev) - 1, torch.tensor(rows, device=dev)
