@@ -447,7 +447,7 @@ def test_quiet_prints_no_start_line_and_no_progress_bar(capsys, checkpoint):
 
 
 def test_kv_memory_takes_bytes_or_entries():
-    from hamburger.cli.serve import parse_kv_memory
+    from hamburger.cli.common import parse_kv_memory
 
     assert parse_kv_memory("512MB") == (512 * 10**6, "bytes")
     assert parse_kv_memory("2GiB") == (2 * 2**30, "bytes")

@@ -61,3 +61,21 @@ def test_bench_serve_both_modes(checkpoint, tmp_path, capsys):
     assert all(r["completion_tokens"] >= 3 for r in rows)
     assert main(["bench-serve", "--modes", "trust,fast"]) == 2
     assert "--modes" in capsys.readouterr().err
+
+
+def test_bench_serve_at_a_kv_memory_fills_the_rows_it_holds(checkpoint, tmp_path, capsys):
+    """`--kv-memory`: as many clients as the memory holds rows; `--max-tokens 0 --ignore-eos`: each request gets
+    all its row holds (one entry a token in verify mode: the row's entries less the prompt's), ended by "length"."""
+    out = tmp_path / "serve.json"
+    code = main(["bench-serve", "--models", str(checkpoint), "--modes", "verify", "--requests", "4", "--max-tokens",
+                 "0", "--ignore-eos", "--max-len", "96", "--kv-memory", "320entries", "--sets", "chat",
+                 "--json", str(out)])
+    assert code == 0
+    data = json.loads(out.read_text())
+    row = data["rows"][0]
+    assert data["kv_memory"] == [320, "entries"] and row["concurrency"] == 3  # 3 rows of 96 entries and spare slots
+    assert row["ended_by_length"] == 4
+    prompt = row["kv_entries_per_request"] - row["tokens_per_request"]  # verify: one entry per prompt and reply token
+    assert 0 < prompt < 96 and row["kv_entries_per_request"] in (96, 97)
+    assert main(["bench-serve", "--url", "http://127.0.0.1:9", "--kv-memory", "1GB"]) == 2
+    assert "apply to the in-process server" in capsys.readouterr().err

@@ -223,3 +223,25 @@ def test_eval_plot_and_replot_from_json(tmp_path, checkpoint, prompts_file, caps
     assert "hamburger@0.3" in capsys.readouterr().out
     assert (tmp_path / "fig2" / "quality_vs_kv_compression.png").is_file()
     assert main(["eval", "--from-json", str(tmp_path / "nope.json")]) == 2
+
+
+def test_the_figure_places_each_mode_by_its_generated_tokens_per_kv_entry(tmp_path, monkeypatch):
+    """Trust mode's x is its tokens per step, compress mode's counts its exact window's entries too, verify's is 1;
+    each mode is drawn (trust as a line, the checked modes as markers)."""
+    from hamburger.evaluation import figures
+
+    def row(system, mode, confidence, generated, entries, nll):
+        return {"task": "summary", "system": system, "mode": mode, "confidence": confidence, "items": 2,
+                "metric": None, "quality": None, "nll": nll, "prompt_tokens": 100, "generated_tokens": generated,
+                "kv_entries": 100 + entries}
+    rows = [row("base", "trust", 1.0, 60, 60, 1.0), row("hamburger@0.8", "trust", 0.8, 60, 50, 1.1),
+            row("hamburger@0.6", "trust", 0.6, 60, 40, 1.2), row("verify@0.4", "verify", 0.4, 60, 60, 1.0),
+            row("compress@0.4", "compress", 0.4, 60, 36, 1.02)]
+    assert [figures.compression(r) for r in rows[1:]] == [1.2, 1.5, 1.0, 60 / 36]
+    drawn = []
+    import matplotlib.axes
+    real = matplotlib.axes.Axes.plot
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot",
+                        lambda self, xs, ys, *a, **kw: drawn.append((kw["label"], list(xs))) or real(self, xs, ys, *a, **kw))
+    assert figures.plot_eval(rows, tmp_path).stat().st_size > 1000
+    assert drawn == [("trust mode (HAMburger)", [1.5, 1.2]), ("compress mode", [60 / 36]), ("verify mode", [1.0])]

@@ -9,6 +9,7 @@ import torch
 
 from conftest import hamburger
 from hamburger import HamburgerError
+from hamburger.inference.admission import ENTRIES_PER_TOKEN, MIN_SAMPLES, EntriesEstimate
 from hamburger.inference.scheduler import Scheduler
 from hamburger.inference.stats import kv_bytes_per_entry
 
@@ -66,3 +67,43 @@ def test_kv_memory_sizes_the_rows():
     assert sched.batch.size == 5 and sched.kv_bytes() == 5 * row
     with pytest.raises(HamburgerError, match="kv_memory"):
         Scheduler(model, max_len=32, kv_memory=row - 1)
+
+
+def test_the_estimate_is_the_prior_until_replies_are_measured_then_their_high_percentile():
+    est = EntriesEstimate(window=48)
+    assert est.rate("compress") == ENTRIES_PER_TOKEN["compress"] and est.rate("verify") == 1.0
+    # compress: the window's 48 tokens one entry each, then the rate
+    assert est.reply_entries("compress", 40) == 40
+    assert est.reply_entries("compress", 148) == 48 + 75
+    assert est.reply_entries("trust", 100) == 100 and est.reply_entries("verify", 100) == 100
+    for i in range(MIN_SAMPLES - 1):
+        est.observe("compress", 48 + 100, 48 + 40 + i)  # rates 0.40..0.46
+    assert est.rate("compress") == ENTRIES_PER_TOKEN["compress"]
+    est.observe("compress", 48 + 10, 48 + 1)  # too short past the window to teach anything
+    est.observe("compress", 48 + 100, 48 + 50)
+    assert est.rate("compress") == pytest.approx(0.50)  # 8 rates: the 90th percentile (nearest rank) is the highest
+    est.observe("compress", 148, 88)
+    est.observe("compress", 148, 88)
+    assert est.rate("compress") == pytest.approx(0.46)  # of 0.40, 0.40, 0.40..0.46, 0.50: the 9th of 10
+    assert est.rate("trust") == 1.0  # each mode learns its own
+    for entries in (30, 48, 60, 200):  # the longest reply expected to fit `entries` does fit, one more does not
+        room = est.room(entries, "compress")
+        assert est.reply_entries("compress", room) <= entries < est.reply_entries("compress", room + 1)
+    with pytest.raises(HamburgerError, match="entries_per_token"):
+        EntriesEstimate(fixed={"compress": 0.0})
+
+
+def test_the_scheduler_learns_a_modes_entries_per_token_from_its_replies():
+    """Trust mode at a low confidence takes K = 4 tokens a step: after MIN_SAMPLES replies the room a row gives a
+    trust request grows from one token per entry (the prior) to about three."""
+    model = hamburger("llama", k=4)
+    sched = Scheduler(model, max_batch_size=4, max_len=64)
+    before = sched.token_room(len(PROMPT), "trust")
+    assert before == 64 - len(PROMPT)
+    for _ in range(MIN_SAMPLES):
+        sched.submit(PROMPT, 32, eos_token_ids=set(), mode="trust", confidence=0.01)
+    while sched.has_work():
+        sched.step()
+    assert sched.entries.rate("trust") <= 1 / 3  # 10 steps for 32 tokens: the first step is token 0 alone
+    assert sched.token_room(len(PROMPT), "trust") >= 3 * before
+    sched.submit(PROMPT, 3 * before, mode="trust")  # admitted now; refused before (see the first test)

@@ -185,6 +185,22 @@ def test_a_compress_request_may_ask_for_more_tokens_than_a_verify_one_in_the_sam
         assert too_many.status_code == 400 and "compress mode" in too_many.json()["error"]["message"]
 
 
+def test_ignore_eos_goes_on_past_the_end_of_sequence_token(model):
+    """vLLM's `ignore_eos`: with the reply's third token made an end-of-sequence token, a plain request stops there
+    (finish reason "stop") and one with ignore_eos goes on to its max_tokens, the same tokens first."""
+    service = Service(model, "tiny", max_batch_size=2, max_len=64)
+    prompt = encode_chat(model.tokenizer, messages(3))
+    plain = Engine(model).generate([prompt], max_new_tokens=12, confidence=CONFIDENCE, eos_token_ids=set()).tokens[0]
+    service.scheduler.default_eos = {plain[2]}
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "confidence": CONFIDENCE}
+    with BackgroundServer(service) as srv:
+        stopped = httpx.post(srv.url + "/v1/completions", json=body, timeout=60).json()
+        going = httpx.post(srv.url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=60).json()
+    assert stopped["choices"][0]["finish_reason"] == "stop"
+    assert stopped["usage"]["completion_tokens"] == plain.index(plain[2]) + 1
+    assert going["choices"][0]["finish_reason"] == "length" and going["usage"]["completion_tokens"] == 12
+
+
 def test_stop_strings_end_the_reply(server, model):
     client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
     full = client.chat.completions.create(model="tiny", messages=messages(2), max_tokens=16).choices[0].message.content

@@ -199,3 +199,23 @@ def say_start(args: argparse.Namespace, model: HamburgerModel, trained: bool, sc
     if not args.quiet:
         line = describe_run(model, trained, scheme, args.quantize == "auto", mode, getattr(args, "lookup", None))
         print(f"hamburger: {line}", file=sys.stderr, flush=True)
+
+
+UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_kv_memory(text: str) -> tuple[int, str]:
+    """`--kv-memory`: bytes ("512MB", "2GiB", "300000000") or KV entries ("40000entries"): (amount, "bytes" or
+    "entries")."""
+    value = text.strip().lower().replace(" ", "")
+    unit = "entries" if value.endswith("entries") else "bytes"
+    number = value.removesuffix("entries")
+    digits = number.rstrip("kmgib")
+    suffix = number[len(digits):]
+    try:
+        amount = float(digits) * (1 if unit == "entries" else UNITS[suffix])
+    except (ValueError, KeyError):
+        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 512MB, 2GiB, 40000entries)") from None
+    if amount < 1:
+        raise argparse.ArgumentTypeError(f"--kv-memory must be positive, got {text!r}")
+    return int(amount), unit

@@ -23,6 +23,7 @@ from hamburger.cli.common import (
     add_quantize_args,
     command,
     load_model,
+    parse_kv_memory,
     say_start,
 )
 from hamburger.errors import HamburgerError
@@ -110,8 +111,15 @@ def register_bench_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=None, help="with --url: the server's API key")
     p.add_argument("--requests", type=int, default=64, help="requests at each concurrency level")
     p.add_argument("--concurrency", default="1,8,32", help="comma list of concurrent clients")
-    p.add_argument("--max-tokens", type=int, default=128, help="each request's max_tokens")
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="each request's max_tokens (0: none sent, so the server gives each request all its row holds)")
     p.add_argument("--max-len", type=int, default=1024, help="KV entries per batch row of the in-process server")
+    p.add_argument("--kv-memory", type=parse_kv_memory, default=None, metavar="SIZE",
+                   help="the in-process server's KV cache by memory (512MB, 2GiB, 40000entries): as many rows of "
+                        "--max-len entries as it holds, and that many concurrent clients (in place of --concurrency)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="requests go on past the end-of-sequence token (vLLM's ignore_eos): replies as long as "
+                        "max_tokens or the row allows, what a capacity measurement needs")
     p.add_argument("--confidence", type=float, default=None, help="sent with each request (default: the server's)")
     add_lookup_arg(p)
     p.add_argument("--modes", default="trust",
@@ -317,11 +325,12 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         levels = sorted({int(c) for c in args.concurrency.split(",")})
     except ValueError:
         raise HamburgerError(f"--concurrency must be a comma list of integers, got {args.concurrency!r}") from None
-    if not levels or levels[0] < 1 or args.requests < 1 or args.max_tokens < 1:
-        raise HamburgerError("--concurrency levels, --requests and --max-tokens must be >= 1")
-    if args.url is not None and (args.quantize != "auto" or args.decode_threads is not None):
-        raise HamburgerError("--quantize and --decode-threads apply to the in-process server; a server at --url was "
-                             "started with its own (hamburger serve --quantize ... --decode-threads ...)")
+    if not levels or levels[0] < 1 or args.requests < 1 or args.max_tokens < 0:
+        raise HamburgerError("--concurrency levels and --requests must be >= 1, --max-tokens >= 0")
+    if args.url is not None and (args.quantize != "auto" or args.decode_threads is not None
+                                 or args.kv_memory is not None):
+        raise HamburgerError("--quantize, --decode-threads and --kv-memory apply to the in-process server; a server at "
+                             "--url was started with its own (hamburger serve --quantize ... --kv-memory ...)")
     parse_schemes(args.quantize)
     if args.lookup is not None:
         check_lookup(args.lookup)
@@ -336,11 +345,13 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
                      modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), url=args.url,
                      api_key=args.api_key, base=args.base, dtype=args.dtype, device=args.device,
                      quantize=args.quantize, group_size=args.group_size, max_len=args.max_len,
-                     decode_threads=args.decode_threads, lookup=args.lookup, verbose=args.verbose, quiet=args.quiet)
+                     decode_threads=args.decode_threads, lookup=args.lookup, verbose=args.verbose, quiet=args.quiet,
+                     kv_memory=args.kv_memory, ignore_eos=args.ignore_eos)
     rows = [row for name in names for row in bench_model(run, name, levels)]
     print_table(rows)
     if args.json:
         meta = {k: getattr(args, k) for k in ("requests", "max_tokens", "sets", "dtype", "device", "confidence",
-                                              "modes", "url", "quantize", "decode_threads")}
+                                              "modes", "url", "quantize", "decode_threads", "max_len", "kv_memory",
+                                              "ignore_eos")}
         Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     return 0

@@ -16,31 +16,12 @@ from hamburger.cli.common import (
     add_quantize_args,
     command,
     load_model,
+    parse_kv_memory,
 )
 from hamburger.errors import HamburgerError
 from hamburger.model.config import DRAFT_ROWS, check_confidence, parse_draft_rows
 
 DEFAULT_MAX_LEN = 2048  # per row: 8 rows of SmolLM2-135M then hold 0.7 GB of float32 keys and values
-UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_kv_memory(text: str) -> tuple[int, str]:
-    """`--kv-memory`: bytes ("512MB", "2GiB", "300000000") or KV entries ("40000entries"): (amount, "bytes" or
-    "entries")."""
-    value = text.strip().lower().replace(" ", "")
-    unit = "entries" if value.endswith("entries") else "bytes"
-    number = value.removesuffix("entries")
-    digits = number.rstrip("kmgib")
-    suffix = number[len(digits):]
-    try:
-        amount = float(digits) * (1 if unit == "entries" else UNITS[suffix])
-    except (ValueError, KeyError):
-        raise argparse.ArgumentTypeError(f"not a memory size: {text!r} (e.g. 512MB, 2GiB, 40000entries)") from None
-    if amount < 1:
-        raise argparse.ArgumentTypeError(f"--kv-memory must be positive, got {text!r}")
-    return int(amount), unit
-
-
 def register(sub: argparse._SubParsersAction) -> None:
     p = command(sub, "serve", "OpenAI-compatible HTTP server with streaming and continuous batching")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on")

@@ -44,10 +44,13 @@ class ServeBench:
     lookup: int | None = None
     verbose: bool = False  # the quantization's details
     quiet: bool = False  # no start line
+    kv_memory: tuple[int, str] | None = None  # (amount, "bytes" or "entries"): rows of max_len as many as it holds,
+    # and as many concurrent clients (in place of the levels)
+    ignore_eos: bool = False  # requests go on past EOS (vLLM's ignore_eos): a capacity measurement's replies
 
 
-COLUMNS = ("model", "conc", "req/s", "out tok/s", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99", "tok/step",
-           "KV/gen token", "KV KB/gen token")
+COLUMNS = ("model", "conc", "req/s", "out tok/s", "tok/req", "TTFT p50", "p90", "p99", "TPOT p50", "p90", "p99",
+           "tok/step", "KV/gen token", "KV KB/gen token")
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -64,7 +67,7 @@ def percentile(values: list[float], q: float) -> float:
 async def _one(client, body: dict) -> dict:
     """One streaming request: its TTFT, TPOT, completion tokens and macro-steps."""
     sent = time.perf_counter()
-    first = last = None
+    first = last = finish = None
     usage = {}
     async with client.stream("POST", "/v1/chat/completions", json=body) as resp:
         if resp.status_code != 200:
@@ -76,12 +79,13 @@ async def _one(client, body: dict) -> dict:
             if chunk.get("choices"):
                 last = time.perf_counter()
                 first = first or last
+                finish = chunk["choices"][0].get("finish_reason") or finish
             usage = chunk.get("usage") or usage
     tokens = usage.get("completion_tokens", 0)
     tpot = (last - first) / (tokens - 1) if tokens > 1 else None
     return {"ttft": first - sent, "tpot": tpot, "tokens": tokens, "steps": usage.get("macro_steps", 0),
             "kv_generated": usage.get("kv_entries", 0) - usage.get("prompt_tokens", 0),
-            "kv_entries": usage.get("kv_entries", 0)}
+            "kv_entries": usage.get("kv_entries", 0), "length": finish == "length"}
 
 
 async def _run(url: str, bodies: list[dict], concurrency: int, api_key: str | None) -> dict:
@@ -105,6 +109,7 @@ async def _run(url: str, bodies: list[dict], concurrency: int, api_key: str | No
     tokens, steps = sum(r["tokens"] for r in results), sum(r["steps"] for r in results)
     row = {"concurrency": concurrency, "requests": len(results), "wall_s": wall, "requests_per_s": len(results) / wall,
            "output_tokens_per_s": tokens / wall, "completion_tokens": tokens, "macro_steps": steps,
+           "tokens_per_request": tokens / len(results), "ended_by_length": sum(r["length"] for r in results),
            "tokens_per_step": tokens / steps if steps else 0.0,
            # KV entries a request's reply added, per generated token, and a request's entries at its end (`usage`)
            "kv_entries_per_generated_token": sum(r["kv_generated"] for r in results) / tokens if tokens else 0.0,
@@ -124,7 +129,11 @@ def _bodies(run: ServeBench, model_name: str, mode: str) -> list[dict]:
     extra = {"confidence": run.confidence} if run.confidence is not None else {}
     if mode != "trust":
         extra["mode"] = mode
-    return [{"model": model_name, "messages": pool[i % len(pool)], "max_tokens": run.max_tokens, "stream": True,
+    if run.max_tokens:  # 0: none sent, the server gives what the row holds
+        extra["max_tokens"] = run.max_tokens
+    if run.ignore_eos:
+        extra["ignore_eos"] = True
+    return [{"model": model_name, "messages": pool[i % len(pool)], "stream": True,
              "stream_options": {"include_usage": True}, "temperature": 0, **extra} for i in range(run.requests)]
 
 
@@ -146,13 +155,18 @@ def bench_model(run: ServeBench, name: str, levels: list[int]) -> list[dict]:
     threads = decode_threads(run.decode_threads, device)
     model, trained = load(name, run.base, run.dtype, str(device), scheme, run.group_size, quiet=not run.verbose)
     entry = entry_bytes(model)
+    memory = None if run.kv_memory is None else run.kv_memory[0] * (entry if run.kv_memory[1] == "entries" else 1)
     service = Service(model, name, max_batch_size=max(levels), max_queue=run.requests + 1, max_len=run.max_len,
-                      decode_threads=threads, lookup=run.lookup)
+                      decode_threads=threads, lookup=run.lookup, kv_memory=memory)
+    if memory is not None:  # as many clients as the memory holds rows
+        levels = [len(service.scheduler.rows)]
     rows = []
     with BackgroundServer(service) as server:
         if not run.quiet:
             auto = run.quantize == "auto"
-            log(f"{name} on {server.url}: {describe_run(model, trained, scheme, auto, ','.join(modes), run.lookup)}")
+            log(f"{name} on {server.url}: {describe_run(model, trained, scheme, auto, ','.join(modes), run.lookup)}"
+                + ("" if memory is None else f"; KV {service.scheduler.kv_bytes() / 1e6:.0f} MB: {levels[0]} rows of "
+                   f"{run.max_len} entries"))
         for m in modes:
             for c in levels:
                 rows.append(with_kv_bytes(dict(model=label(m), mode=m, hamburger=trained,
@@ -174,6 +188,7 @@ def with_kv_bytes(row: dict, entry_bytes: int) -> dict:
 def _format(row: dict) -> list[str]:
     ms = lambda s: f"{1000 * s:.0f} ms"
     return [row["model"], str(row["concurrency"]), f"{row['requests_per_s']:.2f}", f"{row['output_tokens_per_s']:.1f}",
+            f"{row['tokens_per_request']:.0f}",
             *(ms(row[f"ttft_p{q}_s"]) for q in (50, 90, 99)), *(ms(row[f"tpot_p{q}_s"]) for q in (50, 90, 99)),
             f"{row['tokens_per_step']:.2f}", f"{row['kv_entries_per_generated_token']:.2f}",
             f"{row['kv_bytes_per_generated_token'] / 2**10:.1f}" if "kv_bytes_per_generated_token" in row else "-"]

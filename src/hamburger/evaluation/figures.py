@@ -1,8 +1,10 @@
 """The paper's Figure 3 from `hamburger eval` results: quality against KV compression, one point per confidence.
 
-One panel per task. x: KV compression on generated tokens (= tokens per step: generated tokens per KV entry
-they occupy); y: the task's quality (HumanEval pass@1, GSM accuracy) or, for tasks without references,
-the base-NLL of the outputs (lower is better). The base model is the dashed reference line.
+One panel per task. x: KV compression on generated tokens (generated tokens per KV entry they occupy: trust mode's
+tokens per step; compress mode's, its exact window included; verify mode's 1.0); y: the task's quality (HumanEval
+pass@1, GSM accuracy, a long-context score) or, for tasks without references, the base-NLL of the outputs (lower is
+better). Trust mode is a line over its confidences, verify and compress mode a marker per confidence; the base model
+is the dashed reference line.
 """
 
 from __future__ import annotations
@@ -10,6 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from hamburger.errors import HamburgerError
+
+
+def compression(row: dict) -> float:
+    """Generated tokens per KV entry they occupy (`stats.GenerationStats`: kv_entries counts the prompt's too)."""
+    entries = row["kv_entries"] - row["prompt_tokens"]
+    return row["generated_tokens"] / entries if entries else 1.0
 
 
 def plot_eval(rows: list[dict], directory: str | Path, title: str = "") -> Path:
@@ -25,16 +33,17 @@ def plot_eval(rows: list[dict], directory: str | Path, title: str = "") -> Path:
     for ax, task in zip(axes[0], tasks):
         task_rows = [r for r in rows if r["task"] == task]
         base = next((r for r in task_rows if r["system"] == "base"), None)
-        # Verify mode keeps one KV entry per token (no compression) and is exactly the base: the base line shows it.
-        points = sorted((r for r in task_rows if r["system"] != "base" and r.get("mode", "trust") == "trust"),
-                        key=lambda r: r["confidence"])
         key, label = ("quality", task_rows[0].get("metric") or "quality") if task_rows[0].get("quality") is not None \
             else ("nll", "base-NLL per token (lower is better)")
-        xs = [r["tokens_per_step"] for r in points]
-        ys = [r[key] for r in points]
-        ax.plot(xs, ys, "o-", color="C1", label="HAMburger")
-        for r, x, y in zip(points, xs, ys):
-            ax.annotate(f"{r['confidence']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        for mode, style, color in (("trust", "o-", "C1"), ("compress", "s", "C2"), ("verify", "^", "C3")):
+            points = sorted((r for r in task_rows if r["system"] != "base" and r.get("mode", "trust") == mode),
+                            key=lambda r: r["confidence"])
+            if not points:
+                continue
+            xs, ys = [compression(r) for r in points], [r[key] for r in points]
+            ax.plot(xs, ys, style, color=color, label="trust mode (HAMburger)" if mode == "trust" else f"{mode} mode")
+            for r, x, y in zip(points, xs, ys):
+                ax.annotate(f"{r['confidence']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         if base is not None:
             ax.axhline(base[key], color="C0", linestyle="--", label="base model")
         ax.set_xlabel("KV compression (generated tokens per KV entry)")

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hamburger.errors import HamburgerError
 from hamburger.inference.draft_policy import RowDrafts
 from hamburger.inference.lookup import NgramIndex
 from hamburger.inference.sampling import SamplingParams
@@ -34,16 +35,68 @@ PREFILL_TOKENS = 256
 # Interleaved admission takes the shortest waiting prompts first, but a request passed over this many times goes
 # first (no prompt waits forever behind a stream of shorter ones).
 MAX_PASSED = 8
-# KV entries a reply is expected to take per generated token, when a request is admitted: one per token in verify
-# mode; one per step in trust and compress mode, which is at most one per token (trust's default takes about one
-# token a step: 1.0 is its safe bound) and 0.58-0.64 for compress on the default checkpoint (docs/RESULTS.md),
-# bounded up to 0.75. A row that runs out of entries all the same ends there (finish reason "length").
+# KV entries a reply is expected to take per generated token when a request is admitted, before any reply of its
+# mode has been measured: one per token in verify mode; one per step in trust and compress mode, which is at most
+# one per token (trust's default takes about one token a step: 1.0 is its safe bound) and 0.45-0.65 for compress
+# on the default checkpoint past its exact window (docs/RESULTS.md), bounded up to 0.75.
 ENTRIES_PER_TOKEN = {"trust": 1.0, "verify": 1.0, "compress": 0.75}
+# Learning the rate from served replies: once a mode has MIN_SAMPLES measured replies (of at least MIN_TOKENS tokens
+# past its window), requests are admitted at the QUANTILE-th percentile of their rates (the last SAMPLES_KEPT): most
+# replies then fit their estimate, and one that does not ends where its row's entries run out ("length").
+MIN_SAMPLES, MIN_TOKENS, QUANTILE, SAMPLES_KEPT = 8, 16, 90, 256
 
 
-def entries_needed(prompt_len: int, max_new_tokens: int, per_token: float) -> int:
-    """The KV entries a request is expected to take: its prompt's, and `per_token` for each token of its reply."""
-    return prompt_len + math.ceil(max_new_tokens * per_token)
+class EntriesEstimate:
+    """The KV entries a reply of T tokens is expected to take, per mode: one per token in verify mode; in trust and
+    compress mode `rate(mode)` per token, after compress mode's first `window` tokens (the checkpoint's merge
+    window: its recent steps stay unmerged, one entry per token). The rate is the prior (ENTRIES_PER_TOKEN, or
+    `fixed`) until the mode has MIN_SAMPLES measured replies (`observe`), then the QUANTILE-th percentile of their
+    rates; modes given in `fixed` keep their rate."""
+
+    def __init__(self, window: int = 0, fixed: dict[str, float] | None = None) -> None:
+        for mode, rate in (fixed or {}).items():
+            if mode not in ENTRIES_PER_TOKEN or not 0 < rate <= 1:
+                raise HamburgerError(f"entries_per_token: a rate in (0, 1] for trust, verify or compress, got "
+                                     f"{mode}={rate}")
+        self.window, self.fixed = max(0, window), dict(fixed or {})
+        self.samples: dict[str, deque[float]] = {m: deque(maxlen=SAMPLES_KEPT) for m in ("trust", "compress")}
+
+    def rate(self, mode: str) -> float:
+        """Entries per generated token (past the window) that a request of `mode` is admitted at."""
+        if mode in self.fixed:
+            return self.fixed[mode]
+        seen = self.samples.get(mode)
+        if not seen or len(seen) < MIN_SAMPLES:
+            return ENTRIES_PER_TOKEN[mode]
+        ranked = sorted(seen)
+        return ranked[min(len(ranked) - 1, math.ceil(QUANTILE / 100 * len(ranked)) - 1)]
+
+    def _window(self, mode: str) -> int:
+        return self.window if mode == "compress" else 0
+
+    def reply_entries(self, mode: str, tokens: int) -> int:
+        """The entries expected of a reply of `tokens` tokens."""
+        w = min(tokens, self._window(mode))
+        return w + math.ceil((tokens - w) * self.rate(mode))
+
+    def need(self, prompt_len: int, tokens: int, mode: str) -> int:
+        """The entries a request is expected to take: its prompt's and its reply's."""
+        return prompt_len + self.reply_entries(mode, tokens)
+
+    def room(self, entries: int, mode: str) -> int:
+        """The longest reply expected to fit in `entries` entries."""
+        w = min(entries, self._window(mode))
+        return w + math.floor((entries - w) / self.rate(mode) + 1e-9)
+
+    def observe(self, mode: str, tokens: int, entries: int) -> None:
+        """A finished reply of `tokens` tokens that took `entries` KV entries (its prompt's excluded)."""
+        past = tokens - self._window(mode)
+        if mode in self.samples and past >= MIN_TOKENS:
+            self.samples[mode].append(min(1.0, max(0.05, (entries - (tokens - past)) / past)))
+
+    def describe(self) -> dict[str, float]:
+        """Each mode's rate now (what `/metrics` shows)."""
+        return {mode: self.rate(mode) for mode in ENTRIES_PER_TOKEN}
 
 
 @dataclass

@@ -9,13 +9,10 @@ does not depend on which others share the batch. One `step()` call:
 1. feeds the previous macro-step's tokens of the rows still running to the base (one slot each, at the RoPE
    position of the step's last token; a verify or compress row's token 0 and drafts as positions of their own,
    after which a compress row's decided step becomes one merged entry: `checked_rows.feed_checked`),
-2. prefills newly admitted requests into free rows (right-padded, prompt positions 0..P-1): with
-   `interleave_prefill` (the default) one pass of at most `prefill_tokens` padded tokens, of the shortest waiting
-   prompts (the rest wait for the next step); otherwise all of them, shortest first, in such passes,
+2. prefills newly admitted requests into free rows (right-padded, prompt positions 0..P-1; `admission`),
 3. runs one macro-step (`core.macro_step`) over every live row and reports its tokens.
 
-When a request leaves, the highest running ones move down into the freed rows (`RowBatch.compact`), so every
-pass computes exactly the running rows.
+When a request leaves, the highest running ones move down into the freed rows (`RowBatch.compact`).
 
 `submit` and `cancel` may be called from any thread; `step` only from the one thread that owns the model.
 """
@@ -23,7 +20,6 @@ pass computes exactly the running rows.
 from __future__ import annotations
 
 import itertools
-import math
 import threading
 import time
 from collections import deque
@@ -33,11 +29,10 @@ import torch
 
 from hamburger.errors import HamburgerError
 from hamburger.inference.admission import (
-    ENTRIES_PER_TOKEN,
     PREFILL_TOKENS,
+    EntriesEstimate,
     Request,
     RequestEvent,
-    entries_needed,
     prefill_groups,
     take_shortest,
 )
@@ -62,9 +57,10 @@ class Scheduler:
     cache hold); requests wait for a free row.
 
     A request is admitted when its expected KV entries fit a row: its prompt, and per generated token one entry in
-    verify mode and `entries_per_token[mode]` in trust and compress mode (`admission.ENTRIES_PER_TOKEN`: one
-    entry per step, so a compress row holds a longer reply than a verify row of the same entries); a row whose
-    entries run out all the same ends there (finish reason "length").
+    verify mode and fewer in trust and compress mode, which keep one entry per step (`admission.EntriesEstimate`:
+    a prior, then the rate measured on the replies served; `entries_per_token` fixes a mode's rate), so a compress
+    row holds a longer reply than a verify row of the same entries; a row whose entries run out all the same ends
+    there (finish reason "length").
 
     Waiting requests are prefilled in one base pass per step of at most `prefill_tokens` padded prompt tokens (a
     longer prompt goes alone), shortest first, which bounds the pass's memory and the running requests' wait
@@ -94,7 +90,7 @@ class Scheduler:
         if prefill_tokens < 1:
             raise HamburgerError(f"prefill_tokens must be >= 1, got {prefill_tokens}")
         self.prefill_tokens, self.interleave_prefill = prefill_tokens, interleave_prefill
-        self.entries_per_token = {**ENTRIES_PER_TOKEN, **(entries_per_token or {})}
+        self.entries = EntriesEstimate(getattr(model.config, "merge_window", 0) or 0, entries_per_token)
         if kv_memory is not None:
             max_batch_size = rows_in(kv_memory, self.engine, self.max_len)
         self.batch = RowBatch.for_model(self.engine, max_batch_size, self.max_len)
@@ -106,14 +102,12 @@ class Scheduler:
         self._cancels: set[int] = set()
         self._lock = threading.Lock()
         self._ids = itertools.count()
+        self._modes: dict[int, str] = {}  # each request's mode, until it ends (what its reply's entries teach)
 
     def token_room(self, prompt_len: int, mode: str) -> int:
         """The most max_new_tokens a request of `mode` with a prompt of `prompt_len` tokens is admitted with: its
-        expected KV entries within a row (`entries_per_token`), its positions within the model's context."""
-        if prompt_len >= self.max_len:
-            return 0
-        by_entries = math.floor((self.max_len - prompt_len) / self.entries_per_token[mode])
-        return max(0, min(self.context - prompt_len, by_entries))
+        expected KV entries within a row (`self.entries`), its positions within the model's context."""
+        return max(0, min(self.context - prompt_len, self.entries.room(max(0, self.max_len - prompt_len), mode)))
 
     def kv_bytes(self) -> int:
         """The bytes the base's KV cache takes (every row, allocated once)."""
@@ -148,7 +142,7 @@ class Scheduler:
         if mode not in MODES:  # a mode must be named here (the service resolves the server's default)
             raise HamburgerError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         mode, conf = resolve_mode(self.model, mode, confidence)
-        need = entries_needed(len(prompt), max_new_tokens, self.entries_per_token[mode])
+        need = self.entries.need(len(prompt), max_new_tokens, mode)
         if need > self.max_len:
             raise HamburgerError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) need about {need} "
                                  f"KV entries in {mode} mode; a row holds {self.max_len}")
@@ -159,6 +153,7 @@ class Scheduler:
         req = Request(next(self._ids), prompt, int(max_new_tokens), conf, sampling, eos, mode, forced=forced_steps)
         with self._lock:
             self._waiting.append(req)
+            self._modes[req.id] = mode
         return req.id
 
     def cancel(self, request_id: int) -> None:
@@ -201,11 +196,18 @@ class Scheduler:
             if self.running:
                 start = time.perf_counter()
                 events += self._macro_step()
+                self._measure_entries(events)
                 # The decode work of a step (its base pass and its micro-steps, not the prefill): what the draft
                 # policy weighs a drafting step against a plain one by.
                 self.engine.step_costs(self.batch.span()).observe(width - 1, self._micro_calls,
                                                                   fed_s + time.perf_counter() - start)
         return events
+
+    def _measure_entries(self, events: list[RequestEvent]) -> None:
+        """Each finished reply teaches the admission estimate its mode's entries per token."""
+        for event in (e for e in events if e.finished and e.id in self._modes):
+            s = event.stats
+            self.entries.observe(self._modes.pop(event.id), s.generated_tokens, s.kv_entries - s.prompt_tokens)
 
     def _decode_threads(self) -> int | None:
         """Small decode passes (at most DECODE_THREADS_ROWS rows) read the weights more than they compute: they
@@ -226,6 +228,7 @@ class Scheduler:
         dropped += [r for r in self.rows if r is not None and r.id in cancels]
         for req in dropped:
             self.batch.free(req)
+            self._modes.pop(req.id, None)
         return [RequestEvent(r.id, [], True, "cancelled", r.stats) for r in dropped]
 
     def _feed_steps(self) -> None:

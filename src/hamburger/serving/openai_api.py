@@ -77,6 +77,9 @@ class _Sampling(_Body):
     # "compress" (drafts checked by a base that reads each past step as one merged KV entry; a 400 when the model
     # has no KV merger); None: the model's default mode
     mode: Literal["trust", "verify", "compress"] | None = None
+    # vLLM's extra: go on past the end-of-sequence token (to max_tokens, a stop string or the row's KV entries), as
+    # load and capacity benchmarks ask
+    ignore_eos: bool = False
 
     def check(self) -> None:
         """Nothing asked for that would be silently ignored (the schema cannot say it)."""

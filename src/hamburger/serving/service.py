@@ -112,6 +112,8 @@ class Service:
             "hamburger_kv_capacity": ("KV entries per layer the cache holds (rows x max_len)",
                                       lambda: len(s.rows) * s.max_len),
             "hamburger_kv_bytes": ("bytes the base's KV cache takes (all rows, allocated at start)", s.kv_bytes),
+            **{f"hamburger_kv_entries_per_token_{m}": (f"KV entries per generated token a {m} request is admitted at",
+                                                       lambda m=m: s.entries.rate(m)) for m in ("trust", "compress")},
         })
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -170,7 +172,7 @@ class Service:
                            kind="rate_limit_error", code="queue_full")
         sampling = SamplingParams(body.temperature or 0.0, 1.0 if body.top_p is None else body.top_p, 0, body.seed)
         arrival = time.perf_counter()
-        rid = self.scheduler.submit(prompt, limit, confidence, sampling, mode=mode)
+        rid = self.scheduler.submit(prompt, limit, confidence, sampling, set() if body.ignore_eos else None, mode)
         self.queues[rid] = queue = asyncio.Queue()
         self.wake.set()
         return Handle(self, rid, queue, arrival)
