@@ -53,7 +53,8 @@ def run_mode(model, prompts: list[list[int]], mode: str, max_len: int, max_new: 
     generated = sum(map(len, out))
     entries = sum(stats[i].kv_entries - stats[i].prompt_tokens for i in ids)
     filled = [len(t) for t, i in zip(out, ids) if reasons[i] == "length"]
-    return {"mode": mode, "tokens": out, "per_reply": generated / len(ids), "filled": len(filled),
+    return {"mode": mode, "tokens": out, "full": [reasons[i] == "length" for i in ids], "entries": [stats[i].kv_entries - stats[i].prompt_tokens for i in ids],
+            "per_reply": generated / len(ids), "filled": len(filled),
             "per_filled": sum(filled) / len(filled) if filled else float("nan"),
             "entries_per_token": entries / generated, "tok_s": (generated - len(ids)) / wall}
 
@@ -75,17 +76,22 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=512, help="asked of every request (more than a row holds)")
     p.add_argument("--ignore-eos", action="store_true", help="replies go on past EOS: only the row's entries end them")
     p.add_argument("--modes", default="verify,compress,trust")
+    p.add_argument("--merge-window", type=int, default=None, help="compress mode's exact window (default: the model's)")
     p.add_argument("--kv-memory", type=float, default=256e6, help="bytes of base KV cache for the rows table")
     p.add_argument("--reply-tokens", type=int, default=256, help="the reply each request of the rows table asks for")
     args = p.parse_args()
     torch.manual_seed(0)
     model, _ = hamburger.load(quiet=False)
+    if args.merge_window is not None:
+        model.config.merge_window = args.merge_window
     messages = [m for name in args.sets.split(",") for m in bench_messages(name, args.prompts_per_set)]
     prompts = [encode_chat(model.tokenizer, m) for m in messages]
     longest = max(map(len, prompts))
     # The base's own replies (verify mode: exactly the base's), long enough for every mode's: the NLL reference
     ref = run_mode(model, prompts, "verify", longest + args.max_new_tokens, args.max_new_tokens, args.ignore_eos)
     per_entry = entry_bytes(model)
+    window = model.config.merge_window or 0
+    past = {m: [0, 0] for m in args.modes.split(",")}  # per mode: entries and tokens past the exact window
     for reply_entries in (int(x) for x in args.reply_entries.split(",")):
         max_len = longest + reply_entries
         rows = [run_mode(model, prompts, mode, max_len, args.max_new_tokens, args.ignore_eos)
@@ -96,26 +102,35 @@ def main() -> None:
               f"{len(prompts)} prompts, each asking for {args.max_new_tokens} tokens, {eos}; "
               f"{model.config.max_step_tokens=}, {model.config.merge_window=}")
         print("| mode | tokens per reply | rows filled: tokens each | KV entries / token | tokens per row (x verify) | "
-              "base-NLL / token (x the base's, same length) | decode tok/s |")
-        print("| --- | --- | --- | --- | --- | --- | --- |")
+              "x verify, prompts whose rows both filled | base-NLL / token (x the base's, same length) | decode tok/s |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in rows:
+            w = window if r["mode"] == "compress" else 0
+            for t, e in zip(r["tokens"], r["entries"]):
+                if len(t) > w:
+                    past[r["mode"]][0] += e - w
+                    past[r["mode"]][1] += len(t) - w
             nll = nll_like_for_like(model, prompts, r["tokens"], ref["tokens"])
+            both = [(len(t), len(v)) for t, v, f, g in zip(r["tokens"], base["tokens"], r["full"], base["full"])
+                    if f and g]
+            paired = f"{sum(t for t, _ in both) / sum(v for _, v in both):.2f}x ({len(both)})" if both else "-"
             print(f"| {r['mode']} | {r['per_reply']:.1f} | {r['filled']}/{len(prompts)}: {r['per_filled']:.1f} | "
-                  f"{r['entries_per_token']:.3f} | {r['per_reply'] / base['per_reply']:.2f}x "
-                  f"({r['per_filled'] / base['per_filled']:.2f}x filled) | {nll:.3f}x | {r['tok_s']:.1f} |")
+                  f"{r['entries_per_token']:.3f} | {r['per_reply'] / base['per_reply']:.2f}x | {paired} | "
+                  f"{nll:.3f}x | {r['tok_s']:.1f} |")
     prompt = sum(map(len, prompts)) / len(prompts)
     print(f"\nat {args.kv_memory / 1e6:.0f} MB of KV ({per_entry} bytes an entry), requests of a {prompt:.0f}-token "
-          f"prompt and a {args.reply_tokens}-token reply, rows sized by each mode's measured entries per token "
-          f"(the last row size's):")
-    print("| mode | entries a request | rows held (x verify) |")
-    print("| --- | --- | --- |")
+          f"prompt and a {args.reply_tokens}-token reply, rows sized by each mode's measured entries per token past "
+          f"its exact window (compress: the first {window} tokens one entry each; every run above pooled):")
+    print("| mode | entries per token past the window | entries a request | rows held (x verify) |")
+    print("| --- | --- | --- | --- |")
     base_rows = None
-    for r in rows:
-        need = prompt + args.reply_tokens * r["entries_per_token"]
+    for mode, (entries, tokens) in past.items():
+        rate = entries / tokens
+        w = min(window if mode == "compress" else 0, args.reply_tokens)
+        need = prompt + w + rate * (args.reply_tokens - w)
         held = int(args.kv_memory // (need * per_entry))
         base_rows = base_rows or held
-        print(f"| {r['mode']} | {need:.0f} | {held} ({held / base_rows:.2f}x) |")
-
+        print(f"| {mode} | {rate:.3f} | {need:.0f} | {held} ({held / base_rows:.2f}x) |")
 
 if __name__ == "__main__":
     main()

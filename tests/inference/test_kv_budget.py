@@ -107,3 +107,14 @@ def test_the_scheduler_learns_a_modes_entries_per_token_from_its_replies():
     assert sched.entries.rate("trust") <= 1 / 3  # 10 steps for 32 tokens: the first step is token 0 alone
     assert sched.token_room(len(PROMPT), "trust") >= 3 * before
     sched.submit(PROMPT, 3 * before, mode="trust")  # admitted now; refused before (see the first test)
+
+
+def test_a_request_without_max_new_tokens_runs_until_its_row_is_full():
+    """No max_new_tokens: admitted on its prompt alone, the reply runs until its row's entries run out ("length"):
+    one token an entry in verify mode, about K a step (one entry) in trust mode at a low confidence."""
+    model = hamburger("llama", k=4)
+    verify, reason, most = run(Scheduler(model, max_batch_size=1, max_len=27), max_new_tokens=None, mode="verify")
+    assert reason == "length" and most <= 27 and len(verify) == 27 - len(PROMPT) + 1
+    trust, reason, most = run(Scheduler(model, max_batch_size=1, max_len=27), max_new_tokens=None, mode="trust",
+                              confidence=0.01)
+    assert reason == "length" and most <= 27 and len(trust) > 2 * len(verify)

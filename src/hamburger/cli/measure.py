@@ -110,6 +110,9 @@ def register_bench_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--url", default=None, help="benchmark a server already running there instead of starting one")
     p.add_argument("--api-key", default=None, help="with --url: the server's API key")
     p.add_argument("--requests", type=int, default=64, help="requests at each concurrency level")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="requests sent before each level's measured ones (the server's first-call costs, and its "
+                        "admission estimates learned from served replies: 8 replies of a mode)")
     p.add_argument("--concurrency", default="1,8,32", help="comma list of concurrent clients")
     p.add_argument("--max-tokens", type=int, default=128,
                    help="each request's max_tokens (0: none sent, so the server gives each request all its row holds)")
@@ -325,8 +328,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         levels = sorted({int(c) for c in args.concurrency.split(",")})
     except ValueError:
         raise HamburgerError(f"--concurrency must be a comma list of integers, got {args.concurrency!r}") from None
-    if not levels or levels[0] < 1 or args.requests < 1 or args.max_tokens < 0:
-        raise HamburgerError("--concurrency levels and --requests must be >= 1, --max-tokens >= 0")
+    if not levels or levels[0] < 1 or args.requests < 1 or args.max_tokens < 0 or args.warmup < 0:
+        raise HamburgerError("--concurrency levels and --requests must be >= 1, --max-tokens and --warmup >= 0")
     if args.url is not None and (args.quantize != "auto" or args.decode_threads is not None
                                  or args.kv_memory is not None):
         raise HamburgerError("--quantize, --decode-threads and --kv-memory apply to the in-process server; a server at "
@@ -340,7 +343,7 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         raise HamburgerError(f"--modes is a comma list of {', '.join(MODES)} (the server's modes), got {args.modes!r}")
     if args.quiet or not sys.stderr.isatty():
         hide_progress_bars()
-    run = ServeBench(requests=args.requests, max_tokens=args.max_tokens,
+    run = ServeBench(requests=args.requests, warmup=args.warmup, max_tokens=args.max_tokens,
                      sets=tuple(s.strip() for s in args.sets.split(",") if s.strip()), confidence=args.confidence,
                      modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), url=args.url,
                      api_key=args.api_key, base=args.base, dtype=args.dtype, device=args.device,
@@ -352,6 +355,6 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.json:
         meta = {k: getattr(args, k) for k in ("requests", "max_tokens", "sets", "dtype", "device", "confidence",
                                               "modes", "url", "quantize", "decode_threads", "max_len", "kv_memory",
-                                              "ignore_eos")}
+                                              "ignore_eos", "warmup")}
         Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     return 0

@@ -28,6 +28,7 @@ class ServeBench:
     process (`loading.load`'s model options, the `Service`'s cache and threads)."""
 
     requests: int = 64  # at each concurrency level
+    warmup: int = 1  # requests sent (at the level's concurrency) before each level's measured ones
     max_tokens: int = 128  # each request's max_tokens
     sets: tuple[str, ...] = ("chat", "code", "math")  # built-in prompt sets
     confidence: float | None = None  # sent with each request (None: the server's)
@@ -88,18 +89,21 @@ async def _one(client, body: dict) -> dict:
             "kv_entries": usage.get("kv_entries", 0), "length": finish == "length"}
 
 
-async def _run(url: str, bodies: list[dict], concurrency: int, api_key: str | None) -> dict:
+async def _run(url: str, bodies: list[dict], concurrency: int, api_key: str | None, warmup: int = 1) -> dict:
     import httpx
 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(base_url=url, headers=headers, limits=limits, timeout=600) as client:
-        await _one(client, bodies[0])  # warm-up: first-call costs are not the server's steady state
         gate = asyncio.Semaphore(concurrency)
 
         async def limited(body):
             async with gate:
                 return await _one(client, body)
+
+        # Warm-up: first-call costs, and the server's admission estimates (learned from replies), are not its steady
+        # state
+        await asyncio.gather(*(limited(bodies[i % len(bodies)]) for i in range(warmup)))
 
         start = time.perf_counter()
         results = await asyncio.gather(*(limited(b) for b in bodies))
@@ -144,7 +148,7 @@ def bench_model(run: ServeBench, name: str, levels: list[int]) -> list[dict]:
     bodies = {m: _bodies(run, "default" if run.url is None else name, m) for m in modes}
     log = lambda s: print(f"bench-serve: {s}", file=sys.stderr, flush=True)
     if run.url is not None:
-        return [dict(model=label(m), mode=m, **asyncio.run(_run(run.url, bodies[m], c, run.api_key)))
+        return [dict(model=label(m), mode=m, **asyncio.run(_run(run.url, bodies[m], c, run.api_key, run.warmup)))
                 for m in modes for c in levels]
     from hamburger.evaluation.bench_systems import entry_bytes
     from hamburger.loading import describe_run, load, resolve
@@ -170,7 +174,7 @@ def bench_model(run: ServeBench, name: str, levels: list[int]) -> list[dict]:
         for m in modes:
             for c in levels:
                 rows.append(with_kv_bytes(dict(model=label(m), mode=m, hamburger=trained,
-                                               **asyncio.run(_run(server.url, bodies[m], c, None))), entry))
+                                               **asyncio.run(_run(server.url, bodies[m], c, None, run.warmup))), entry))
                 log(f"{label(m)} at concurrency {c}: {rows[-1]['requests_per_s']:.2f} req/s")
     del service, model
     gc.collect()

@@ -62,9 +62,8 @@ class Scheduler:
     row holds a longer reply than a verify row of the same entries; a row whose entries run out all the same ends
     there (finish reason "length").
 
-    Waiting requests are prefilled in one base pass per step of at most `prefill_tokens` padded prompt tokens (a
-    longer prompt goes alone), shortest first, which bounds the pass's memory and the running requests' wait
-    (`interleave_prefill`, the default; measured in docs/server.md). `runner`: the model runner to decode with
+    Waiting requests are prefilled in passes of at most `prefill_tokens` padded prompt tokens, shortest first
+    (`admission`; `interleave_prefill`: one pass a step, the default). `runner`: the model runner to decode with
     (its compiled passes, drafting settings and measured step costs); None: a new one with `draft_rows`,
     `draft_policy` and `lookup` (see `ModelRunner`). `drafter`: drafts for checked rows from elsewhere
     (`checked_rows.Drafter`), in place of the micro-step decoder and lookup."""
@@ -120,29 +119,31 @@ class Scheduler:
 
     # --- the thread-safe side ----------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], max_new_tokens: int, confidence: float | None = None,
+    def submit(self, prompt_ids: list[int], max_new_tokens: int | None, confidence: float | None = None,
                sampling: SamplingParams | None = None, eos_token_ids: set[int] | None = None,
                mode: str = "trust", forced_steps: list[int] | None = None) -> int:
-        """Queue a request; returns its id. Raises HamburgerError when it cannot fit in a row.
+        """Queue a request; returns its id. Raises HamburgerError when it cannot fit in a row. `max_new_tokens` None:
+        until EOS or the row's entries (or the model's context) run out.
 
-        `mode` "verify": the micro-step decoder's tokens are drafts that the next base pass checks: greedy, only
-        those the base would choose itself are kept; sampled, speculative-sampling acceptance. Either way the
-        output follows the base's own (warped) distribution exactly. "compress": drafts checked the same way,
-        then each decided step's KV entries are merged into one by the model's KV merger (the base reads its
-        past compressed). `forced_steps` (trust mode): the lengths of its first steps, whatever the stop head
-        says (bench's forced-steps system)."""
+        `mode` "verify": the micro-step decoder's tokens are drafts that the next base pass checks (greedy: kept when
+        the base would choose them; sampled: speculative-sampling acceptance), so the output follows the base's own
+        distribution exactly. "compress": drafts checked the same way, then each decided step's KV entries merged
+        into one by the model's KV merger. `forced_steps` (trust mode): the lengths of its first steps, whatever
+        the stop head says (bench's forced-steps system)."""
         prompt = [int(t) for t in prompt_ids]
         if not prompt:
             raise HamburgerError("the prompt must have at least one token")
+        fill = max_new_tokens is None
+        max_new_tokens = self.context - len(prompt) if fill else max_new_tokens
         if max_new_tokens < 1:
-            raise HamburgerError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+            raise HamburgerError(f"max_new_tokens must be >= 1, got {max_new_tokens} (a prompt of {len(prompt)} tokens)")
         if len(prompt) + max_new_tokens > self.context:
             raise HamburgerError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
                                  f"model's context of {self.context} tokens")
         if mode not in MODES:  # a mode must be named here (the service resolves the server's default)
             raise HamburgerError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
         mode, conf = resolve_mode(self.model, mode, confidence)
-        need = self.entries.need(len(prompt), max_new_tokens, mode)
+        need = len(prompt) + 1 if fill else self.entries.need(len(prompt), max_new_tokens, mode)
         if need > self.max_len:
             raise HamburgerError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) need about {need} "
                                  f"KV entries in {mode} mode; a row holds {self.max_len}")

@@ -172,7 +172,12 @@ class Service:
                            kind="rate_limit_error", code="queue_full")
         sampling = SamplingParams(body.temperature or 0.0, 1.0 if body.top_p is None else body.top_p, 0, body.seed)
         arrival = time.perf_counter()
-        rid = self.scheduler.submit(prompt, limit, confidence, sampling, set() if body.ignore_eos else None, mode)
+        try:  # the admission estimate may have moved since `limit` was checked (a reply finished meanwhile)
+            # no max_tokens: until EOS or the row's entries run out (a compress row holds more than its estimate)
+            rid = self.scheduler.submit(prompt, limit if body.limit() is not None else None, confidence, sampling,
+                                        eos_token_ids=set() if body.ignore_eos else None, mode=mode)
+        except HamburgerError as exc:
+            raise ApiError(400, str(exc), "max_tokens", "context_length_exceeded") from None
         self.queues[rid] = queue = asyncio.Queue()
         self.wake.set()
         return Handle(self, rid, queue, arrival)
