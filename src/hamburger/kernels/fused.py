@@ -119,7 +119,7 @@ def install(module: nn.Module, names: tuple[str, ...], parts: list[nn.Module], l
 def sibling_sets(model: nn.Module, todo: dict[str, str]) -> list[tuple[nn.Module, tuple[str, ...], list[str], str]]:
     """The `FUSED_SIBLINGS` that `quantize_model` is about to quantize alike (`todo`: layer name -> scheme), float
     `nn.Linear`s of one input size, device and dtype in a module of transformers' own classes: (module, sibling
-    names, their names in `model`, scheme) for each, to quantize as one layer (`quantize_fused`)."""
+    names, their names in `model`, scheme) for each, to quantize as one layer (`fused_layer`)."""
     out = []
     for prefix, module in model.named_modules():
         if not type(module).__module__.startswith("transformers."):
@@ -135,16 +135,16 @@ def sibling_sets(model: nn.Module, todo: dict[str, str]) -> list[tuple[nn.Module
     return out
 
 
-def quantize_fused(module: nn.Module, names: tuple[str, ...], quantized: type[QuantizedLinear], group_size: int,
-                   dtype: torch.dtype | None) -> None:
-    """Quantize `module`'s float siblings `names` as one layer of class `quantized` and install it as their group:
-    each output row is quantized on its own in every scheme, so this is bit for bit the group `fuse_projections`
-    makes of the siblings quantized one by one, at one packing of the weights instead of three (fp16: packed,
-    unpacked to concatenate, packed again)."""
+def fused_layer(module: nn.Module, names: tuple[str, ...], quantized: type[QuantizedLinear], group_size: int,
+                dtype: torch.dtype | None) -> QuantizedLinear:
+    """The one quantized layer of `module`'s float siblings `names`, their output rows end to end (`install` makes
+    it their group): each output row is quantized on its own in every scheme, so this is bit for bit the group
+    `fuse_projections` makes of the siblings quantized one by one, at one packing of the weights instead of three
+    (fp16: packed, unpacked to concatenate, packed again)."""
     parts = [getattr(module, n) for n in names]
     whole = nn.Linear(parts[0].in_features, sum(p.out_features for p in parts), bias=False, device="meta")
     whole.weight = nn.Parameter(torch.cat([p.weight.detach() for p in parts]), requires_grad=False)
     if any(p.bias is not None for p in parts):
         whole.bias = nn.Parameter(torch.cat([p.bias.detach() if p.bias is not None else
                                              p.weight.new_zeros(p.out_features) for p in parts]), requires_grad=False)
-    install(module, names, parts, quantized.from_linear(whole, group_size, dtype))
+    return quantized.from_linear(whole, group_size, dtype)

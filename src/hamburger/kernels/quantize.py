@@ -37,6 +37,7 @@ import json
 import os
 import tempfile
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -44,7 +45,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
-from hamburger.kernels.fused import fuse_projections, quantize_fused, sibling_sets
+from hamburger.kernels.fused import fuse_projections, fused_layer, install, sibling_sets
 from hamburger.kernels.qlinear import (
     MODULES,
     WIDE_ROWS,
@@ -215,14 +216,18 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
     plan = _plan(model, scheme, group_size, head, tuple(skip))
     before = model_bytes(model)
     linear_before = _linear_bytes(model, plan["todo"])
-    fused: set[str] = set()
-    for module, names, full, want in sibling_sets(model, plan["todo"]) if fuse else ():  # one packing per group
-        quantize_fused(module, names, MODULES[want], group_size, act_dtype if want in ("int8", "int4") else None)
-        fused.update(full)
-    for name, want in plan["todo"].items():
-        if name not in fused:
-            dtype = act_dtype if want in ("int8", "int4") else None
-            _swap(model, name, MODULES[want].from_linear(model.get_submodule(name), group_size, dtype))
+    dtype = lambda want: act_dtype if want in ("int8", "int4") else None  # noqa: E731
+    groups = sibling_sets(model, plan["todo"]) if fuse else []  # one packing per group
+    fused = {name for _, _, full, _ in groups for name in full}
+    singles = [(name, want) for name, want in plan["todo"].items() if name not in fused]
+    # Made in threads (the packing kernels release the GIL: 2x on 2 cores), installed in order
+    layers = in_threads([lambda g=g: fused_layer(g[0], g[1], MODULES[g[3]], group_size, dtype(g[3])) for g in groups]
+                        + [lambda n=n, w=w: MODULES[w].from_linear(model.get_submodule(n), group_size, dtype(w))
+                           for n, w in singles])
+    for (module, names, _, _), layer in zip(groups, layers):
+        install(module, names, [getattr(module, n) for n in names], layer)
+    for (name, _), layer in zip(singles, layers[len(groups):]):
+        _swap(model, name, layer)
     if fuse:
         fuse_projections(model)  # siblings quantized before this call
     if wide:
@@ -234,6 +239,16 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
     summary = _summary(scheme, group_size, head, plan, before, model_bytes(model), linear_before,
                        _linear_bytes(model, plan["todo"]))
     return {**summary, "wide_bytes": wide_bytes(model)}
+
+
+def in_threads(jobs: list) -> list:
+    """The jobs' results in order, made on as many threads as torch computes with (the packing kernels release the
+    GIL, so layers pack side by side: FBGEMM's fp16 packing of the default takes 1.0 s instead of 2.0 on 2 cores)."""
+    workers = min(len(jobs), torch.get_num_threads())
+    if workers <= 1:
+        return [job() for job in jobs]
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda job: job(), jobs))
 
 
 def wide_bytes(model: nn.Module) -> int:
@@ -293,7 +308,7 @@ def load_quantized(model: nn.Module, path: str | Path, scheme: str, group_size: 
             if name not in by_layer:
                 raise ValueError(f"{path} has an unexpected tensor {key}")
             by_layer[name][field] = f.get_tensor(key)
-    new = {}
+    made = {}
     for name, (want, group) in layers.items():
         linear = model.get_submodule(name)
         t = by_layer[name]
@@ -305,7 +320,9 @@ def load_quantized(model: nn.Module, path: str | Path, scheme: str, group_size: 
         if shape != (linear.out_features, linear.in_features) or dtype != want_dtype:
             raise ValueError(f"{path}: layer {name} is stored as {shape} {dtype}, the model wants "
                              f"({linear.out_features}, {linear.in_features}) {want_dtype}")
-        new[name] = MODULES[want].from_portable(t, linear.weight.device, group)
+        made[name] = lambda t=t, want=want, group=group, dev=linear.weight.device: MODULES[want].from_portable(
+            t, dev, group)
+    new = dict(zip(made, in_threads(list(made.values()))))
     before = model_bytes(model)
     linear_before = _linear_bytes(model, plan["todo"])
     for name, m in new.items():
