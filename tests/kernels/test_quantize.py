@@ -596,3 +596,27 @@ def test_siblings_quantized_as_one_layer_equal_the_parts_fused(scheme):
                                                           b.group.linear.portable().values()))
             assert (a.bias is None) == (b.bias is None) and (a.bias is None or torch.equal(a.bias, b.bias))
     assert torch.equal(logits(at_once, ids), logits(one_by_one, ids))
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "int8", "int4"])
+def test_layers_made_on_threads_equal_layers_made_one_by_one(scheme, monkeypatch):
+    """`quantize.in_threads` makes the layers on torch's threads: the model's logits are the same, bit for bit, as
+    when they are made one after another on one thread."""
+    if scheme == "fp16" and fp16_unavailable("cpu"):
+        pytest.skip(fp16_unavailable("cpu"))
+    made = []
+    real = qz.in_threads
+    monkeypatch.setattr(qz, "in_threads", lambda jobs: made.append(len(jobs)) or real(jobs))
+    ids = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for threads in (1, 2):
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            model = tiny_base()
+            quantize_model(model, scheme)
+        finally:
+            torch.set_num_threads(before)
+        logits.append(model(ids).logits)
+    assert made and made[0] > 2  # the fused groups and the single layers, in one call
+    assert torch.equal(logits[0], logits[1])
