@@ -77,11 +77,12 @@ def main() -> None:
     p.add_argument("--ignore-eos", action="store_true", help="replies go on past EOS: only the row's entries end them")
     p.add_argument("--modes", default="verify,compress,trust")
     p.add_argument("--merge-window", type=int, default=None, help="compress mode's exact window (default: the model's)")
+    p.add_argument("--model", default="default", help="the checkpoint (default: the shipped one)")
     p.add_argument("--kv-memory", type=float, default=256e6, help="bytes of base KV cache for the rows table")
     p.add_argument("--reply-tokens", type=int, default=256, help="the reply each request of the rows table asks for")
     args = p.parse_args()
     torch.manual_seed(0)
-    model, _ = hamburger.load(quiet=False)
+    model, _ = hamburger.load(args.model, quiet=False)
     if args.merge_window is not None:
         model.config.merge_window = args.merge_window
     messages = [m for name in args.sets.split(",") for m in bench_messages(name, args.prompts_per_set)]
