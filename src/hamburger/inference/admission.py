@@ -17,6 +17,7 @@ against 2.33 s).
 from __future__ import annotations
 
 import math
+import threading
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -60,15 +61,16 @@ class EntriesEstimate:
                                      f"{mode}={rate}")
         self.window, self.fixed = max(0, window), dict(fixed or {})
         self.samples: dict[str, deque[float]] = {m: deque(maxlen=SAMPLES_KEPT) for m in ("trust", "compress")}
+        self._lock = threading.Lock()  # the model thread observes while the server's thread reads the rate
 
     def rate(self, mode: str) -> float:
         """Entries per generated token (past the window) that a request of `mode` is admitted at."""
         if mode in self.fixed:
             return self.fixed[mode]
-        seen = self.samples.get(mode)
-        if not seen or len(seen) < MIN_SAMPLES:
+        with self._lock:
+            ranked = sorted(self.samples.get(mode, ()))
+        if len(ranked) < MIN_SAMPLES:
             return ENTRIES_PER_TOKEN[mode]
-        ranked = sorted(seen)
         return ranked[min(len(ranked) - 1, math.ceil(QUANTILE / 100 * len(ranked)) - 1)]
 
     def _window(self, mode: str) -> int:
@@ -92,7 +94,8 @@ class EntriesEstimate:
         """A finished reply of `tokens` tokens that took `entries` KV entries (its prompt's excluded)."""
         past = tokens - self._window(mode)
         if mode in self.samples and past >= MIN_TOKENS:
-            self.samples[mode].append(min(1.0, max(0.05, (entries - (tokens - past)) / past)))
+            with self._lock:
+                self.samples[mode].append(min(1.0, max(0.05, (entries - (tokens - past)) / past)))
 
     def describe(self) -> dict[str, float]:
         """Each mode's rate now (what `/metrics` shows)."""
