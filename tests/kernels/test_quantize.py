@@ -620,3 +620,23 @@ def test_layers_made_on_threads_equal_layers_made_one_by_one(scheme, monkeypatch
         logits.append(model(ids).logits)
     assert made and made[0] > 2  # the fused groups and the single layers, in one call
     assert torch.equal(logits[0], logits[1])
+
+
+def test_the_shortlist_of_a_tied_fp16_head_equals_its_unpacked_rows():
+    """`runner.head_rows` reads a tied fp16 head's rows from the float embedding rounded to float16 (no unpacking
+    of the whole head): the same values, bit for bit, as the packed head unpacked."""
+    from hamburger.inference.runner import head_rows
+
+    if fp16_unavailable("cpu"):
+        pytest.skip(fp16_unavailable("cpu"))
+    model = hamburger("llama", k=4)
+    quantize_model(model, "fp16")
+    rows = torch.arange(2, 50)
+    assert isinstance(model.base.lm_head, Fp16Linear) and model.base.config.tie_word_embeddings
+    assert torch.equal(head_rows(model, rows), model.base.lm_head.dequantize()[rows].float())
+    big = hamburger("llama", k=4)
+    with torch.no_grad():  # larger weights (tied: the head's too), where float16's steps are coarser
+        big.base.get_input_embeddings().weight.mul_(1000)
+    quantize_model(big, "fp16")
+    assert torch.equal(head_rows(big, rows), big.base.lm_head.dequantize()[rows].float())
+    assert not torch.equal(head_rows(big, rows), big.base.get_input_embeddings().weight[rows])  # rounded, not raw
