@@ -97,10 +97,6 @@ class EntriesEstimate:
             with self._lock:
                 self.samples[mode].append(min(1.0, max(0.05, (entries - (tokens - past)) / past)))
 
-    def describe(self) -> dict[str, float]:
-        """Each mode's rate now (what `/metrics` shows)."""
-        return {mode: self.rate(mode) for mode in ENTRIES_PER_TOKEN}
-
 
 @dataclass
 class RequestEvent:
@@ -111,6 +107,7 @@ class RequestEvent:
     finished: bool
     finish_reason: str | None
     stats: GenerationStats
+    mode: str
 
 
 @dataclass

@@ -178,7 +178,7 @@ class RowBatch:
             if done:
                 reason = "stop" if new[-1] in req.eos else "length"
                 self.free(req)
-            events.append(RequestEvent(req.id, new, done, reason, s))
+            events.append(RequestEvent(req.id, new, done, reason, s, req.mode))
         return events
 
     # --- a sampled checked row's draft distributions ------------------------------------------------------------

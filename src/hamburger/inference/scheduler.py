@@ -101,7 +101,6 @@ class Scheduler:
         self._cancels: set[int] = set()
         self._lock = threading.Lock()
         self._ids = itertools.count()
-        self._modes: dict[int, str] = {}  # each request's mode, until it ends (what its reply's entries teach)
 
     def token_room(self, prompt_len: int, mode: str) -> int:
         """The most max_new_tokens a request of `mode` with a prompt of `prompt_len` tokens is admitted with: its
@@ -154,7 +153,6 @@ class Scheduler:
         req = Request(next(self._ids), prompt, int(max_new_tokens), conf, sampling, eos, mode, forced=forced_steps)
         with self._lock:
             self._waiting.append(req)
-            self._modes[req.id] = mode
         return req.id
 
     def cancel(self, request_id: int) -> None:
@@ -206,9 +204,9 @@ class Scheduler:
 
     def _measure_entries(self, events: list[RequestEvent]) -> None:
         """Each finished reply teaches the admission estimate its mode's entries per token."""
-        for event in (e for e in events if e.finished and e.id in self._modes):
+        for event in (e for e in events if e.finished):
             s = event.stats
-            self.entries.observe(self._modes.pop(event.id), s.generated_tokens, s.kv_entries - s.prompt_tokens)
+            self.entries.observe(event.mode, s.generated_tokens, s.kv_entries - s.prompt_tokens)
 
     def _decode_threads(self) -> int | None:
         """Small decode passes (at most DECODE_THREADS_ROWS rows) read the weights more than they compute: they
@@ -229,8 +227,7 @@ class Scheduler:
         dropped += [r for r in self.rows if r is not None and r.id in cancels]
         for req in dropped:
             self.batch.free(req)
-            self._modes.pop(req.id, None)
-        return [RequestEvent(r.id, [], True, "cancelled", r.stats) for r in dropped]
+        return [RequestEvent(r.id, [], True, "cancelled", r.stats, r.mode) for r in dropped]
 
     def _feed_steps(self) -> None:
         """The base pass over the running rows' last steps: one smashed slot per trust row; a checked row's

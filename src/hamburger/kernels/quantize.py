@@ -216,7 +216,9 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
     plan = _plan(model, scheme, group_size, head, tuple(skip))
     before = model_bytes(model)
     linear_before = _linear_bytes(model, plan["todo"])
-    dtype = lambda want: act_dtype if want in ("int8", "int4") else None  # noqa: E731
+    def dtype(want: str) -> torch.dtype | None:  # the int kernels' activations; fp16 computes in float32
+        return act_dtype if want in ("int8", "int4") else None
+
     groups = sibling_sets(model, plan["todo"]) if fuse else []  # one packing per group
     fused = {name for _, _, full, _ in groups for name in full}
     singles = [(name, want) for name, want in plan["todo"].items() if name not in fused]
