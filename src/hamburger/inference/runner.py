@@ -16,6 +16,7 @@ from hamburger.errors import HamburgerError
 from hamburger.inference import draft_policy as draft_policy_mod
 from hamburger.inference.core import MicroContext
 from hamburger.inference.draft_policy import StepCosts
+from hamburger.inference.fast_layer import decode_layers, rope_tables
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
 from hamburger.inference.lookup import reply_store
 from hamburger.kernels.qlinear import Fp16Linear, QuantizedLinear, fp16_unavailable
@@ -62,14 +63,15 @@ class ModelRunner:
 
     def __init__(self, model: HamburgerModel, compile: bool = False, shortlist: bool = True,
                  draft_rows: int | str | None = "auto", lookup: int | None = None,
-                 draft_policy: bool | None = None) -> None:
+                 draft_policy: bool | None = None, fast_layers: bool = True) -> None:
         """`draft_rows`: verify mode drafts only in batches of at most this many rows (None: always; 0: never;
         "auto": `config.DRAFT_ROWS` where a pass of a few positions costs about one of one position, else 0; see
         `auto_draft_rows`). Compress mode always drafts: its steps are what it merges. `lookup`: verify and
         compress mode also draft by lookup (`lookup.py`) where a row's last `lookup` or more tokens occurred
         before (0: never; None: the checkpoint's `lookup`). `draft_policy`: a verify row drafts only while its
         drafts pay for their cost, measured on this engine's own steps (`draft_policy.py`); False: every step;
-        None: `draft_policy.ON_BY_DEFAULT`."""
+        None: `draft_policy.ON_BY_DEFAULT`. `fast_layers`: base passes without slot adapters run the decoder layers
+        in fewer operators where that is the same computation (`fast_layer.py`); False: module by module."""
         check_supported(model)
         self.model = model
         self.lookup = check_lookup(model.config.lookup if lookup is None else lookup)
@@ -94,6 +96,7 @@ class ModelRunner:
                 # bfloat16 values, which float16 holds exactly within its normal range (a test)
                 self._short, self.short_head = Fp16Linear(self.short_head), None
         self.base = model.base.base_model
+        self.fast = decode_layers(self.base) if fast_layers else None
         self.k = model.config.max_step_tokens
         self.compiled = False
         # What --compile compiles: every base pass (the slot adapters inline in smashed ones) and every micro-step.
@@ -153,11 +156,18 @@ class ModelRunner:
         wanted = model.micro.feature_layers if self.k > 1 else []
         depth = len(base.layers)
         rope = base.rotary_emb(embeds, positions)
+        # the fast layers eagerly (a compiled pass fuses the module-by-module layers itself)
+        fast = (self.fast if adapters is None and self.fast is not None and not torch.compiler.is_compiling()
+                and all(f.usable() for f in self.fast) else None)
+        tables = rope_tables(rope) if fast else None
         feats: dict[int, torch.Tensor] = {}
         x = embeds
         for i, layer in enumerate(base.layers):
-            x = layer_forward(layer, x, rope, cache, i, start, mask(i) if callable(mask) else mask,
-                              None if adapters is None else adapters[i])
+            m = mask(i) if callable(mask) else mask
+            if fast:
+                x = fast[i](x, *tables, cache, i, start, m)
+            else:
+                x = layer_forward(layer, x, rope, cache, i, start, m, None if adapters is None else adapters[i])
             if i + 1 in wanted and i + 1 < depth:
                 feats[i + 1] = x[:, -1] if last else x
         final = base.norm(x[:, -1] if last else x)

@@ -111,14 +111,17 @@ class QuantizedLinear(nn.Module):
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear2d(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
+
+    def linear2d(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward of a (rows, in_features) input without the module call and reshapes (the engine's decode
+        layers call this: `inference/fast_layer.py`)."""
         if (y := self._wide(x)) is not None:
             return y
-        lead = x.shape[:-1]
-        x2 = x.reshape(-1, self.in_features).to(self.compute_dtype).contiguous()
-        y = self._mm(x2)
+        y = self._mm(x.to(self.compute_dtype).contiguous())
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.reshape(*lead, self.out_features).to(x.dtype)
+        return y.to(x.dtype)
 
     def dequantize(self) -> torch.Tensor:
         """The (out, in) float weights the kernel multiplies with, in the compute dtype."""
@@ -343,6 +346,8 @@ class Fp16Linear(Fp16Weights):
         if x.dtype == torch.float32:
             return self._mm(x.contiguous())
         return self._mm(x.float().contiguous()).to(x.dtype)
+
+    linear2d = forward  # any leading dims already
 
     def dequantize(self) -> torch.Tensor:
         return torch.ops.quantized.linear_unpack_fp16(self.packed)[0]

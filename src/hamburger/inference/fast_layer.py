@@ -1,0 +1,121 @@
+"""A Llama-style decoder layer over the engine's caches in few operators: the base's own weights and math, the
+same outputs bit for bit, about half the operators of the module-by-module path (`kv.layer_forward`).
+
+At batch 1 a base step of the 135M default is ~2,400 PyTorch operators, and more of its time goes to them than to
+its matrix products (`benchmarks/step_profile.py`). This layer keeps the rows as one (B*T, d) matrix from norm to
+residual, calls the quantized kernels directly (`QuantizedLinear.linear2d`: no module call, no reshapes), serves
+q/k/v and gate/up from their fused layer's one output, and rotates queries and keys together with one `roll`
+against a sine whose first half is negated (exactly `x * cos + rotate_half(x) * sin`, the same products and sum).
+
+It is used only where it is the same computation: a float32 model (`torch.rms_norm` is transformers' RMSNorm
+there), quantized layers with q/k/v and gate/up fused (`quantize_model`'s default), Llama, Mistral or Qwen2 layers
+(no per-head norms), no slot adapters in the pass, and no hook on any module it bypasses (a LoRA, the transformers
+path's adapter hooks). `decode_layers` checks the first layer against `kv.layer_forward` bit for bit before it
+says yes; `usable` checks the modules again at each pass (a LoRA attached later, a hook added).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hamburger.inference.kv import KVCache, layer_forward
+from hamburger.kernels.fused import FusedPart
+from hamburger.kernels.qlinear import QuantizedLinear
+
+FAST_TYPES = ("llama", "mistral", "qwen2")
+
+
+class FastLayer:
+    """One decoder layer's modules, read once, and its forward over a cache (`KVCache.update`)."""
+
+    def __init__(self, layer: nn.Module, config) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer = layer
+        self.modules = (layer, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm,
+                        attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        self.qkv, self.gate_up = attn.q_proj.group.linear, mlp.gate_proj.group.linear
+        self.o, self.down = attn.o_proj, mlp.down_proj
+        self.norm1, self.norm2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.eps = layer.input_layernorm.variance_epsilon
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
+        self.scaling = attn.scaling
+        self.inner = self.gate_up.out_features // 2
+
+    def usable(self) -> bool:
+        """The layer still holds the modules this was made from, none with a hook."""
+        attn, mlp = self.layer.self_attn, self.layer.mlp
+        now = (self.layer, attn, mlp, self.layer.input_layernorm, self.layer.post_attention_layernorm,
+               attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        return all(a is b and not (a._forward_hooks or a._forward_pre_hooks) for a, b in zip(now, self.modules))
+
+    def __call__(self, x3: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, cache, index: int, start,
+                 mask) -> torch.Tensor:
+        """(B, T, d) -> (B, T, d); `cos`, `sin_signed`: (B, T, 1, head_dim) from `rope_tables`."""
+        b, t, d = x3.shape
+        heads, kv = self.heads, self.kv_heads
+        x = x3.reshape(b * t, d)
+        qkv = self.qkv.linear2d(torch.rms_norm(x, (d,), self.norm1, self.eps)).view(b, t, heads + 2 * kv, -1)
+        qk = qkv[:, :, :heads + kv]
+        qk = qk * cos + torch.roll(qk, self.head_dim // 2, -1) * sin_signed
+        keys, values = cache.update(index, start, qk[:, :, heads:].transpose(1, 2), qkv[:, :, heads + kv:].transpose(1, 2))
+        o = F.scaled_dot_product_attention(qk[:, :, :heads].transpose(1, 2), keys, values, attn_mask=mask,
+                                           scale=self.scaling, enable_gqa=heads != kv)
+        x = x + self.o.linear2d(o.transpose(1, 2).reshape(b * t, -1))
+        gu = self.gate_up.linear2d(torch.rms_norm(x, (d,), self.norm2, self.eps))
+        x = x + self.down.linear2d(F.silu(gu[:, :self.inner]) * gu[:, self.inner:])
+        return x.view(b, t, d)
+
+
+def rope_tables(rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The base's rotary (cos, sin), each (B, T, head_dim), as `FastLayer` takes them: (B, T, 1, head_dim), the
+    sine's first half negated (rotate_half(x) * sin == roll(x, half) * that, exactly: only signs move)."""
+    cos, sin = rope
+    half = sin.shape[-1] // 2
+    return cos.unsqueeze(2), torch.cat((-sin[..., :half], sin[..., half:]), -1).unsqueeze(2)
+
+
+def _fits(layer: nn.Module) -> bool:
+    attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
+    parts = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    mlp_parts = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
+    return (not hasattr(attn, "q_norm") and mlp is not None
+            and all(isinstance(p, FusedPart) and p.group is parts[0].group and p.index == i for i, p in enumerate(parts))
+            and len(parts[0].group.bounds) == 3
+            and all(isinstance(p, FusedPart) and p.group is mlp_parts[0].group and p.index == i
+                    for i, p in enumerate(mlp_parts)) and len(mlp_parts[0].group.bounds) == 2
+            and mlp_parts[0].group.bounds[0][1] * 2 == mlp_parts[0].group.linear.out_features
+            and isinstance(attn.o_proj, QuantizedLinear) and not isinstance(attn.o_proj, FusedPart)
+            and isinstance(mlp.down_proj, QuantizedLinear) and not isinstance(mlp.down_proj, FusedPart)
+            and hasattr(layer.input_layernorm, "variance_epsilon") and hasattr(layer.post_attention_layernorm, "weight"))
+
+
+def decode_layers(base: nn.Module) -> list[FastLayer] | None:
+    """`FastLayer`s for the base's decoder layers (`base`: the inner model, with `layers` and `rotary_emb`), or None
+    where they would not be the same computation. The first is checked against the module-by-module layer
+    (`kv.layer_forward`), bit for bit, on a two-position pass."""
+    config = base.config
+    weight = base.layers[0].input_layernorm.weight
+    if (getattr(config, "model_type", "") not in FAST_TYPES or getattr(config, "hidden_act", "") != "silu"
+            or weight.dtype != torch.float32 or not all(_fits(layer) for layer in base.layers)):
+        return None
+    layers = [FastLayer(layer, config) for layer in base.layers]
+    if not all(f.usable() for f in layers) or not _same_as(layers[0], base):
+        return None
+    return layers
+
+
+def _same_as(fast: FastLayer, base: nn.Module) -> bool:
+    """The fast layer and `layer_forward` give the same output and cache, bit for bit, on a random input."""
+    device = fast.norm1.device
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(1, 2, base.config.hidden_size, generator=gen).to(device)
+    positions = torch.arange(3, 5, device=device)[None]
+    mask = torch.ones(1, 1, 2, 5, dtype=torch.bool, device=device).tril(3)
+    caches = [KVCache.for_layers(base.layers[:1], base.config, 1, 8, torch.float32, device) for _ in range(2)]
+    with torch.inference_mode():
+        rope = base.rotary_emb(x, positions)
+        slow = layer_forward(base.layers[0], x, rope, caches[0], 0, 3, mask)
+        quick = fast(x, *rope_tables(rope), caches[1], 0, 3, mask)
+    return torch.equal(slow, quick) and torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
