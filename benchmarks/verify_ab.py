@@ -21,7 +21,10 @@ matches.
     python benchmarks/verify_ab.py default --quantize fp16 --variants both --compile     # eager against --compile
 
 `--compile` adds each system again on an engine with `compile=True` (the base and every variant), timed in the
-same turns; the first call of each compiles (reported), the warm-up absorbs it.
+same turns; the first call of each compiles (reported), the warm-up absorbs it. `--module-layers` adds each system
+again with the decoder layers run module by module (`Engine(fast_layers=False)`, the engine before its fast layers).
+
+    python benchmarks/verify_ab.py default --quantize fp16 --variants both --module-layers --max-new-tokens 256
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1,
                    help="decode the prompts in batches of this many (cycled to fill the last), a batch per turn")
     p.add_argument("--compile", action="store_true", help="also every system compiled (Engine(compile=True))")
+    p.add_argument("--module-layers", action="store_true",
+                   help="also every system with the decoder layers module by module (Engine(fast_layers=False))")
     a = p.parse_args()
     if a.batch_size < 1:
         raise SystemExit("--batch-size must be >= 1")
@@ -74,10 +79,14 @@ def main() -> None:
     plain = HamburgerModel.plain(model.base, model.tokenizer)
     conf = a.confidence if a.confidence is not None else model.config.verify_confidence
     settings = {"micro": (0, conf), "lookup": (a.lookup, 1.0), "both": (a.lookup, conf)}
-    kinds = {"": False, ", compiled": True} if a.compile else {"": False}
-    bases = {c: Engine(plain, compile=on) for c, on in kinds.items()}
-    engines = {(v, c): Engine(model, lookup=settings[v][0], draft_rows=a.draft_rows, compile=on)
-               for v in variants for c, on in kinds.items()}
+    kinds = {"": (False, True)}  # (compile, fast_layers)
+    if a.compile:
+        kinds[", compiled"] = (True, True)
+    if a.module_layers:
+        kinds[", module layers"] = (False, False)
+    bases = {c: Engine(plain, compile=on, fast_layers=fast) for c, (on, fast) in kinds.items()}
+    engines = {(v, c): Engine(model, lookup=settings[v][0], draft_rows=a.draft_rows, compile=on, fast_layers=fast)
+               for v in variants for c, (on, fast) in kinds.items()}
     sets = [s.strip() for s in a.sets.split(",")]
     prompts = [encode_chat(model.tokenizer, m) for s in sets for m in bench_messages(s, a.prompts_per_set)]
     b = a.batch_size
@@ -130,7 +139,7 @@ def main() -> None:
             print(", ".join(line), flush=True)
     print(f"\n{a.model} ({a.quantize}), verify confidence {conf:g}, lookup n-grams {a.lookup}..3, {len(prompts)} "
           f"prompts ({','.join(sets)}) x {a.rounds} rounds, {a.max_new_tokens} new tokens, batch {b}, draft_rows "
-          f"{a.draft_rows}, interleaved{'; ratios to the eager base' if a.compile else ''}:\n")
+          f"{a.draft_rows}, interleaved{'; ratios to the eager base' if len(kinds) > 1 else ''}:\n")
     replies = a.rounds * len(cycled)
     print("| system | decode tok/s | x base (median over rounds, min-max) | tokens / base forward | drafts kept "
           "| of them by lookup (kept / drafted) | replies = base |\n| --- | --- | --- | --- | --- | --- | --- |")
