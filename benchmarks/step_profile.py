@@ -6,9 +6,9 @@ slot a step) and the full LM head. For each scheme (`--schemes fp16,int4`), with
 module and with the engine's fast layers (`inference/fast_layer.py`, the engine's default), it reports:
 
 - `step ms`: the step's wall time (median of rounds, the schemes taking turns so a slow spell falls on all alike);
-- `GEMMs ms`: the same step's matrix products alone, each layer called back to back with an input of the shape the
-  step gave it (recorded by hooks), so what the step costs beyond them is per-operator work: norms, rotary
-  embedding, the cache writes, attention, views, Python;
+- `GEMMs ms`: the same step's matrix-product kernels alone, called back to back with inputs of the shapes the step
+  gave them (recorded by hooks), already in the kernel's dtype, so what the step costs beyond them is the
+  per-operator work: conversions, norms, rotary embedding, the cache writes, attention, views, Python;
 - `floor ms`: the weights' bytes read per step divided by this machine's measured memory read bandwidth,
   what no kernel beats at batch 1 (measured by a large sum);
 - `ops / step`: aten operators dispatched per step (from `torch.profiler`), and its self-time split into GEMMs,
@@ -89,13 +89,19 @@ class Scheme:
 
     def gemms_ms(self, repeats: int) -> float:
         """The step's matrix products alone, back to back, ms (median of `repeats`)."""
-        inputs = [(layer, torch.randn(shape)) for layer, shape in self.calls]
+        inputs = []
+        for layer, shape in self.calls:  # the kernel alone: its input already 2-D and in its dtype
+            x = torch.randn(shape).reshape(-1, shape[-1])
+            if isinstance(layer, QuantizedLinear):
+                inputs.append((layer._mm, x.to(layer.compute_dtype).contiguous()))
+            else:
+                inputs.append((layer, x))
         times = []
         with torch.inference_mode():
             for _ in range(repeats):
                 start = time.perf_counter()
-                for layer, x in inputs:
-                    layer(x)
+                for kernel, x in inputs:
+                    kernel(x)
                 times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
 

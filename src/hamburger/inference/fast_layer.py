@@ -32,9 +32,12 @@ class FastLayer:
 
     def __init__(self, layer: nn.Module, config) -> None:
         attn, mlp = layer.self_attn, layer.mlp
+        # (parent, attribute, module) of every module the layer's forward here stands in for
+        self.slots = [(layer, n, getattr(layer, n)) for n in ("self_attn", "mlp", "input_layernorm",
+                                                              "post_attention_layernorm")]
+        self.slots += [(attn, n, getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        self.slots += [(mlp, n, getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")]
         self.layer = layer
-        self.modules = (layer, attn, mlp, layer.input_layernorm, layer.post_attention_layernorm,
-                        attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
         self.qkv, self.gate_up = attn.q_proj.group.linear, mlp.gate_proj.group.linear
         self.o, self.down = attn.o_proj, mlp.down_proj
         self.norm1, self.norm2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
@@ -44,11 +47,12 @@ class FastLayer:
         self.inner = self.gate_up.out_features // 2
 
     def usable(self) -> bool:
-        """The layer still holds the modules this was made from, none with a hook."""
-        attn, mlp = self.layer.self_attn, self.layer.mlp
-        now = (self.layer, attn, mlp, self.layer.input_layernorm, self.layer.post_attention_layernorm,
-               attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        return all(a is b and not (a._forward_hooks or a._forward_pre_hooks) for a, b in zip(now, self.modules))
+        """The layer still holds the modules this was made from, none with a hook (read from the modules' own
+        dicts: this runs for every layer of every pass)."""
+        if self.layer._forward_hooks or self.layer._forward_pre_hooks:
+            return False
+        return all(parent._modules.get(name) is module and not (module._forward_hooks or module._forward_pre_hooks)
+                   for parent, name, module in self.slots)
 
     def __call__(self, x3: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, cache, index: int, start,
                  mask) -> torch.Tensor:
@@ -66,6 +70,14 @@ class FastLayer:
         gu = self.gate_up.linear2d(torch.rms_norm(x, (d,), self.norm2, self.eps))
         x = x + self.down.linear2d(F.silu(gu[:, :self.inner]) * gu[:, self.inner:])
         return x.view(b, t, d)
+
+
+def fast_usable(layers: list[FastLayer]) -> bool:
+    """Every layer still `usable`, and no global module hook is set (it would see none of their modules)."""
+    hooks = torch.nn.modules.module
+    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+        return False
+    return all(f.usable() for f in layers)
 
 
 def rope_tables(rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

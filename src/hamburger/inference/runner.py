@@ -16,7 +16,7 @@ from hamburger.errors import HamburgerError
 from hamburger.inference import draft_policy as draft_policy_mod
 from hamburger.inference.core import MicroContext
 from hamburger.inference.draft_policy import StepCosts
-from hamburger.inference.fast_layer import decode_layers, rope_tables
+from hamburger.inference.fast_layer import decode_layers, fast_usable, rope_tables
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
 from hamburger.inference.lookup import reply_store
 from hamburger.kernels.qlinear import Fp16Linear, QuantizedLinear, fp16_unavailable
@@ -158,7 +158,7 @@ class ModelRunner:
         rope = base.rotary_emb(embeds, positions)
         # the fast layers eagerly (a compiled pass fuses the module-by-module layers itself)
         fast = (self.fast if adapters is None and self.fast is not None and not torch.compiler.is_compiling()
-                and all(f.usable() for f in self.fast) else None)
+                and fast_usable(self.fast) else None)
         tables = rope_tables(rope) if fast else None
         feats: dict[int, torch.Tensor] = {}
         x = embeds
