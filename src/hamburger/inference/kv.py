@@ -45,9 +45,15 @@ class KVCache:
             (compiled_ops.kv_scatter if compiling else compiled_ops.scatter_slots)(self.k, self.v, layer,
                                                                                  start.slots, k, v)
             end = start.end
-        else:
-            (compiled_ops.kv_write if compiling else compiled_ops.write_slots)(self.k, self.v, layer, start, k, v)
+        elif compiling:
+            compiled_ops.kv_write(self.k, self.v, layer, start, k, v)
             end = start + k.shape[2]
+        else:  # eager: the layer's views written and read with `narrow` (half the operators of indexing)
+            keys, values = self.k.select(0, layer), self.v.select(0, layer)
+            end = start + k.shape[2]
+            keys.narrow(2, start, k.shape[2]).copy_(k)
+            values.narrow(2, start, v.shape[2]).copy_(v)
+            return keys.narrow(2, 0, end), values.narrow(2, 0, end)
         return self.k[layer, :, :, :end], self.v[layer, :, :, :end]
 
 
