@@ -1,5 +1,6 @@
-"""The engine's fast decoder layers (`inference/fast_layer.py`): the same tokens as the module-by-module layers in
-every mode, used only where they are the same computation, and given up when a module they bypass changes."""
+"""The engine's faster paths, each the same computation as the one it replaces: the fast decoder layers
+(`inference/fast_layer.py`: the same tokens as the module-by-module layers in every mode, used only where they are
+the same computation, and given up when a module they bypass changes) and greedy tokens through `max`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 from conftest import hamburger, random_merger
 from hamburger.inference.engine import Engine
 from hamburger.inference.fast_layer import FastLayer, decode_layers, rope_tables
+from hamburger.inference.sampling import greedy_tokens
 from hamburger.kernels.qlinear import fp16_unavailable
 from hamburger.kernels.quantize import quantize_model
 
@@ -107,3 +109,16 @@ def test_a_hook_or_a_swapped_module_sends_the_pass_back_to_the_module_path():
     mlp = model.base.model.layers[0].mlp
     mlp.down_proj = torch.nn.Linear(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False)
     assert not engine.fast[0].usable()
+
+
+def test_greedy_tokens_are_argmax_ties_and_nans_included():
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((1, 49152), (3, 5, 1000), (16, 7244), (2, 8, 300)):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.randn(shape, generator=gen).to(dtype)
+            tied = x.round()  # many equal maxima: the first one's index
+            tied[..., 3] = tied[..., 7] = float("inf")
+            nan = x.clone()
+            nan[..., 5] = float("nan")
+            for t in (x, tied, nan):
+                assert torch.equal(greedy_tokens(t), t.argmax(-1)), (shape, dtype)

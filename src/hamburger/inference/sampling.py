@@ -15,6 +15,13 @@ from transformers.generation.logits_process import (
 from hamburger.errors import HamburgerError
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.argmax(-1)`: the same indices (each row's first maximal value, NaN first), through `max`, whose CPU
+    kernel is 2-5x faster over a few vocabulary-long rows (float32: verify mode's (1, 4, 49152) logits 0.16 against
+    0.31-3.6 ms, one row 26 against 73 us); argmax for other dtypes (float16's `max` is the slower one)."""
+    return logits.max(-1).indices if logits.dtype == torch.float32 else logits.argmax(-1)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """temperature 0 = greedy; top_k 0 and top_p 1.0 switch those filters off."""
@@ -63,7 +70,7 @@ def sample(
 ) -> torch.Tensor:
     """logits: (B, V) -> token ids (B,)."""
     if params.greedy:
-        return logits.argmax(-1)
+        return greedy_tokens(logits)
     scores = (warpers if warpers is not None else params.warpers())(None, logits.float())
     probs = torch.softmax(scores, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)

@@ -43,7 +43,7 @@ from hamburger.inference.lookup import NgramIndex
 from hamburger.inference.modes import CHECKED, resolve_mode
 from hamburger.inference.rows import RowBatch, rows_in
 from hamburger.inference.runner import ModelRunner
-from hamburger.inference.sampling import SamplingParams, sample
+from hamburger.inference.sampling import SamplingParams, greedy_tokens, sample
 from hamburger.inference.stats import GenerationStats
 from hamburger.model.base import eos_ids
 from hamburger.model.config import MODES
@@ -334,7 +334,7 @@ class Scheduler:
         self._depth = self._depth + 1 if micro else 0
         shortlist = micro and self.engine.vocab is not None
         logits = self.engine.short_logits(h) if shortlist else self.model.lm_head(h)
-        tok = logits.argmax(-1)
+        tok = greedy_tokens(logits)
         sampled = [(i, r) for i, r in enumerate(self.rows[: len(h)]) if r is not None and not r.sampling.greedy]
         if sampled:
             on, given = active.tolist(), self.batch.next_t0[: len(h)].tolist()

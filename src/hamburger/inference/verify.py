@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from hamburger.inference.kv import KVCache, RowSlots
+from hamburger.inference.sampling import greedy_tokens
 
 if TYPE_CHECKING:
     from hamburger.inference.runner import ModelRunner
@@ -34,7 +35,7 @@ def accept_greedy(drafts: torch.Tensor, n_drafts: torch.Tensor, logits: torch.Te
 
     Returns how many drafts each row keeps (B,) and the base's own token after them (B,).
     """
-    choice = logits.argmax(-1)
+    choice = greedy_tokens(logits)
     d = drafts.shape[1]
     ok = (drafts == choice[:, :d]) & (torch.arange(d, device=drafts.device)[None] < n_drafts[:, None])
     kept = ok.long().cumprod(1).sum(1)
