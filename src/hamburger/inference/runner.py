@@ -78,8 +78,7 @@ class ModelRunner:
         self.draft_rows = auto_draft_rows(model) if check_draft_rows(draft_rows) == "auto" else draft_rows
         self.draft_policy = draft_policy_mod.ON_BY_DEFAULT if draft_policy is None else draft_policy
         self.lookup_drafts = LOOKUP_DRAFTS
-        # the checkpoint's stored replies, where a row's own history offers no lookup draft
-        self.store = reply_store(model.reply_tokens) if self.lookup else None
+        self._reply_tokens = model.reply_tokens if self.lookup else None
         self._step_costs: dict[int, StepCosts] = {}
         # Micro-steps choose among the checkpoint's shortlist (if it has one): a head of |shortlist| rows
         # instead of the whole vocabulary. Token 0 of every step always uses the full head.
@@ -129,6 +128,12 @@ class ModelRunner:
             return fn(*args)
 
         return run
+
+    @property
+    def store(self):
+        """The checkpoint's stored replies, where a row's own history offers no lookup draft (`lookup.ReplyStore`),
+        indexed at the first lookup rather than before the first token (0.23 s of the default's start)."""
+        return reply_store(self._reply_tokens)
 
     def step_costs(self, rows: int) -> StepCosts:
         """The measured cost of a decode step over `rows` rows (`draft_policy.StepCosts`), kept across calls."""
