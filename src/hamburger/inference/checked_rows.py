@@ -65,12 +65,13 @@ def feed_checked(runner: ModelRunner, rows: RowBatch, n: int) -> None:
 
 def accept(runner: ModelRunner, rows: RowBatch, n: int, checked: torch.Tensor, final: torch.Tensor,
            width: int) -> torch.Tensor:
-    """The drafts each checked row keeps (n,) from the base's final states (n, width, d) after t0, d1..; a sampled
-    row's next token 0 drawn by its acceptance goes to `rows.next_t0`."""
+    """The drafts each checked row keeps (n,) from the base's final states (n, width, d) after t0, d1..; each
+    checked row's next token 0 goes to `rows.next_t0`: a greedy row's is the base's choice after its kept drafts,
+    from these logits (so the macro-step needs no head of its own), a sampled row's is drawn by its acceptance."""
     at = torch.zeros(n, dtype=torch.long, device=final.device)
     which = checked.nonzero().squeeze(1)
     logits = runner.model.lm_head(final[which])  # (rows, width, V): the base's choice after t0, d1, ..
-    at[which] = accept_greedy(rows.step_tok[which, 1:width], rows.n_drafts[which], logits)[0]
+    at[which], rows.next_t0[which] = accept_greedy(rows.step_tok[which, 1:width], rows.n_drafts[which], logits)
     for j, i in enumerate(which.tolist()):  # sampled rows: speculative-sampling acceptance, each its own draws
         req = rows.requests[i]
         if req.sampling.greedy:
