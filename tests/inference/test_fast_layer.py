@@ -53,7 +53,7 @@ def test_the_fast_layers_decode_the_same_tokens_in_every_mode(arch, scheme):
     fast, slow = Engine(model, draft_policy=False), Engine(model, draft_policy=False, fast_layers=False)
     assert fast.fast is not None and slow.fast is None
     for mode in ("verify", "trust", "compress"):
-        kw = dict(max_new_tokens=16, confidence=0.05, mode=mode, eos_token_ids=set())
+        kw = {"max_new_tokens": 16, "confidence": 0.05, "mode": mode, "eos_token_ids": set()}
         want = slow.generate(PROMPTS, **kw)
         got = fast.generate(PROMPTS, **kw)
         assert got.tokens == want.tokens and got.steps == want.steps, mode
@@ -88,8 +88,8 @@ def test_not_used_where_it_would_not_be_the_same_computation():
     assert decode_layers(unfused.base.model) is None
     half = hamburger("llama", k=4)
     quantize_model(half.base, "int4")
-    half.base.model.layers[0].input_layernorm.to(torch.bfloat16)  # not float32: torch.rms_norm rounds otherwise
-    assert decode_layers(half.base.model) is None
+    half.base.model.layers[-1].post_attention_layernorm.to(torch.bfloat16)  # not float32 (any layer's norm):
+    assert decode_layers(half.base.model) is None  # torch.rms_norm would round otherwise
 
 
 def test_a_hook_or_a_swapped_module_sends_the_pass_back_to_the_module_path():
@@ -128,8 +128,8 @@ def test_a_checked_step_takes_token_0_from_its_check_pass_not_another_head(monke
     """After a check pass every verify row's token 0 is the pass's own choice: one LM head fewer a pass than when
     the macro-step computes it again, the same text, the base's (batches mixing trust rows, whose token 0 needs
     the head: test_scheduler's mixed-mode tests)."""
-    import hamburger.inference.checked_rows as checked_rows
     from conftest import base_greedy
+    from hamburger.inference import checked_rows
     model = hamburger("llama", k=4)
     heads = [0]
     lm_head = model.lm_head

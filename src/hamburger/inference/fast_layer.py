@@ -100,7 +100,9 @@ def _fits(layer: nn.Module) -> bool:
             and mlp_parts[0].group.bounds[0][1] * 2 == mlp_parts[0].group.linear.out_features
             and isinstance(attn.o_proj, QuantizedLinear) and not isinstance(attn.o_proj, FusedPart)
             and isinstance(mlp.down_proj, QuantizedLinear) and not isinstance(mlp.down_proj, FusedPart)
-            and hasattr(layer.input_layernorm, "variance_epsilon") and hasattr(layer.post_attention_layernorm, "weight"))
+            and hasattr(layer.input_layernorm, "variance_epsilon")
+            and all(getattr(norm, "weight", None) is not None and norm.weight.dtype == torch.float32
+                    for norm in (layer.input_layernorm, layer.post_attention_layernorm)))
 
 
 def decode_layers(base: nn.Module) -> list[FastLayer] | None:
@@ -108,9 +110,8 @@ def decode_layers(base: nn.Module) -> list[FastLayer] | None:
     where they would not be the same computation. The first is checked against the module-by-module layer
     (`kv.layer_forward`), bit for bit, on a two-position pass."""
     config = base.config
-    weight = base.layers[0].input_layernorm.weight
     if (getattr(config, "model_type", "") not in FAST_TYPES or getattr(config, "hidden_act", "") != "silu"
-            or weight.dtype != torch.float32 or not all(_fits(layer) for layer in base.layers)):
+            or not all(_fits(layer) for layer in base.layers)):
         return None
     layers = [FastLayer(layer, config) for layer in base.layers]
     if not all(f.usable() for f in layers) or not _same_as(layers[0], base):

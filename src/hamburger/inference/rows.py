@@ -48,8 +48,9 @@ class RowBatch:
     - cache_len: entries in use (the next write slot); prompt_len, gen_len: tokens of the prompt and generated;
     - max_new, confidence, eos (rows, E; -1 pads): the request's limits; live: still generating;
     - verify, compress: checked rows (their micro tokens are drafts), compress rows (steps merged);
-    - n_drafts: drafts in step_tok[1 : 1 + n] waiting for the next base pass; next_t0: a sampled checked row's
-      token 0 drawn by the last acceptance (-1: none);
+    - n_drafts: drafts in step_tok[1 : 1 + n] waiting for the next base pass; next_t0: a checked row's token 0
+      from its last check pass (greedy: the base's choice after the kept drafts; sampled: drawn by the
+      acceptance; -1: none, as after a prefill);
     - merged_len (rows, slots): tokens merged into each entry (0: an ordinary one), for the merger's bias;
     - q (rows, drafts, V): a sampled checked row's draft distributions, made on first use;
     - pending: the drafts a check pass kept, reported with this step; ended_early: one of them was EOS.

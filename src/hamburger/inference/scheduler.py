@@ -332,7 +332,8 @@ class Scheduler:
         so a request draws the same random numbers as when it runs alone). Sampled checked rows: token 0 is the
         one the last pass's acceptance drew, and each draft's distribution is kept for the next acceptance."""
         self._depth = self._depth + 1 if micro else 0
-        if not micro and bool(((given := self.batch.next_t0[: len(h)]) >= 0).logical_or(~active).all()):
+        if (not micro and all(r is None or r.mode in CHECKED for r in self.rows[: len(h)])  # no sync for trust rows
+                and bool(((given := self.batch.next_t0[: len(h)]) >= 0).logical_or(~active).all())):
             return given.clamp(min=0)  # every decoding row is checked: its check pass chose token 0 already
         shortlist = micro and self.engine.vocab is not None
         logits = self.engine.short_logits(h) if shortlist else self.model.lm_head(h)
