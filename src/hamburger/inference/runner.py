@@ -17,6 +17,7 @@ from hamburger.inference import draft_policy as draft_policy_mod
 from hamburger.inference.core import MicroContext
 from hamburger.inference.draft_policy import StepCosts
 from hamburger.inference.fast_layer import decode_layers, fast_usable, rope_tables
+from hamburger.inference.native_layers import native_layers
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
 from hamburger.inference.lookup import reply_store
 from hamburger.kernels.qlinear import Fp16Linear, QuantizedLinear, fp16_unavailable
@@ -71,7 +72,8 @@ class ModelRunner:
         before (0: never; None: the checkpoint's `lookup`). `draft_policy`: a verify row drafts only while its
         drafts pay for their cost, measured on this engine's own steps (`draft_policy.py`); False: every step;
         None: `draft_policy.ON_BY_DEFAULT`. `fast_layers`: base passes without slot adapters run the decoder layers
-        in fewer operators where that is the same computation (`fast_layer.py`); False: module by module."""
+        in fewer operators where that is the same computation (`fast_layer.py`), and passes of a few rows in one
+        native call where the native kernels run (`native_layers.py`); False: module by module."""
         check_supported(model)
         self.model = model
         self.lookup = check_lookup(model.config.lookup if lookup is None else lookup)
@@ -96,6 +98,7 @@ class ModelRunner:
                 self._short, self.short_head = Fp16Linear(self.short_head), None
         self.base = model.base.base_model
         self.fast = decode_layers(self.base) if fast_layers else None
+        self.native = native_layers(self.base, self.fast) if fast_layers and not compile else None
         self.k = model.config.max_step_tokens
         self.compiled = False
         # What --compile compiles: every base pass (the slot adapters inline in smashed ones) and every micro-step.
@@ -164,8 +167,17 @@ class ModelRunner:
         # the fast layers eagerly (a compiled pass fuses the module-by-module layers itself)
         fast = (self.fast if adapters is None and self.fast is not None and not torch.compiler.is_compiling()
                 and fast_usable(self.fast) else None)
-        tables = rope_tables(rope) if fast else None
         feats: dict[int, torch.Tensor] = {}
+        if fast and self.native is not None and self.native.takes(embeds, cache, start, mask):
+            x, done = embeds.clone(memory_format=torch.contiguous_format), 0  # the native layers write in place
+            for stop in sorted({i for i in wanted if 0 < i < depth} | {depth}):
+                self.native(x, rope, cache, start, mask, done, stop)
+                if stop < depth:
+                    feats[stop] = (x[:, -1] if last else x).clone()
+                done = stop
+            final = base.norm(x[:, -1] if last else x)
+            return [final] + [feats[i] if i < depth else final for i in wanted]
+        tables = rope_tables(rope) if fast else None
         x = embeds
         for i, layer in enumerate(base.layers):
             m = mask(i) if callable(mask) else mask

@@ -32,7 +32,7 @@ _out_features: dict[int, int] = {}
 
 
 def register_fp16(module) -> int:
-    """A key for `module`'s packed weights (`module.packed`, `module.out_features`), dropped with the module."""
+    """A key for `module`'s weights (`module.eager_mm`, `module.out_features`), dropped with the module."""
     key = next(_keys)
     _packed[key], _out_features[key] = weakref.ref(module), module.out_features
     weakref.finalize(module, _forget, key)
@@ -45,7 +45,7 @@ def _forget(key: int) -> None:
 
 
 def _fp16_linear(x: torch.Tensor, key: int) -> torch.Tensor:
-    return torch.ops.quantized.linear_dynamic_fp16(x.contiguous(), _packed[key]().packed)
+    return _packed[key]().eager_mm(x.reshape(-1, x.shape[-1]).contiguous()).view(*x.shape[:-1], -1)
 
 
 def _fp16_linear_fake(x: torch.Tensor, key: int) -> torch.Tensor:

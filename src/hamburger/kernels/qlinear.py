@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hamburger.kernels import compiled_ops
+from hamburger.kernels import compiled_ops, native
 from hamburger.kernels.qcodes import inner_k_tiles, int4_weights, int8_weights, pack_nibbles, unpack_nibbles
 
 # `set_wide`: passes of at least this many rows (prefill, a batch of 8 or more rows) multiply by a bfloat16 copy of
@@ -226,6 +226,15 @@ class Int4Linear(QuantizedLinear):
         device = q.device
         _check_device(device)
         self.packed_for = device.type
+        zeros = mins + 8 * scales  # in the stored dtype, as quantized against
+        self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1).contiguous())
+        self.native = (device.type == "cpu" and scales.dtype == torch.bfloat16 and native.available()
+                       and native.fits(n, k, native.INT4, group_size) is None)
+        if self.native:  # the native kernels' layout: each 32 codes in 16 bytes, the first 16 in the low nibbles
+            blocks = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
+            self.register_buffer("q4", (blocks[:, :, 0] | blocks[:, :, 1] << 4).reshape(n, k // 2).contiguous())
+            self._desc = None
+            return
         if device.type == "cuda":
             if scales.dtype != torch.bfloat16:
                 raise ValueError(f"the CUDA int4 kernel runs in bfloat16 only, not {scales.dtype}: load the model "
@@ -235,9 +244,17 @@ class Int4Linear(QuantizedLinear):
                                                                inner_k_tiles(k))
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
-        zeros = mins + 8 * scales  # in the stored dtype, as quantized against
         self.register_buffer("weight_int4pack", packed)
-        self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1).contiguous())
+
+    def native_desc(self) -> native.Weights:
+        """The native kernels' description of these weights (made again if the buffers moved)."""
+        ptrs = (self.q4.data_ptr(), self.scales_and_zeros.data_ptr(), None if self.bias is None else self.bias.data_ptr())
+        if self._desc is None or self._desc[0] != ptrs:
+            if self.bias is not None and self.bias.dtype != torch.float32:
+                raise ValueError("native int4 layers take a float32 bias")
+            self._desc = (ptrs, native.weights(native.INT4, self.q4, self.out_features, self.in_features,
+                                               self.scales_and_zeros, self.group_size, self.bias))
+        return self._desc[1]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int, dtype: torch.dtype | None = None) -> Int4Linear:
@@ -249,7 +266,14 @@ class Int4Linear(QuantizedLinear):
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.scales_and_zeros.dtype
+        return torch.float32 if self.native else self.scales_and_zeros.dtype
+
+    def linear2d(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.native:
+            return super().linear2d(x)
+        if (y := self._wide(x)) is not None:
+            return y
+        return native.linear(x.float().contiguous(), self.native_desc()).to(x.dtype)  # the bias inside
 
     def _kernel(self, x: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
         if x.device.type != self.packed_for:
@@ -260,24 +284,36 @@ class Int4Linear(QuantizedLinear):
         return _INT4_MM_CPU(x, self.weight_int4pack, self.group_size, scales_and_zeros)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native:  # without the bias (`linear2d` adds it)
+            desc = self.native_desc()
+            return native.linear(x, native.Weights(desc.kind, 0, desc.n, desc.k, desc.group, desc.w, desc.sz, None))
         return self._kernel(x, self.scales_and_zeros)
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes (N, K) uint8, scales (N, K/g), mins (N, K/g)), read back from the packed weights.
 
-        Layout-agnostic: the kernel itself multiplies an identity with scale 1 and zero 8, so it returns
-        (q - 8) + 8 = q for every weight, exactly.
+        PyTorch's packing: layout-agnostic, the kernel itself multiplies an identity with scale 1 and zero 8, so it
+        returns (q - 8) + 8 = q for every weight, exactly.
         """
+        sz = self.scales_and_zeros
+        scales, zeros = sz[..., 0].t(), sz[..., 1].t()
+        if self.native:
+            low, high = self.q4.reshape(self.out_features, -1, 16) & 15, self.q4.reshape(self.out_features, -1, 16) >> 4
+            q = torch.stack([low, high], 2).reshape(self.out_features, self.in_features)
+            return q, scales.contiguous(), (zeros - 8 * scales).contiguous()
         dtype = torch.bfloat16  # codes 0..15 times an identity: exact, and the kernels' fast path on CPU and CUDA
         sz = self.scales_and_zeros
         probe = torch.stack([torch.ones_like(sz[..., 0]), torch.full_like(sz[..., 0], 8)], -1).to(dtype)
         eye = torch.eye(self.in_features, dtype=dtype, device=sz.device)
         q = self._kernel(eye, probe).t().round().to(torch.uint8)
-        scales, zeros = sz[..., 0].t(), sz[..., 1].t()
         return q, scales.contiguous(), (zeros - 8 * scales).contiguous()
 
     def dequantize(self) -> torch.Tensor:
         """The kernel's own weights: an identity through the kernel (exactly what any input is multiplied with)."""
+        if self.native:  # q · scale + (zero - 8 · scale) in float32, one rounding as the kernel's fused multiply-add
+            sz = self.scales_and_zeros.float()
+            scales, zeros = (sz[..., i].t().repeat_interleave(self.group_size, 1) for i in (0, 1))
+            return self.unpack()[0].float() * scales + (zeros - 8 * scales)
         eye = torch.eye(self.in_features, dtype=self.compute_dtype, device=self.scales_and_zeros.device)
         return self._mm(eye).t().contiguous()
 
@@ -321,7 +357,7 @@ class Fp16Weights(QuantizedLinear):
 
     @property
     def weight_nbytes(self) -> int:
-        return self.packed_nbytes
+        return self.in_features * self.out_features * 2
 
     def portable(self) -> dict[str, torch.Tensor]:
         out = {"w16": self.dequantize().half()}
@@ -331,18 +367,38 @@ class Fp16Weights(QuantizedLinear):
 
 
 class Fp16Linear(Fp16Weights):
-    """Weights rounded to float16 and packed once for FBGEMM's float16 GEMM (`quantized::linear_dynamic_fp16`,
-    x86 CPUs): float32 activations, accumulation and output; half the bytes of float32 weights to read per
-    step. Each row's output is independent of how many rows go through: bit for bit with the AVX-512 kernels,
-    to the last bits with the AVX2 ones (a test)."""
+    """Weights rounded to float16, float32 activations, accumulation and output; half the bytes of float32 weights
+    to read per step. Multiplied by the native kernels where they run (`native.py`: the float16 weights as a
+    buffer), else packed once for FBGEMM's float16 GEMM (`quantized::linear_dynamic_fp16`, x86 CPUs). Either way
+    each row's output is independent of how many rows go through: bit for bit with the native and FBGEMM's
+    AVX-512 kernels, to the last bits with FBGEMM's AVX2 ones (a test)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         super().__init__(weight.shape[1], weight.shape[0], bias)
         if (why := fp16_unavailable(weight.device)) is not None:
             raise ValueError(why)
         b = None if bias is None else bias.detach().float().contiguous()  # added inside the kernel: exact
-        self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), b)
-        self.key = compiled_ops.register_fp16(self)  # names the packed weights inside a compiled pass
+        self.native = native.available() and native.fits(*weight.shape, native.FP16) is None
+        if self.native:
+            # int16 bits, so that casting the model's floating tensors (`.float()`, `.to(dtype)`) leaves them be
+            self.register_buffer("w16", weight.detach().half().contiguous().view(torch.int16))
+            self.bias32, self._desc, self.packed = b, None, None
+        else:
+            self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), b)
+        self.key = compiled_ops.register_fp16(self)  # names the weights inside a compiled pass
+
+    @property
+    def packed_nbytes(self) -> int:
+        """Bytes of the packed weights held as an opaque object (FBGEMM's), not as a buffer."""
+        return 0 if self.native else self.in_features * self.out_features * 2
+
+    def native_desc(self) -> native.Weights:
+        """The native kernels' description of these weights (made again if the buffers moved)."""
+        ptrs = (self.w16.data_ptr(), None if self.bias32 is None else self.bias32.data_ptr())
+        if self._desc is None or self._desc[0] != ptrs:
+            self._desc = (ptrs, native.weights(native.FP16, self.w16, self.out_features, self.in_features,
+                                               bias=self.bias32))
+        return self._desc[1]
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 0, dtype: torch.dtype | None = None) -> Fp16Linear:
@@ -350,9 +406,17 @@ class Fp16Linear(Fp16Weights):
             raise ValueError(f"fp16 packed weights compute in float32, not {dtype}")
         return cls(linear.weight, linear.bias)
 
+    def eager_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x (rows, in) float32 contiguous -> (rows, out), the bias included."""
+        if self.native:
+            return native.linear(x, self.native_desc())
+        return _FP16_MM(x, self.packed)
+
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # the packed weights are opaque to the compiler: an operator by key
+        if torch.compiler.is_compiling():  # the weights are opaque to the compiler: an operator by key
             return compiled_ops.fp16_linear(x, self.key)
+        if self.native:
+            return native.linear(x.reshape(-1, self.in_features), self.native_desc()).view(*x.shape[:-1], -1)
         return _FP16_MM(x, self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # any leading dims, the bias inside: no extra ops
@@ -365,6 +429,8 @@ class Fp16Linear(Fp16Weights):
     linear2d = forward  # any leading dims already
 
     def dequantize(self) -> torch.Tensor:
+        if self.native:
+            return self.w16.view(torch.float16).float()
         return torch.ops.quantized.linear_unpack_fp16(self.packed)[0]
 
     @classmethod

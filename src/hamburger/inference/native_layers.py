@@ -1,0 +1,119 @@
+"""The base's decoder layers in one native call a pass (`kernels/native.c`'s `hb_layers`): the engine's decode
+steps and verify passes without PyTorch's per-operator cost.
+
+A base step of the default is ~1,300 PyTorch operators even with the fast layers (`fast_layer.py`), and at
+batch 1 they cost about as much as the matrix products themselves (`benchmarks/step_profile.py`). Here one C call
+runs every layer of a pass over the engine's own caches, in one OpenMP region: the norms, the products (the
+layers' native float16 or 4-bit weights), the rotary embedding, the cache writes, attention and the MLP.
+
+It is the fast layers' computation in float32, not their bits: sums run in another order. The engine checks the
+first layer against the module-by-module layer (`kv.layer_forward`) before using it (close to float32's
+rounding, `_close_to`), and uses it for every pass of at most `NATIVE_ROWS` rows; longer passes (a prompt's
+prefill) take the fast layers. Each row's result is the same whatever the pass's other rows and however many
+slots lie beyond its mask, so verify mode's check passes give each position the one-position step's result.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from hamburger.inference.fast_layer import FastLayer, rope_tables
+from hamburger.inference.kv import KVCache, RowSlots, layer_forward
+from hamburger.kernels import native
+from hamburger.kernels.qlinear import Fp16Linear, Int4Linear
+
+NATIVE_ROWS = 64  # passes of at most this many rows (batch x positions) run natively; longer ones (prefill) do not
+
+
+class NativeLayers:
+    """The C description of a base's decoder layers (from its `FastLayer`s) and the call that runs them."""
+
+    def __init__(self, fast: list[FastLayer]) -> None:
+        first = fast[0]
+        self.heads, self.kv_heads, self.head_dim = first.heads, first.kv_heads, first.head_dim
+        self.d, self.inner, self.eps, self.scaling = first.qkv.in_features, first.inner, first.eps, first.scaling
+        self.fast = fast
+        self.layers = (native.Layer * len(fast))()
+        self._held = []  # (dict, key, tensor): what the descriptions point into, checked at each pass
+        for i, f in enumerate(fast):
+            weights = {}
+            for name in ("qkv", "o", "gate_up", "down"):
+                module = getattr(f, name)
+                weights[name] = module.native_desc()
+                buffers = ("w16",) if isinstance(module, Fp16Linear) else ("q4", "scales_and_zeros")
+                self._held += [(module._buffers, key, module._buffers[key]) for key in buffers]
+                if module.bias is not None:
+                    self._held.append((module._parameters, "bias", module.bias))
+            norms = (f.layer.input_layernorm, f.layer.post_attention_layernorm)
+            self._held += [(norm._parameters, "weight", norm.weight) for norm in norms]
+            self.layers[i] = native.Layer(f.norm1.data_ptr(), f.norm2.data_ptr(), index=i, **weights)
+
+    def usable(self) -> bool:
+        """The modules still hold the tensors the descriptions point into."""
+        return all(owner.get(key) is tensor for owner, key, tensor in self._held)
+
+    def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
+                 start: int | RowSlots, mask: torch.Tensor, first: int, last: int) -> torch.Tensor:
+        """Layers first..last-1 over x (B, T, d) float32 contiguous, in place (the caller's own copy); `rope`: the
+        base's (cos, sin), `mask`: bool (B or 1, 1, T, slots)."""
+        b, t, d = x.shape
+        cos, sin = (table.reshape(b * t, self.head_dim).contiguous() for table in rope_tables(rope))
+        if isinstance(start, RowSlots):
+            slots, end = start.slots.reshape(b * t).contiguous(), start.end
+        else:
+            slots, end = torch.arange(start, start + t).repeat(b), start + t
+        allowed = mask.expand(b, 1, t, end).contiguous()
+        k, v = cache.k, cache.v
+        lib = native.library()
+        scratch = torch.empty(lib.hb_scratch_floats(b * t, d, self.heads, self.kv_heads, self.head_dim, self.inner))
+        p = native.Pass(b, t, d, self.heads, self.kv_heads, self.head_dim, self.inner, end, self.eps, self.scaling,
+                        cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), *k.stride()[:4],
+                        slots.data_ptr(), allowed.data_ptr(), scratch.data_ptr())
+        if lib.hb_layers(ctypes.byref(self.layers, first * ctypes.sizeof(native.Layer)), last - first,
+                         ctypes.byref(p), x.data_ptr()):
+            raise MemoryError("the native layers could not allocate their attention scores")
+        return x
+
+    def takes(self, x: torch.Tensor, cache: KVCache, start, mask) -> bool:
+        """Whether this pass can run natively: few rows, float32 everywhere, a bool mask over the pass's slots."""
+        end = start.end if isinstance(start, RowSlots) else start + x.shape[1]
+        return (x.shape[0] * x.shape[1] <= NATIVE_ROWS and x.dtype == torch.float32 and not callable(mask)
+                and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[-1] == end
+                and cache.k.dtype == torch.float32 and cache.k.stride(-1) == 1 and cache.v.stride() == cache.k.stride()
+                and self.usable())
+
+
+def native_layers(base, fast: list[FastLayer] | None) -> NativeLayers | None:
+    """`NativeLayers` for the base's decoder layers, or None: no fast layers, native kernels unavailable, weights
+    not the native kernels' (fp16 and int4), or the first layer not close to the module-by-module layer."""
+    if fast is None or not native.available() or fast[0].head_dim % 16 or fast[0].head_dim > native.MAX_HEAD_DIM:
+        return None
+    if not all(isinstance(m, (Fp16Linear, Int4Linear)) and m.native for f in fast for m in (f.qkv, f.o, f.gate_up, f.down)):
+        return None
+    if any(m.bias is not None for f in fast for m in (f.o, f.gate_up, f.down)):
+        return None  # biases only on q/k/v (Qwen2), as the fast layers assume
+    layers = NativeLayers(fast)
+    return layers if _close_to(layers, base) else None
+
+
+def _close_to(layers: NativeLayers, base) -> bool:
+    """Layer 0 natively against `layer_forward` on a random two-position pass: outputs and cache within float32
+    rounding of the sums (a wrong layout or sign is far outside it)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, base.config.hidden_size, generator=gen)
+    positions = torch.arange(3, 5)[None]
+    mask = torch.ones(1, 1, 2, 5, dtype=torch.bool).tril(3)
+    caches = [KVCache.for_layers(base.layers[:1], base.config, 1, 8, torch.float32, "cpu") for _ in range(2)]
+    for c in caches:
+        c.k.normal_(generator=gen)
+        c.v.normal_(generator=gen)
+    caches[1].k.copy_(caches[0].k)
+    caches[1].v.copy_(caches[0].v)
+    with torch.inference_mode():
+        rope = base.rotary_emb(x, positions)
+        slow = layer_forward(base.layers[0], x, rope, caches[0], 0, 3, mask)
+        quick = layers(x.clone(), rope, caches[1], 3, mask, 0, 1)
+    return all(torch.allclose(a, b, rtol=1e-4, atol=1e-4) for a, b in
+               ((slow, quick), (caches[0].k, caches[1].k), (caches[0].v, caches[1].v)))

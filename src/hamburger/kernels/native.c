@@ -1,0 +1,266 @@
+/* The engine's native CPU kernels (x86-64 with AVX-512): weight-only float16 and 4-bit matrix products, and a
+ * Llama-style decoder layer over the engine's KV cache, every layer of a pass in one call and one OpenMP region.
+ *
+ * Built on the user's machine at first use (`hamburger/kernels/native.py`: cc -O3 -march=native -fopenmp) and
+ * called through ctypes. Activations, accumulation and outputs are float32.
+ *
+ * Every output is computed the same way however many rows a call has: a row's products are 16-lane partial sums
+ * over the input in order, then one fixed reduction; its attention reads exactly the slots its mask allows, in
+ * order. So a row's result does not depend on the other rows of the pass, nor on how many cache slots lie beyond
+ * its mask: a verify pass over 4 positions gives each position what a one-position step gives it, bit for bit.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define NB 4   /* output rows per tile */
+#define MT 4   /* input rows per tile */
+#define MAX_HEAD_DIM 256
+#define INL static inline __attribute__((always_inline))
+
+int hb_version(void) { return 1; }
+
+int hb_isa(void) {
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    return 512;
+#else
+    return 0;
+#endif
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+
+typedef struct {
+    int32_t kind;        /* 1: float16 (n, k) row-major; 2: 4-bit (below) */
+    int32_t unused;
+    int64_t n, k, group;
+    const void *w;       /* kind 1: uint16 (n, k); kind 2: uint8 (n, k/2), each 32 weights in 16 bytes, the low
+                            nibbles the first 16, the high nibbles the next 16 */
+    const uint16_t *sz;  /* kind 2: bfloat16 (k/group, n, 2): scale and zero, w = (q - 8) * scale + zero */
+    const float *bias;   /* (n) or NULL */
+} hb_weights;
+
+typedef struct {
+    const float *norm1, *norm2;
+    hb_weights qkv, o, gate_up, down;
+    int64_t index;       /* the layer's index in the cache */
+} hb_layer;
+
+typedef struct {
+    int64_t b, t, d, heads, kv_heads, head_dim, inner, slots_len;
+    float eps, scaling;
+    const float *cos, *sin;          /* (b*t, head_dim); sin with its first half negated */
+    float *k_cache, *v_cache;        /* element strides: layer, row, head, slot; head_dim contiguous */
+    int64_t s_layer, s_row, s_head, s_slot;
+    const int64_t *slots;            /* (b*t): the cache slot of each row's position */
+    const uint8_t *mask;             /* (b, t, slots_len): 1 where a position may attend */
+    float *scratch;                  /* hb_scratch_floats(...) floats */
+} hb_pass;
+
+INL float bf16(uint16_t v) {
+    union { uint32_t u; float f; } c = {.u = (uint32_t)v << 16};
+    return c.f;
+}
+
+/* --- matrix products: y (m, n) = x (m, k) . w^T (+ bias). Orphaned `omp for`: inside a parallel region the
+   threads split the output rows; outside one, the caller's thread does all. --------------------------------- */
+
+INL void fp16_tile(const float *x, const uint16_t *w, float *y, int64_t k, int64_t ldy, const int mt) {
+    __m512 acc[MT][NB];
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < NB; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 16) {
+        __m512 wv[NB];
+        for (int j = 0; j < NB; j++) wv[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + j * k + i)));
+        for (int m = 0; m < mt; m++) {
+            __m512 xv = _mm512_loadu_ps(x + m * k + i);
+            for (int j = 0; j < NB; j++) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
+        }
+    }
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < NB; j++) y[m * ldy + j] = _mm512_reduce_add_ps(acc[m][j]);
+}
+
+INL void int4_tile(const float *x, const uint8_t *q, const uint16_t *sz, float *y, int64_t k, int64_t n,
+                   int64_t group, int64_t ldy, const int mt) {
+    __m512 acc[MT][NB];
+    const __m128i low = _mm_set1_epi8(0x0F);
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < NB; j++) acc[m][j] = _mm512_setzero_ps();
+    for (int64_t i = 0; i < k; i += 32) {
+        const uint16_t *g = sz + (i / group) * n * 2;
+        __m512 lo[NB], hi[NB];
+        for (int j = 0; j < NB; j++) {
+            __m128i bytes = _mm_loadu_si128((const __m128i *)(q + j * (k / 2) + i / 2));
+            float scale = bf16(g[2 * j]), zero = bf16(g[2 * j + 1]);
+            __m512 s = _mm512_set1_ps(scale), mn = _mm512_set1_ps(zero - 8.0f * scale);
+            __m512 ql = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)));
+            __m512 qh = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
+            lo[j] = _mm512_fmadd_ps(ql, s, mn);
+            hi[j] = _mm512_fmadd_ps(qh, s, mn);
+        }
+        for (int m = 0; m < mt; m++) {
+            __m512 xl = _mm512_loadu_ps(x + m * k + i), xh = _mm512_loadu_ps(x + m * k + i + 16);
+            for (int j = 0; j < NB; j++) acc[m][j] = _mm512_fmadd_ps(xh, hi[j], _mm512_fmadd_ps(xl, lo[j], acc[m][j]));
+        }
+    }
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < NB; j++) y[m * ldy + j] = _mm512_reduce_add_ps(acc[m][j]);
+}
+
+#define TILES(CALL)                                   \
+    int64_t r = 0;                                    \
+    for (; r + MT <= rows; r += MT) CALL(MT);         \
+    switch (rows - r) {                               \
+        case 3: CALL(3); break;                       \
+        case 2: CALL(2); break;                       \
+        case 1: CALL(1); break;                       \
+    }
+
+static void gemm_for(const float *x, const hb_weights *w, float *y, int64_t rows) {
+    const int64_t n = w->n, k = w->k, blocks = n / NB;
+    #pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t col = b * NB;
+        if (w->kind == 1) {
+            const uint16_t *wb = (const uint16_t *)w->w + col * k;
+#define FP16(mt) fp16_tile(x + r * k, wb, y + r * n + col, k, n, mt)
+            TILES(FP16)
+#undef FP16
+        } else {
+            const uint8_t *qb = (const uint8_t *)w->w + col * (k / 2);
+            const uint16_t *sb = w->sz + col * 2;
+#define INT4(mt) int4_tile(x + r * k, qb, sb, y + r * n + col, k, n, w->group, n, mt)
+            TILES(INT4)
+#undef INT4
+        }
+        if (w->bias)
+            for (int64_t i = 0; i < rows; i++)
+                for (int j = 0; j < NB; j++) y[i * n + col + j] += w->bias[col + j];
+    }
+}
+
+void hb_linear(const float *x, const hb_weights *w, float *y, int64_t rows) {
+    #pragma omp parallel
+    gemm_for(x, w, y, rows);
+}
+
+/* --- the decoder layer ------------------------------------------------------------------------------------ */
+
+INL float dot(const float *a, const float *b, int64_t n) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    return _mm512_reduce_add_ps(acc);
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * weight */
+static void rms_norm(const float *x, const float *weight, float *out, int64_t d, float eps) {
+    float r = 1.0f / sqrtf(dot(x, x, d) / (float)d + eps);
+    for (int64_t i = 0; i < d; i++) out[i] = x[i] * r * weight[i];
+}
+
+/* x * cos + roll(x, half) * sin_signed, as the engine's fast layers rotate */
+static void rotate(const float *x, const float *cos, const float *sin, float *out, int64_t hd) {
+    const int64_t half = hd / 2;
+    for (int64_t i = 0; i < hd; i++) out[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * sin[i];
+}
+
+/* floats of scratch `hb_layers` needs for a pass of `rows` rows */
+int64_t hb_scratch_floats(int64_t rows, int64_t d, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inner) {
+    return rows * (2 * d + (2 * heads + 2 * kv_heads) * head_dim + 3 * inner);
+}
+
+static void layer(const hb_layer *L, const hb_pass *p, float *x, float *h, float *qkv, float *att, float *tmp,
+                  float *gu, float *act, float *scores) {
+    const int64_t rows = p->b * p->t, d = p->d, hd = p->head_dim, H = p->heads, KV = p->kv_heads;
+    const int64_t width = (H + 2 * KV) * hd, group = H / KV, inner = p->inner, S = p->slots_len;
+    float *kc = p->k_cache + L->index * p->s_layer, *vc = p->v_cache + L->index * p->s_layer;
+
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) rms_norm(x + r * d, L->norm1, h + r * d, d, p->eps);
+    gemm_for(h, &L->qkv, qkv, rows);
+    /* keys rotated and values, written to their cache slots */
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < rows * KV; i++) {
+        const int64_t r = i / KV, kh = i % KV, row = r / p->t;
+        const float *src = qkv + r * width + (H + kh) * hd;
+        float *kd = kc + row * p->s_row + kh * p->s_head + p->slots[r] * p->s_slot;
+        float *vd = vc + row * p->s_row + kh * p->s_head + p->slots[r] * p->s_slot;
+        rotate(src, p->cos + r * hd, p->sin + r * hd, kd, hd);
+        memcpy(vd, src + KV * hd, hd * sizeof(float));
+    }
+    /* attention: each (row, head) over the slots its mask allows */
+    #pragma omp for schedule(static)
+    for (int64_t i = 0; i < rows * H; i++) {
+        const int64_t r = i / H, head = i % H, row = r / p->t, kh = head / group;
+        float q[MAX_HEAD_DIM], o[MAX_HEAD_DIM];
+        rotate(qkv + r * width + head * hd, p->cos + r * hd, p->sin + r * hd, q, hd);
+        const uint8_t *allowed = p->mask + r * S;
+        const float *keys = kc + row * p->s_row + kh * p->s_head, *values = vc + row * p->s_row + kh * p->s_head;
+        float top = -INFINITY;
+        for (int64_t s = 0; s < S; s++) {
+            if (!allowed[s]) continue;
+            scores[s] = dot(q, keys + s * p->s_slot, hd) * p->scaling;
+            if (scores[s] > top) top = scores[s];
+        }
+        float total = 0.0f;
+        for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
+        if (top > -INFINITY) {
+            for (int64_t s = 0; s < S; s++) {
+                if (!allowed[s]) continue;
+                const float e = expf(scores[s] - top);
+                total += e;
+                const float *v = values + s * p->s_slot;
+                for (int64_t j = 0; j < hd; j++) o[j] += e * v[j];
+            }
+            for (int64_t j = 0; j < hd; j++) o[j] /= total;
+        }
+        memcpy(att + r * H * hd + head * hd, o, hd * sizeof(float));
+    }
+    gemm_for(att, &L->o, tmp, rows);
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++) {
+        for (int64_t j = 0; j < d; j++) x[r * d + j] += tmp[r * d + j];
+        rms_norm(x + r * d, L->norm2, h + r * d, d, p->eps);
+    }
+    gemm_for(h, &L->gate_up, gu, rows);
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < inner; j++) {
+            const float g = gu[r * 2 * inner + j];
+            act[r * inner + j] = g / (1.0f + expf(-g)) * gu[r * 2 * inner + inner + j];
+        }
+    gemm_for(act, &L->down, tmp, rows);
+    #pragma omp for schedule(static)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < d; j++) x[r * d + j] += tmp[r * d + j];
+}
+
+/* Layers[0..count) over x (b*t, d), in place. Returns 0, or -1 if scratch for the scores could not be had. */
+int hb_layers(const hb_layer *layers, int64_t count, const hb_pass *p, float *x) {
+    const int64_t rows = p->b * p->t, d = p->d, hd = p->head_dim;
+    const int64_t width = (p->heads + 2 * p->kv_heads) * hd, inner = p->inner;
+    float *h = p->scratch, *qkv = h + rows * d, *att = qkv + rows * width, *tmp = att + rows * p->heads * hd;
+    float *gu = tmp + rows * d, *act = gu + rows * 2 * inner;
+    int failed = 0;
+    #pragma omp parallel
+    {
+        float *scores = malloc((size_t)(p->slots_len > 0 ? p->slots_len : 1) * sizeof(float));
+        int ok = scores != NULL;
+        #pragma omp atomic
+        failed += !ok;
+        #pragma omp barrier
+        if (!failed)
+            for (int64_t i = 0; i < count; i++) layer(&layers[i], p, x, h, qkv, att, tmp, gu, act, scores);
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+#else  /* no AVX-512: the library says so (hb_isa() == 0) and Python does not use it */
+int64_t hb_scratch_floats(int64_t rows, int64_t d, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inner) {
+    return 0;
+}
+#endif

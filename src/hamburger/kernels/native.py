@@ -1,0 +1,175 @@
+"""The native CPU kernels (`native.c`): built on this machine at first use, kept in the cache, called through ctypes.
+
+PyTorch's CPU kernels for weight-only float16 and 4-bit weights are made for batches; at batch 1 a decode step is
+the weights streamed once, and most of its time goes to the ~40 operators a layer dispatches around the matrix
+products (`benchmarks/step_profile.py`). `native.c` has the matrix products for float16 weights and for 4-bit
+weights in groups, and a whole Llama-style decoder layer (norms, rotary embedding, the cache writes, attention,
+the MLP) run for every layer of a pass in one call. Each output row is computed alike whatever the other rows of
+the call (the C file says how), so a multi-position verify pass gives each position what a one-position step does.
+
+It is built with the machine's C compiler (`cc -O3 -march=native -fopenmp`, about a second) into
+`<cache>/native/<hash>.so`, the hash over the source, the compiler's version and the CPU's flags, and used where it
+was built with AVX-512 (`why_unavailable()` says why not). The OpenMP runtime is the one PyTorch loaded (the same
+`libgomp.so.1`), so its threads are PyTorch's. `HAMBURGER_NATIVE=0` turns it off (PyTorch's kernels then).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from contextlib import contextmanager
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("native.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
+FP16, INT4 = 1, 2
+TILE_OUT, INT4_BLOCK = 4, 32  # output rows a tile computes; 4-bit weights in blocks of 32 (both native.c's)
+MAX_HEAD_DIM = 256
+_lock = threading.Lock()
+_off = threading.local()  # `turned_off()`: PyTorch's kernels for layers made meanwhile (A/B benchmarks, tests)
+
+
+class Weights(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("unused", ctypes.c_int32), ("n", ctypes.c_int64), ("k", ctypes.c_int64),
+                ("group", ctypes.c_int64), ("w", ctypes.c_void_p), ("sz", ctypes.c_void_p), ("bias", ctypes.c_void_p)]
+
+
+class Layer(ctypes.Structure):
+    _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("qkv", Weights), ("o", Weights),
+                ("gate_up", Weights), ("down", Weights), ("index", ctypes.c_int64)]
+
+
+class Pass(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int64) for name in ("b", "t", "d", "heads", "kv_heads", "head_dim", "inner",
+                                                    "slots_len")]
+    _fields_ += [("eps", ctypes.c_float), ("scaling", ctypes.c_float), ("cos", ctypes.c_void_p),
+                 ("sin", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+    _fields_ += [(name, ctypes.c_int64) for name in ("s_layer", "s_row", "s_head", "s_slot")]
+    _fields_ += [("slots", ctypes.c_void_p), ("mask", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def _build(cc: str, target: Path) -> None:
+    """Compile `SOURCE` into `target` (atomically: a half-written library is never loaded)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".building-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300)
+        if run.returncode:
+            raise RuntimeError(f"{cc} failed: {run.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@cache
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    """(the library, None), or (None, why not)."""
+    if os.environ.get("HAMBURGER_NATIVE", "1").lower() in ("0", "off", "no", "false"):
+        return None, "turned off by HAMBURGER_NATIVE"
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"the native kernels are for x86-64 CPUs with AVX-512, not {platform.machine()}"
+    if (cc := _compiler()) is None:
+        return None, "no C compiler (cc or gcc) to build the native kernels"
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_flags(),
+                                        torch.__version__]).encode()).hexdigest()[:16]
+        from hamburger.model.base import cache_dir  # noqa: PLC0415 - keeps this module light to import
+
+        root = cache_dir()
+        with _lock:
+            if root is None:  # caching off: a private build for this process
+                target = Path(tempfile.mkdtemp(prefix="hamburger-native-")) / "native.so"
+                _build(cc, target)
+            else:
+                target = root / "native" / f"{key}.so"
+                if not target.is_file():
+                    _build(cc, target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return None, f"the native kernels could not be built: {exc}"
+    if lib.hb_isa() != 512:
+        return None, "this CPU (or compiler) has no AVX-512, which the native kernels need"
+    lib.hb_linear.argtypes = [ctypes.c_void_p, ctypes.POINTER(Weights), ctypes.c_void_p, ctypes.c_int64]
+    lib.hb_linear.restype = None
+    lib.hb_layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(Pass), ctypes.c_void_p]
+    lib.hb_layers.restype = ctypes.c_int
+    lib.hb_scratch_floats.argtypes = [ctypes.c_int64] * 6
+    lib.hb_scratch_floats.restype = ctypes.c_int64
+    return lib, None
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded library, or None (`why_unavailable` says why)."""
+    return _load()[0]
+
+
+def why_unavailable() -> str | None:
+    """Why the native kernels are not used here, or None when they are."""
+    return _load()[1]
+
+
+def available() -> bool:
+    """Whether layers made now use the native kernels."""
+    return not getattr(_off, "on", False) and library() is not None
+
+
+@contextmanager
+def turned_off():
+    """Layers and engines made inside this block use PyTorch's kernels, in this thread (to measure one against the
+    other in one process)."""
+    before = getattr(_off, "on", False)
+    _off.on = True
+    try:
+        yield
+    finally:
+        _off.on = before
+
+
+def weights(kind: int, w: torch.Tensor, out_features: int, in_features: int, sz: torch.Tensor | None = None,
+            group: int = 0, bias: torch.Tensor | None = None) -> Weights:
+    """The C description of a layer's weights (the tensors must outlive it: the caller keeps them)."""
+    return Weights(kind, 0, out_features, in_features, group, w.data_ptr(),
+                   None if sz is None else sz.data_ptr(), None if bias is None else bias.data_ptr())
+
+
+def fits(out_features: int, in_features: int, kind: int, group: int = 0) -> str | None:
+    """Why the native products cannot take a layer of this shape (None if they can)."""
+    if out_features % TILE_OUT:
+        return f"out_features {out_features} is not a multiple of {TILE_OUT} (native kernels)"
+    block = 16 if kind == FP16 else INT4_BLOCK
+    if in_features % block or (kind == INT4 and group % INT4_BLOCK):
+        return f"in_features {in_features} is not a multiple of {block} (native kernels)"
+    return None
+
+
+def linear(x: torch.Tensor, desc: Weights) -> torch.Tensor:
+    """x (rows, k) float32 contiguous -> (rows, n) through the described weights (bias included)."""
+    y = torch.empty(x.shape[0], desc.n, dtype=torch.float32)
+    _load()[0].hb_linear(x.data_ptr(), ctypes.byref(desc), y.data_ptr(), x.shape[0])
+    return y
