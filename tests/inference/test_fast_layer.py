@@ -50,14 +50,15 @@ def calls(engine: Engine) -> list[int]:
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_the_fast_layers_decode_the_same_tokens_in_every_mode(arch, scheme):
     model = packed(arch, scheme)
-    fast, slow = Engine(model, draft_policy=False), Engine(model, draft_policy=False, fast_layers=False)
+    fast = Engine(model, draft_policy=False, native_layers=False)
+    slow = Engine(model, draft_policy=False, fast_layers=False)
     assert fast.fast is not None and slow.fast is None
     for mode in ("verify", "trust", "compress"):
         kw = {"max_new_tokens": 16, "confidence": 0.05, "mode": mode, "eos_token_ids": set()}
         want = slow.generate(PROMPTS, **kw)
         got = fast.generate(PROMPTS, **kw)
         assert got.tokens == want.tokens and got.steps == want.steps, mode
-    one = Engine(model, draft_policy=False)
+    one = Engine(model, draft_policy=False, native_layers=False)
     count = calls(one)
     one.generate(PROMPTS[:1], max_new_tokens=4, mode="verify", eos_token_ids=set())
     assert count[0] >= 4 * len(model.base.model.layers)  # the prefill and the steps went through them
@@ -94,7 +95,7 @@ def test_not_used_where_it_would_not_be_the_same_computation():
 
 def test_a_hook_or_a_swapped_module_sends_the_pass_back_to_the_module_path():
     model = packed("llama", "int4")
-    engine = Engine(model, draft_policy=False)
+    engine = Engine(model, draft_policy=False, native_layers=False)
     count = calls(engine)
     want = Engine(model, draft_policy=False, fast_layers=False).generate(PROMPTS, max_new_tokens=8, mode="verify",
                                                                           eos_token_ids=set())

@@ -157,7 +157,7 @@ def test_fp16_linear_rounds_weights_and_rows_are_independent():
     lin = linear_from(torch.randn(96, 80) * 0.05, bias=True)
     layer = Fp16Linear.from_linear(lin)
     assert torch.equal(layer.dequantize(), lin.weight.half().float())  # the weights, rounded once
-    assert layer.packed_nbytes == 96 * 80 * 2 and torch.equal(layer.weight, layer.dequantize())
+    assert layer.weight_nbytes == 96 * 80 * 2 and torch.equal(layer.weight, layer.dequantize())
     x = torch.randn(2, 7, 80)
     ref = F.linear(x, lin.weight.half().float(), lin.bias)
     out = layer(x)
@@ -239,7 +239,7 @@ def test_fp16_fuses_sibling_projections_into_one_gemm(monkeypatch):
     calls = []
     group_linear = type(attn.q_proj.group.linear)
     monkeypatch.setattr(group_linear, "_mm", lambda self, x: calls.append(self.out_features) or
-                        torch.ops.quantized.linear_dynamic_fp16(x, self.packed))
+                        self.eager_mm(x.reshape(-1, x.shape[-1])).view(*x.shape[:-1], -1))
     logits(fused, ids)
     # Per layer: q/k/v (64 + 2 KV heads x 16 x 2 = 128 rows) in one, o_proj, gate/up (2 x 128) in one, down_proj;
     # then the LM head. Unfused it would be seven calls a layer.

@@ -17,7 +17,7 @@ from hamburger.inference import draft_policy as draft_policy_mod
 from hamburger.inference.core import MicroContext
 from hamburger.inference.draft_policy import StepCosts
 from hamburger.inference.fast_layer import decode_layers, fast_usable, rope_tables
-from hamburger.inference.native_layers import native_layers
+from hamburger.inference.native_layers import native_layers as make_native
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
 from hamburger.inference.lookup import reply_store
 from hamburger.kernels.qlinear import Fp16Linear, QuantizedLinear, fp16_unavailable
@@ -64,7 +64,7 @@ class ModelRunner:
 
     def __init__(self, model: HamburgerModel, compile: bool = False, shortlist: bool = True,
                  draft_rows: int | str | None = "auto", lookup: int | None = None,
-                 draft_policy: bool | None = None, fast_layers: bool = True) -> None:
+                 draft_policy: bool | None = None, fast_layers: bool = True, native_layers: bool = True) -> None:
         """`draft_rows`: verify mode drafts only in batches of at most this many rows (None: always; 0: never;
         "auto": `config.DRAFT_ROWS` where a pass of a few positions costs about one of one position, else 0; see
         `auto_draft_rows`). Compress mode always drafts: its steps are what it merges. `lookup`: verify and
@@ -72,8 +72,9 @@ class ModelRunner:
         before (0: never; None: the checkpoint's `lookup`). `draft_policy`: a verify row drafts only while its
         drafts pay for their cost, measured on this engine's own steps (`draft_policy.py`); False: every step;
         None: `draft_policy.ON_BY_DEFAULT`. `fast_layers`: base passes without slot adapters run the decoder layers
-        in fewer operators where that is the same computation (`fast_layer.py`), and passes of a few rows in one
-        native call where the native kernels run (`native_layers.py`); False: module by module."""
+        in fewer operators where that is the same computation (`fast_layer.py`); False: module by module.
+        `native_layers`: with fast layers, passes of a few rows run every layer in one native call where the
+        native kernels run (`native_layers.py`); False: the fast layers."""
         check_supported(model)
         self.model = model
         self.lookup = check_lookup(model.config.lookup if lookup is None else lookup)
@@ -98,7 +99,7 @@ class ModelRunner:
                 self._short, self.short_head = Fp16Linear(self.short_head), None
         self.base = model.base.base_model
         self.fast = decode_layers(self.base) if fast_layers else None
-        self.native = native_layers(self.base, self.fast) if fast_layers and not compile else None
+        self.native = make_native(self.base, self.fast) if native_layers and not compile else None
         self.k = model.config.max_step_tokens
         self.compiled = False
         # What --compile compiles: every base pass (the slot adapters inline in smashed ones) and every micro-step.

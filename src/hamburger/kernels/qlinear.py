@@ -1,169 +1,35 @@
-"""Weight-only quantized linear layers on PyTorch's packed kernels: float16 weights for FBGEMM's GEMM (CPU),
-int8 per output channel and int4 in groups (GGUF Q4_1's layout). `qcodes.py` holds the arithmetic that makes their
-codes, `quantize.py` plans which layers to swap.
+"""Weight-only quantized linear layers: float16 weights, int8 per output channel and int4 in groups (GGUF Q4_1's
+layout). float16 and int4 multiply with the native kernels where they run (`native.py`: x86-64 CPUs with AVX-512
+and a C compiler), else with PyTorch's packed kernels (FBGEMM's float16 GEMM, the int4 pack kernels); int8 always
+with PyTorch's. `qbase.py` holds what they share, `qcodes.py` the arithmetic that makes their codes, `quantize.py`
+plans which layers to swap.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hamburger.kernels import compiled_ops, native
+from hamburger.kernels.qbase import (
+    FP16_MM,
+    INT4_MM_CPU,
+    INT8_MM,
+    WIDE_ROWS,
+    QuantizedLinear,
+    carry_hooks,
+    cat_bias,
+    check_device,
+    fp16_unavailable,
+    int8_unfit,
+    int_kernel_dtype,
+    wide_unavailable,
+)
 from hamburger.kernels.qcodes import inner_k_tiles, int4_weights, int8_weights, pack_nibbles, unpack_nibbles
 
-# `set_wide`: passes of at least this many rows (prefill, a batch of 8 or more rows) multiply by a bfloat16 copy of
-# the weights. On a CPU with AMX, oneDNN's bfloat16 GEMM costs about the same from 1 to 64 rows, while FBGEMM's fp16
-# and the int8/int4 kernels grow with the rows; the two cross near 8 rows (docs/quantize.md, "Wide passes").
-WIDE_ROWS = 8
+__all__ = ["MODULES", "WIDE_ROWS", "Fp16Linear", "Fp16Weights", "Int4Linear", "Int8Linear", "QuantizedLinear",
+           "carry_hooks", "fp16_unavailable", "int8_unfit", "int_kernel_dtype", "wide_unavailable"]
 
-
-def wide_unavailable(device: torch.device | str) -> str | None:
-    """Why wide passes in bfloat16 would not pay on `device`, or None: a CPU whose oneDNN multiplies bfloat16
-    natively (AVX512-BF16 / AMX)."""
-    if torch.device(device).type != "cpu":
-        return f"+bf16 (wide passes in bfloat16) is for CPUs, not {torch.device(device).type}"
-    if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-        return "+bf16 (wide passes in bfloat16) needs a CPU with native bfloat16 (AVX512-BF16 or AMX)"
-    return None
-
-
-# --- the modules ---------------------------------------------------------------------------------------------
-
-
-def fp16_unavailable(device: torch.device | str) -> str | None:
-    """Why FBGEMM's packed float16 GEMM cannot run on `device` (None if it can): the one rule for `fp16`."""
-    if torch.device(device).type != "cpu":
-        return ("float16 packed weights run on x86 CPUs only (FBGEMM); on CUDA load the model with --dtype float16 "
-                "or bfloat16 instead")
-    if "fbgemm" not in torch.backends.quantized.supported_engines:
-        return "this PyTorch build has no FBGEMM (x86 CPUs only)"
-    return None
-
-
-def int_kernel_dtype(device: torch.device | str, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype of the activations (and of the scales) the int8/int4 kernels multiply with by default.
-
-    bfloat16 on CPU, whatever the model's dtype: PyTorch's CPU int8/int4 kernels are vectorized for bfloat16
-    inputs only; float32 and float16 inputs take a scalar loop, 10-120x slower (docs/quantize.md). The layer
-    converts its input to bfloat16 and its output back, so the rest of the model keeps its dtype. On CUDA the
-    model's dtype (the int4 kernel takes bfloat16 only, checked where the layer is made).
-    """
-    return torch.bfloat16 if torch.device(device).type == "cpu" else model_dtype
-
-
-def int8_unfit(in_features: int, device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """Why the int8 kernel cannot take a layer (None if it can). Its CPU bfloat16 path reads garbage or crashes
-    when in_features is not a multiple of 16 (measured on torch 2.13, AVX-512)."""
-    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and in_features % 16:
-        return f"in_features {in_features} is not a multiple of 16 (the CPU int8 kernel in bfloat16)"
-    return None
-
-
-def _cat_bias(parts: list[QuantizedLinear]) -> torch.Tensor | None:
-    """The parts' biases end to end (zeros for a part without one); None if none has one."""
-    ref = next((p.bias for p in parts if p.bias is not None), None)
-    if ref is None:
-        return None
-    return torch.cat([p.bias.detach() if p.bias is not None else ref.new_zeros(p.out_features) for p in parts])
-
-
-def _check_device(device: torch.device) -> None:
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"weight-only quantization has packed kernels for cpu and cuda only, not {device.type!r}")
-
-
-# The kernels' overloads, called directly: an operator packet's call checks on every call which overload and
-# whether to dispatch in Python (about 1.3 us of a 20 us call at batch 1).
-def _overload(namespace: str, name: str):
-    """torch.ops.<namespace>.<name>.default, or None in a build without it (the layer that needs it says so)."""
-    try:
-        return getattr(getattr(torch.ops, namespace), name).default
-    except (AttributeError, RuntimeError):
-        return None
-
-
-_FP16_MM = _overload("quantized", "linear_dynamic_fp16")
-_INT4_MM_CPU = _overload("aten", "_weight_int4pack_mm_for_cpu")
-_INT8_MM = _overload("aten", "_weight_int8pack_mm")
-
-
-class QuantizedLinear(nn.Module):
-    """Common part: same forward as nn.Linear (any leading dims), float bias, `.weight` as a dequantised copy."""
-
-    scheme = ""
-
-    def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None, group_size: int = 0) -> None:
-        super().__init__()
-        self.in_features, self.out_features, self.group_size = in_features, out_features, group_size
-        self.bias = nn.Parameter(bias.detach().clone(), requires_grad=False) if bias is not None else None
-
-    @property
-    def compute_dtype(self) -> torch.dtype:
-        raise NotImplementedError
-
-    def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    # `set_wide`: a bfloat16 copy of the weights for passes of at least `wide_rows` rows (None: off). A plain
-    # attribute, not a buffer, so the disk cache holds the quantized weights only; `quantize.wide_bytes` counts it.
-    wide: torch.Tensor | None = None
-    wide_rows: int = 0
-
-    def set_wide(self, rows: int = WIDE_ROWS) -> None:
-        """Passes of at least `rows` rows multiply by a bfloat16 copy of the (dequantized) weights from now on, and
-        add the bias in float; 0 turns it off. One more copy of the weights in memory (two bytes a weight)."""
-        if rows < 0:
-            raise ValueError(f"wide rows must be >= 0, got {rows}")
-        self.wide = self.dequantize().to(torch.bfloat16).contiguous() if rows else None
-        self.wide_rows = rows
-
-    def _wide(self, x: torch.Tensor) -> torch.Tensor | None:
-        """The output through the bfloat16 copy when the pass is wide enough, else None."""
-        if self.wide is None or x.numel() < self.wide_rows * self.in_features:
-            return None
-        y = F.linear(x.to(torch.bfloat16), self.wide).to(x.dtype)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear2d(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
-
-    def linear2d(self, x: torch.Tensor) -> torch.Tensor:
-        """The forward of a (rows, in_features) input without the module call and reshapes (the engine's decode
-        layers call this: `inference/fast_layer.py`)."""
-        if (y := self._wide(x)) is not None:
-            return y
-        y = self._mm(x.to(self.compute_dtype).contiguous())
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.to(x.dtype)
-
-    def dequantize(self) -> torch.Tensor:
-        """The (out, in) float weights the kernel multiplies with, in the compute dtype."""
-        raise NotImplementedError
-
-    @property
-    def weight(self) -> torch.Tensor:  # a fresh dequantised copy: read-only use (e.g. rows of the LM head)
-        return self.dequantize()
-
-    def portable(self) -> dict[str, torch.Tensor]:
-        """Device-independent CPU tensors that `from_portable` turns back into this module bit for bit."""
-        raise NotImplementedError
-
-    @classmethod
-    def concat(cls, parts: list[QuantizedLinear]) -> QuantizedLinear:
-        """One layer of this class whose output rows are the parts' in order, each exactly as the part had them
-        (every scheme here quantizes an output row independently of the others)."""
-        raise NotImplementedError
-
-    @property
-    def weight_nbytes(self) -> int:
-        """Bytes of the weights the kernel reads (buffers, or the packed object), without the bias."""
-        return sum(b.numel() * b.element_size() for b in self.buffers())
-
-    def extra_repr(self) -> str:
-        group = f", group_size={self.group_size}" if self.group_size else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{group}"
 
 
 class Int8Linear(QuantizedLinear):
@@ -184,7 +50,7 @@ class Int8Linear(QuantizedLinear):
     def from_linear(cls, linear: nn.Linear, group_size: int = 0, dtype: torch.dtype | None = None) -> Int8Linear:
         """dtype: of the scales and so of the activations (default `int_kernel_dtype`)."""
         w = linear.weight
-        _check_device(w.device)
+        check_device(w.device)
         q, scales = int8_weights(w, dtype or int_kernel_dtype(w.device, w.dtype))
         return cls(q, scales, linear.bias)
 
@@ -193,7 +59,7 @@ class Int8Linear(QuantizedLinear):
         return self.scales.dtype
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        return _INT8_MM(x, self.weight_int8, self.scales)
+        return INT8_MM(x, self.weight_int8, self.scales)
 
     def dequantize(self) -> torch.Tensor:
         return self.weight_int8.to(self.scales.dtype) * self.scales[:, None]
@@ -210,11 +76,12 @@ class Int8Linear(QuantizedLinear):
 
     @classmethod
     def concat(cls, parts: list[Int8Linear]) -> Int8Linear:
-        return cls(torch.cat([p.weight_int8 for p in parts]), torch.cat([p.scales for p in parts]), _cat_bias(parts))
+        return cls(torch.cat([p.weight_int8 for p in parts]), torch.cat([p.scales for p in parts]), cat_bias(parts))
 
 
 class Int4Linear(QuantizedLinear):
-    """Asymmetric group-wise 4-bit weights (Q4_1 layout), the packed int4 kernels of CPU or CUDA."""
+    """Asymmetric group-wise 4-bit weights (Q4_1 layout): the native kernels on CPU where they run (float32
+    activations: `compute_dtype`), else the packed int4 kernels of CPU or CUDA (bfloat16 activations on CPU)."""
 
     scheme = "int4"
 
@@ -224,7 +91,7 @@ class Int4Linear(QuantizedLinear):
         n, k = q.shape
         super().__init__(k, n, bias, group_size)
         device = q.device
-        _check_device(device)
+        check_device(device)
         self.packed_for = device.type
         zeros = mins + 8 * scales  # in the stored dtype, as quantized against
         self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1).contiguous())
@@ -281,7 +148,7 @@ class Int4Linear(QuantizedLinear):
                              "the model on the device it runs on")
         if self.packed_for == "cuda":
             return torch.ops.aten._weight_int4pack_mm(x, self.weight_int4pack, self.group_size, scales_and_zeros)
-        return _INT4_MM_CPU(x, self.weight_int4pack, self.group_size, scales_and_zeros)
+        return INT4_MM_CPU(x, self.weight_int4pack, self.group_size, scales_and_zeros)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if self.native:  # without the bias (`linear2d` adds it)
@@ -336,7 +203,7 @@ class Int4Linear(QuantizedLinear):
     @classmethod
     def concat(cls, parts: list[Int4Linear]) -> Int4Linear:
         unpacked = [p.unpack() for p in parts]
-        module = cls(*(torch.cat([u[i] for u in unpacked]) for i in range(3)), parts[0].group_size, _cat_bias(parts))
+        module = cls(*(torch.cat([u[i] for u in unpacked]) for i in range(3)), parts[0].group_size, cat_bias(parts))
         module.scales_and_zeros.copy_(torch.cat([p.scales_and_zeros for p in parts], 1))  # exactly the parts'
         return module
 
@@ -410,14 +277,14 @@ class Fp16Linear(Fp16Weights):
         """x (rows, in) float32 contiguous -> (rows, out), the bias included."""
         if self.native:
             return native.linear(x, self.native_desc())
-        return _FP16_MM(x, self.packed)
+        return FP16_MM(x, self.packed)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():  # the weights are opaque to the compiler: an operator by key
             return compiled_ops.fp16_linear(x, self.key)
         if self.native:
             return native.linear(x.reshape(-1, self.in_features), self.native_desc()).view(*x.shape[:-1], -1)
-        return _FP16_MM(x, self.packed)
+        return FP16_MM(x, self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # any leading dims, the bias inside: no extra ops
         if (y := self._wide(x)) is not None:
@@ -439,21 +306,8 @@ class Fp16Linear(Fp16Weights):
 
     @classmethod
     def concat(cls, parts: list[Fp16Linear]) -> Fp16Linear:
-        bias = _cat_bias(parts)  # the float16 values: packing again rounds nothing
+        bias = cat_bias(parts)  # the float16 values: packing again rounds nothing
         return cls(torch.cat([p.dequantize() for p in parts]), None if bias is None else bias.float())
-
-
-def carry_hooks(old: nn.Module, new: nn.Module) -> nn.Module:
-    """`new`, given `old`'s forward hooks (e.g. the slot adapters') and training flag, to take its place.
-
-    The hook dicts are shared, not copied, so the handles that registered them still remove them.
-    """
-    for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
-        if hasattr(old, attr):
-            setattr(new, attr, getattr(old, attr))
-    new.train(old.training)
-    return new
 
 
 MODULES = {"fp16": Fp16Linear, "int8": Int8Linear, "int4": Int4Linear}

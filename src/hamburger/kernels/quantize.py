@@ -3,16 +3,17 @@
 Every `nn.Linear` the plan takes (the base's projections and MLPs, the micro-step decoder's, and the LM
 head) is swapped for a module with the same forward signature that multiplies with PyTorch's packed kernels:
 
-* ``fp16``: weights rounded to float16 and packed once for FBGEMM's float16 GEMM
-  (`quantized::linear_prepack_fp16` + `quantized::linear_dynamic_fp16`, x86 CPUs), float32 activations. At
-  batch 1 a decode step reads every weight once, so halving their bytes with a kernel that streams them
-  well is the CPU's largest lever (docs/quantize.md has the figures). Then each decoder layer's q/k/v and
-  gate/up share one packed GEMM (`fused.fuse_projections`, for int8 and int4 too): fewer calls, the same
-  outputs.
+* ``fp16``: weights rounded to float16, float32 activations. At batch 1 a decode step reads every weight once, so
+  halving their bytes with a kernel that streams them well is the CPU's largest lever (docs/quantize.md has the
+  figures). On x86-64 CPUs with AVX-512 the native kernels multiply (`native.py`, built at first use), else
+  FBGEMM's float16 GEMM (`quantized::linear_prepack_fp16` + `quantized::linear_dynamic_fp16`). Then each
+  decoder layer's q/k/v and gate/up share one call (`fused.fuse_projections`, for int8 and int4 too): fewer
+  calls, the same outputs.
 * ``int8``: per-output-channel symmetric int8, `aten._weight_int8pack_mm` (CPU and CUDA).
 * ``int4``: asymmetric group-wise 4-bit (groups of `group_size` input weights sharing a scale and a
-  minimum), `aten._convert_weight_to_int4pack_for_cpu` + `aten._weight_int4pack_mm_for_cpu` on CPU, and
-  `aten._convert_weight_to_int4pack` + `aten._weight_int4pack_mm` on CUDA (bfloat16 only there).
+  minimum): the native kernels where they run (float32 activations), else `aten._convert_weight_to_int4pack_for_cpu`
+  + `aten._weight_int4pack_mm_for_cpu` on CPU (bfloat16 activations), and `aten._convert_weight_to_int4pack` +
+  `aten._weight_int4pack_mm` on CUDA (bfloat16 only there).
 
 The int4 layout is GGUF's Q4_1 (w = q·scale + min, q in 0..15, 32 weights a block): a base whose float
 weights were dequantised from Q4_1 blocks (the embedded SmolLM2 default: every block of its 210 Q4_1

@@ -1,0 +1,135 @@
+"""The base's decoder layers in one native call a pass (`inference/native_layers.py`): the fast layers' computation
+to float32's rounding, each position of a pass exactly what a one-position step gives it (so verify mode is its
+base exactly, 4-bit weights included), and used only where it applies."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from conftest import hamburger
+from hamburger.inference.engine import Engine
+from hamburger.inference.fast_layer import rope_tables
+from hamburger.inference.kv import KVCache, RowSlots
+from hamburger.inference.native_layers import NATIVE_ROWS, _close_to
+from hamburger.kernels import native
+from hamburger.kernels.quantize import quantize_model
+from hamburger.model.hamburger_model import HamburgerModel
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51]]
+
+
+def packed(arch: str = "llama", scheme: str = "int4"):
+    model = hamburger(arch, k=4)
+    quantize_model(model.base, scheme)
+    return model
+
+
+def random_cache(base, rows: int, seed: int = 0) -> KVCache:
+    cache = KVCache.for_layers(base.layers, base.config, rows, 16, torch.float32, "cpu")
+    gen = torch.Generator().manual_seed(seed)
+    cache.k.normal_(generator=gen)
+    cache.v.normal_(generator=gen)
+    return cache
+
+
+def fast_pass(engine: Engine, x, rope, cache, start, mask):
+    tables = rope_tables(rope)
+    for i, layer in enumerate(engine.fast):
+        x = layer(x, *tables, cache, i, start, mask)
+    return x
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_a_pass_is_the_fast_layers_to_float32_rounding(arch, scheme):
+    model = packed(arch, scheme)
+    engine = Engine(model)
+    assert engine.native is not None
+    base = engine.base
+    x = torch.randn(2, 3, base.config.hidden_size)
+    mask = torch.ones(2, 1, 3, 8, dtype=torch.bool).tril(5)
+    mask[1, ..., :2] = False  # the second row's first two slots are padding
+    caches = [random_cache(base, 2) for _ in range(2)]
+    with torch.inference_mode():
+        rope = base.rotary_emb(x, torch.arange(5, 8)[None].expand(2, -1))
+        want = fast_pass(engine, x, rope, caches[0], 5, mask)
+        got = engine.native(x.clone(), rope, caches[1], 5, mask, 0, len(base.layers))
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 1e-5 * scale
+    assert torch.allclose(caches[0].k, caches[1].k, atol=1e-5) and torch.allclose(caches[0].v, caches[1].v, atol=1e-5)
+    # A mutation that drops the last layer is far outside that
+    with torch.inference_mode():
+        short = engine.native(x.clone(), rope, random_cache(base, 2), 5, mask, 0, len(base.layers) - 1)
+    assert (short - want).abs().max() > 1e-2 * scale
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "int4"])
+def test_each_position_of_a_pass_is_what_a_one_position_step_gives_it_bit_for_bit(scheme):
+    model = packed("qwen2", scheme)  # q/k/v biases too
+    engine = Engine(model)
+    base, depth = engine.base, len(engine.base.layers)
+    x = torch.randn(2, 4, base.config.hidden_size)
+    slots = torch.tensor([[3, 4, 5, 6], [6, 7, 8, 9]])  # the rows at different lengths (verify mode's RowSlots)
+    mask = torch.zeros(2, 1, 4, 12, dtype=torch.bool)
+    for r in range(2):
+        for t in range(4):
+            mask[r, 0, t, : slots[r, t] + 1] = True
+    mask[1, 0, :, :2] = False  # padding
+    together, alone = random_cache(base, 2), random_cache(base, 2)
+    with torch.inference_mode():
+        rope = base.rotary_emb(x, slots)
+        out = engine.native(x.clone(), rope, together, RowSlots(slots, 10), mask[..., :10], 0, depth)
+        for t in range(4):  # one position at a time, each against the whole cache's length
+            one = (rope[0][:, t:t + 1], rope[1][:, t:t + 1])
+            step = engine.native(x[:, t:t + 1].clone(), one, alone, RowSlots(slots[:, t:t + 1], 12),
+                                 mask[:, :, t:t + 1], 0, depth)
+            assert torch.equal(step[:, 0], out[:, t]), t
+    assert torch.equal(together.k, alone.k) and torch.equal(together.v, alone.v)
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "int4"])
+def test_verify_mode_is_its_base_exactly(scheme):
+    model = packed("llama", scheme)
+    engine, plain = Engine(model), Engine(HamburgerModel.plain(model.base, model.tokenizer))
+    assert engine.native is not None and plain.native is not None
+    kw = {"max_new_tokens": 24, "eos_token_ids": set()}
+    assert engine.generate(PROMPTS, mode="verify", **kw).tokens == plain.generate(PROMPTS, **kw).tokens
+    for prompt in PROMPTS:  # and batch 1
+        assert engine.generate([prompt], mode="verify", **kw).tokens == plain.generate([prompt], **kw).tokens
+
+
+def test_used_for_steps_not_for_long_passes_nor_where_it_does_not_apply():
+    model = packed("llama", "int4")
+    engine = Engine(model)
+    base = engine.base
+    cache = KVCache.for_layers(base.layers, base.config, 1, 200, torch.float32, "cpu")
+    step = torch.zeros(1, 1, base.config.hidden_size)
+    mask = torch.ones(1, 1, 1, 6, dtype=torch.bool)
+    assert engine.native.takes(step, cache, 5, mask)
+    long = torch.zeros(1, NATIVE_ROWS + 1, base.config.hidden_size)
+    assert not engine.native.takes(long, cache, 0, torch.ones(1, 1, NATIVE_ROWS + 1, NATIVE_ROWS + 1).bool())
+    assert not engine.native.takes(step, cache, 5, lambda i: mask)  # per-layer masks (compress mode's biases)
+    assert not engine.native.takes(step, cache, 5, mask.float())
+    assert Engine(model, native_layers=False).native is None and Engine(model, fast_layers=False).native is None
+    assert Engine(hamburger("llama", k=4)).native is None  # float weights: PyTorch's own
+    with native.turned_off():
+        assert Engine(packed("llama", "int4")).native is None
+    # weights replaced after the engine was made: not read through stale pointers
+    qkv = engine.fast[0].qkv
+    qkv.q4 = qkv.q4.clone()
+    assert not engine.native.usable() and not engine.native.takes(step, cache, 5, mask)
+
+
+def test_the_first_layer_check_catches_a_wrong_description():
+    model = packed("llama", "fp16")
+    engine = Engine(model)
+    assert _close_to(engine.native, engine.base)
+    layer = engine.native.layers[0]
+    layer.norm1, layer.norm2 = layer.norm2, layer.norm1  # a mix-up of the two norms' weights
+    torch.nn.init.normal_(engine.base.layers[0].input_layernorm.weight)  # (they start equal: all ones)
+    assert not _close_to(engine.native, engine.base)
+    assert ctypes.sizeof(engine.native.layers[0]) == ctypes.sizeof(native.Layer)

@@ -1,0 +1,96 @@
+"""The native kernels' matrix products (`kernels/native.c` through `Fp16Linear` / `Int4Linear`): the layers' own
+weights, the bias, each row alike whatever the other rows, and the 4-bit layout read back exactly."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hamburger.kernels import native
+from hamburger.kernels.qlinear import Fp16Linear, Int4Linear
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+
+
+def linear(out_features: int, in_features: int, bias: bool = True, seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    layer = nn.Linear(in_features, out_features, bias=bias)
+    with torch.no_grad():
+        layer.weight.normal_(0, 0.05)
+        if bias:
+            layer.bias.normal_(0, 0.5)
+    return layer
+
+
+def q4_layer(n: int = 48, k: int = 128, group: int = 64, bias: bool = True) -> tuple[Int4Linear, torch.Tensor]:
+    """A native 4-bit layer from random codes, and its weights computed here: q * scale + (zero - 8 * scale)."""
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (n, k), generator=gen)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).bfloat16()
+    mins = (torch.randn(n, k // group, generator=gen) * 0.05).bfloat16()
+    layer = Int4Linear(q, scales, mins, group, torch.randn(n, generator=gen) if bias else None)
+    sz = layer.scales_and_zeros.float()
+    s, z = (sz[..., i].t().repeat_interleave(group, 1) for i in (0, 1))
+    return layer, q.float() * s + (z - 8 * s)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
+def test_fp16_products_are_the_rounded_weights_with_the_bias(rows):
+    lin = linear(96, 80)
+    layer = Fp16Linear.from_linear(lin)
+    assert layer.native and layer.packed is None
+    x = torch.randn(rows, 80)
+    want = F.linear(x, lin.weight.half().float(), lin.bias)
+    got = layer(x)
+    assert (got - want).abs().max() <= 2e-6 * want.abs().max()
+    # A mutation that forgets the bias is far outside that
+    assert (F.linear(x, lin.weight.half().float()) - want).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 7])
+def test_int4_products_are_the_layers_weights(rows):
+    layer, weights = q4_layer()
+    assert layer.native and not hasattr(layer, "weight_int4pack")
+    x = torch.randn(rows, 128)
+    want = F.linear(x, weights, layer.bias)
+    assert (layer(x) - want).abs().max() <= 2e-6 * want.abs().max()
+    # dequantize() is exactly what the kernel multiplies with: an identity through it gives it back, bit for bit
+    assert torch.equal(layer.dequantize(), weights)
+    assert torch.equal(layer._mm(torch.eye(128)).t(), weights)
+
+
+@pytest.mark.parametrize("kind", ["fp16", "int4"])
+def test_each_row_is_the_same_whatever_the_other_rows(kind):
+    layer = Fp16Linear.from_linear(linear(64, 96)) if kind == "fp16" else q4_layer(64, 96, 32)[0]
+    x = torch.randn(11, 96)
+    together = layer(x)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(11)])
+    assert torch.equal(together, alone)
+    for cut in (2, 4, 7):  # the tiles of 4 rows fall elsewhere
+        assert torch.equal(torch.cat([layer(x[:cut]), layer(x[cut:])]), together)
+
+
+def test_int4_codes_and_scales_read_back_exactly_and_survive_the_disk_format():
+    layer, _ = q4_layer(bias=True)
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(0, 16, (48, 128), generator=gen)
+    codes = layer.unpack()[0]
+    assert torch.equal(codes, q.to(torch.uint8))
+    again = Int4Linear.from_portable(layer.portable(), torch.device("cpu"), 64)
+    assert torch.equal(again.q4, layer.q4) and torch.equal(again.scales_and_zeros, layer.scales_and_zeros)
+    both = Int4Linear.concat([layer, again])
+    x = torch.randn(3, 128)
+    assert torch.equal(both(x), torch.cat([layer(x), again(x)], -1))
+
+
+def test_turned_off_makes_pytorchs_kernels_and_shapes_that_do_not_fit_stay_there():
+    with native.turned_off():
+        assert not native.available()
+        assert not Fp16Linear.from_linear(linear(96, 80)).native
+        assert not Int4Linear.from_linear(linear(48, 128), 32).native
+    assert native.available()
+    assert native.fits(50, 64, native.FP16) is not None  # out_features not a multiple of 4
+    assert native.fits(48, 40, native.FP16) is not None  # in_features not a multiple of 16
+    assert not Fp16Linear.from_linear(linear(50, 64)).native  # PyTorch's kernel takes it instead
