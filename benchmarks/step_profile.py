@@ -14,12 +14,18 @@ module and with the engine's fast layers (`inference/fast_layer.py`, the engine'
 - `ops / step`: aten operators dispatched per step (from `torch.profiler`), and its self-time split into GEMMs,
   attention and the rest (profiled times are inflated by the profiler's own cost; the shares are what count).
 
-    python benchmarks/step_profile.py --schemes fp16,int4            # about 2 min on 2 cores
+The layers: `modules` and `fast` on a copy quantized for PyTorch's kernels (`native.turned_off`), `native` (every
+layer of the step in one native call, the native products; the engine's default where they build) on a copy with
+the native kernels' layouts; the same weights. A native step's products run inside its one call, so its `GEMMs ms`
+are the native products called alone, and its operators are those around the call.
+
+    python benchmarks/step_profile.py --schemes fp16,int4            # about 3 min on 2 cores
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 from collections import Counter
@@ -29,6 +35,7 @@ from torch import nn
 
 from hamburger.inference.engine import Engine
 from hamburger.inference.kv import KVCache
+from hamburger.kernels import native
 from hamburger.kernels.qlinear import QuantizedLinear
 from hamburger.kernels.quantize import DEFAULT_SKIP, quantize_model
 from hamburger.model.hamburger_model import load_model
@@ -41,11 +48,13 @@ ATTENTION_OPS = ("aten::scaled_dot_product_attention", "aten::_scaled_dot_produc
 class Scheme:
     """One scheme's model, eager engine and growing cache, with the shapes of the step's matrix products."""
 
-    def __init__(self, model, scheme: str, fast: bool, cached: int, steps: int) -> None:
-        self.name, self.model = f"{scheme} {'fast' if fast else 'modules'}", model
-        self.engine = Engine(model, compile=False, fast_layers=fast)
-        if fast and self.engine.fast is None:
+    def __init__(self, model, scheme: str, layers: str, cached: int, steps: int) -> None:
+        self.name, self.model = f"{scheme} {layers}", model
+        self.engine = Engine(model, compile=False, fast_layers=layers != "modules", native_layers=layers == "native")
+        if layers != "modules" and self.engine.fast is None:
             raise SystemExit(f"{scheme}: the fast layers do not apply to this model")
+        if layers == "native" and self.engine.native is None:
+            raise SystemExit(f"{scheme}: the native layers do not apply to this model")
         self.cache = KVCache.for_layers(self.engine.base.layers, model.base.config, 1, cached + steps + 64,
                                         torch.float32, "cpu")
         self.x = model.embed(torch.tensor([[1]])).float()
@@ -149,20 +158,32 @@ def main() -> None:
     p.add_argument("--cached", type=int, default=300, help="cached slots before the first step")
     p.add_argument("--steps", type=int, default=5, help="steps per scheme per round")
     p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--no-fast", dest="fast", action="store_false",
-                   help="only the module-by-module layers (default: each scheme also with the fast layers)")
+    p.add_argument("--layers", default="modules,fast,native",
+                   help="comma list of modules, fast, native (default: all three)")
     args = p.parse_args()
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     if not schemes or any(s not in ("none", "fp16", "int8", "int4") for s in schemes):
         p.error(f"--schemes is a comma list of none, fp16, int8, int4, got {args.schemes!r}")
+    layers = [s.strip() for s in args.layers.split(",") if s.strip()]
+    if not layers or any(s not in ("modules", "fast", "native") for s in layers):
+        p.error(f"--layers is a comma list of modules, fast, native, got {args.layers!r}")
+    if "native" in layers and (why := native.why_unavailable()) is not None:
+        p.error(f"the native kernels are not available here: {why}")
     total = args.steps * args.rounds + 40
     rows = []
     for scheme in schemes:
-        model, _ = load_model(args.model, dtype=torch.float32)
-        model.eval()
-        if scheme != "none":
-            quantize_model(model, scheme, skip=DEFAULT_SKIP)
-        rows += [Scheme(model, scheme, fast, args.cached, total) for fast in ((False, True) if args.fast and scheme != "none" else (False,))]
+        for kernels in ("torch", "native"):
+            wanted = [kind for kind in layers if (kind == "native") == (kernels == "native")]
+            if scheme == "none":
+                wanted = [kind for kind in wanted if kind == "modules"]
+            if not wanted:
+                continue
+            with native.turned_off() if kernels == "torch" else contextlib.nullcontext():
+                model, _ = load_model(args.model, dtype=torch.float32)
+                model.eval()
+                if scheme != "none":
+                    quantize_model(model, scheme, skip=DEFAULT_SKIP)
+                rows += [Scheme(model, scheme, kind, args.cached, total) for kind in wanted]
     for row in rows:  # warm up
         row.run(3)
         row.times.clear()
