@@ -49,22 +49,60 @@ def test_fp16_products_are_the_rounded_weights_with_the_bias(rows):
     assert (F.linear(x, lin.weight.half().float()) - want).abs().max() > 1e-2
 
 
+def q8_products(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+    """What `native.INT4_Q8` computes, in float64: each block of 32 inputs as int8 codes times max|x| / 127 (rounded
+    to nearest even, as the kernel converts), the codes' dot product scaled by scale * dx, plus (zero - 8 * scale)
+    times the block's float sum; and the bias."""
+    n, k, g = layer.out_features, layer.in_features, layer.group_size
+    xb = x.reshape(-1, k // 32, 32)
+    top = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, torch.tensor(127.0) / top, torch.zeros(()))
+    x8 = torch.round(xb * inv).clamp(-128, 127).double()
+    dx = (top / 127).double()
+    codes = layer.unpack()[0].double().reshape(n, k // 32, 32)
+    sz = layer.scales_and_zeros.double()  # (k/g, n, 2)
+    scale, zero = (sz[..., i].t().repeat_interleave(g // 32, 1) for i in (0, 1))  # (n, k/32)
+    dots = torch.einsum("rbi,nbi->rnb", x8, codes)
+    out = (dots * scale[None] * dx.squeeze(-1)[:, None]).sum(-1)
+    out += ((zero - 8 * scale)[None] * xb.double().sum(-1)[:, None]).sum(-1)
+    return (out + (layer.bias.double() if layer.bias is not None else 0)).float()
+
+
 @pytest.mark.parametrize("rows", [1, 3, 4, 7])
-def test_int4_products_are_the_layers_weights(rows):
-    layer, weights = q4_layer()
-    assert layer.native and not hasattr(layer, "weight_int4pack")
-    x = torch.randn(rows, 128)
+def test_int4_products_with_float_activations_are_the_layers_weights(rows):
+    layer, weights = q4_layer(k=96, group=32)  # inputs not a multiple of 64: float32 activations
+    assert layer.native and layer.kind == native.INT4 and not hasattr(layer, "weight_int4pack")
+    x = torch.randn(rows, 96)
     want = F.linear(x, weights, layer.bias)
     assert (layer(x) - want).abs().max() <= 2e-6 * want.abs().max()
     # dequantize() is exactly what the kernel multiplies with: an identity through it gives it back, bit for bit
     assert torch.equal(layer.dequantize(), weights)
-    assert torch.equal(layer._mm(torch.eye(128)).t(), weights)
+    assert torch.equal(layer._mm(torch.eye(96)).t(), weights)
 
 
-@pytest.mark.parametrize("kind", ["fp16", "int4"])
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5])
+def test_int4_products_with_int8_activations_are_llama_cpps_arithmetic(rows, group):
+    layer, weights = q4_layer(k=256, group=group)
+    assert layer.native and layer.kind == native.INT4_Q8 and torch.equal(layer.dequantize(), weights)
+    x = torch.randn(rows, 256)
+    x[0, 32:64] = 0  # a block of zeros
+    got, want = layer(x), q8_products(layer, x)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    # ... which is the float product to about 1%, and a mutation that takes a block's scale from its neighbour
+    # (what a wrong lane layout does) is far from it
+    exact = F.linear(x, weights, layer.bias)
+    assert (got - exact).norm() <= 0.03 * exact.norm()
+    swapped = layer.scales_and_zeros.clone()
+    layer.scales_and_zeros.copy_(swapped.roll(1, 0))
+    assert (layer(x) - want).abs().max() > 1e-3 * want.abs().max()
+
+
+@pytest.mark.parametrize("kind", ["fp16", "int4", "int4 int8"])
 def test_each_row_is_the_same_whatever_the_other_rows(kind):
-    layer = Fp16Linear.from_linear(linear(64, 96)) if kind == "fp16" else q4_layer(64, 96, 32)[0]
-    x = torch.randn(11, 96)
+    k = 128 if kind == "int4 int8" else 96
+    layer = Fp16Linear.from_linear(linear(64, k)) if kind == "fp16" else q4_layer(64, k, 32)[0]
+    x = torch.randn(11, k)
     together = layer(x)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(11)])
     assert torch.equal(together, alone)

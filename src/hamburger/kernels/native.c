@@ -36,12 +36,12 @@ int hb_isa(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 
 typedef struct {
-    int32_t kind;        /* 1: float16 (n, k) row-major; 2: 4-bit (below) */
+    int32_t kind;        /* 1: float16 (n, k) row-major; 2: 4-bit (below); 3: 4-bit, int8 activations (below) */
     int32_t unused;
     int64_t n, k, group;
     const void *w;       /* kind 1: uint16 (n, k); kind 2: uint8 (n, k/2), each 32 weights in 16 bytes, the low
                             nibbles the first 16, the high nibbles the next 16 */
-    const uint16_t *sz;  /* kind 2: bfloat16 (k/group, n, 2): scale and zero, w = (q - 8) * scale + zero */
+    const uint16_t *sz;  /* kinds 2, 3: bfloat16 (k/group, n, 2): scale and zero, w = (q - 8) * scale + zero */
     const float *bias;   /* (n) or NULL */
 } hb_weights;
 
@@ -117,6 +117,85 @@ INL void int4_tile(const float *x, const uint8_t *q, const uint16_t *sz, float *
         for (int j = 0; j < NB; j++) y[m * ldy + j] = _mm512_reduce_add_ps(acc[m][j]);
 }
 
+
+/* kind 3: the activations quantized per block of 32 to int8 (x ~ x8 * dx, dx = max|x| / 127, as llama.cpp's
+   Q8 blocks), the codes multiplied by them in int32 (AVX512-VNNI), each block's sum scaled by scale * dx, plus
+   (zero - 8 * scale) * sum(x) in float. Per 64 inputs a row's quantized activations are laid out as the codes
+   unpack: [block 0 inputs 0-15 | block 1 0-15 | block 0 16-31 | block 1 16-31], followed by dx and sum(x) / 8
+   spread over the lanes that hold each block (16 floats each). */
+#define QX_PAIR 192  /* bytes of quantized activations per 64 inputs */
+
+static void quantize_rows(const float *x, int64_t rows, int64_t k, uint8_t *out) {
+    for (int64_t m = 0; m < rows; m++)
+        for (int64_t i = 0; i < k; i += 64) {
+            const float *xb = x + m * k + i;
+            uint8_t *o = out + (m * (k / 64) + i / 64) * QX_PAIR;
+            float dx[2], sx[2];
+            for (int b = 0; b < 2; b++) {
+                __m512 a = _mm512_loadu_ps(xb + 32 * b), c = _mm512_loadu_ps(xb + 32 * b + 16);
+                float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+                dx[b] = top / 127.0f;
+                sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(a, c)) / 8.0f;
+                __m512 inv = _mm512_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+                __m128i lo = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv)));
+                __m128i hi = _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(c, inv)));
+                _mm_storeu_si128((__m128i *)(o + 16 * b), lo);
+                _mm_storeu_si128((__m128i *)(o + 32 + 16 * b), hi);
+            }
+            float *f = (float *)(o + 64);
+            for (int l = 0; l < 16; l++) {
+                f[l] = dx[(l / 4) & 1];
+                f[16 + l] = sx[(l / 4) & 1];
+            }
+        }
+}
+
+INL void int4x8_tile(const uint8_t *xq, const uint8_t *q, const uint16_t *sz, float *y, int64_t k, int64_t n,
+                     int64_t group, int64_t ldy, const int mt) {
+    __m512 acc[2][NB];
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m512 eight = _mm512_set1_ps(8.0f);
+    __m512i take_s[NB], take_z[NB];  /* row j's scale (zero) of block 0 and 1 onto the lanes that hold them */
+    for (int j = 0; j < NB; j++) {
+        take_s[j] = _mm512_set_epi32(8 + 2 * j, 8 + 2 * j, 8 + 2 * j, 8 + 2 * j, 2 * j, 2 * j, 2 * j, 2 * j,
+                                     8 + 2 * j, 8 + 2 * j, 8 + 2 * j, 8 + 2 * j, 2 * j, 2 * j, 2 * j, 2 * j);
+        take_z[j] = _mm512_add_epi32(take_s[j], _mm512_set1_epi32(1));
+    }
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < NB; j++) acc[m][j] = _mm512_setzero_ps();
+    const int64_t pairs = k / 64;
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512i codes[NB];
+        __m512 sv[NB], mv[NB];
+        if ((p & 1) == 0)
+            for (int j = 0; j < NB; j++) _mm_prefetch((const char *)(q + j * (k / 2) + p * 32) + AHEAD, _MM_HINT_T0);
+        /* (scale, zero) of the tile's rows for block 0's group and block 1's, as 16 floats */
+        const __m128i g0 = _mm_loadu_si128((const __m128i *)(sz + ((p * 64) / group) * n * 2));
+        const __m128i g1 = _mm_loadu_si128((const __m128i *)(sz + ((p * 64 + 32) / group) * n * 2));
+        const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_inserti128_si256(_mm256_castsi128_si256(g0), g1, 1)), 16));
+        for (int j = 0; j < NB; j++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(q + j * (k / 2) + p * 32));
+            codes[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, low)),
+                                          _mm256_and_si256(_mm256_srli_epi16(v, 4), low), 1);
+            sv[j] = _mm512_permutexvar_ps(take_s[j], f);
+            mv[j] = _mm512_fnmadd_ps(eight, sv[j], _mm512_permutexvar_ps(take_z[j], f));
+        }
+        for (int m = 0; m < mt; m++) {
+            const uint8_t *xm = xq + (m * pairs + p) * QX_PAIR;
+            __m512i x8 = _mm512_loadu_si512((const void *)xm);
+            __m512 dx = _mm512_loadu_ps((const float *)(xm + 64)), sx = _mm512_loadu_ps((const float *)(xm + 128));
+            for (int j = 0; j < NB; j++) {
+                __m512i dots = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes[j], x8);
+                acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(sv[j], dx), acc[m][j]);
+                acc[m][j] = _mm512_fmadd_ps(mv[j], sx, acc[m][j]);
+            }
+        }
+    }
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < NB; j++) y[m * ldy + j] = _mm512_reduce_add_ps(acc[m][j]);
+}
+
 #define TILES(CALL)                                   \
     int64_t r = 0;                                    \
     for (; r + MT <= rows; r += MT) CALL(MT);         \
@@ -126,8 +205,13 @@ INL void int4_tile(const float *x, const uint8_t *q, const uint16_t *sz, float *
         case 1: CALL(1); break;                       \
     }
 
-static void gemm_for(const float *x, const hb_weights *w, float *y, int64_t rows) {
+/* kind 3 needs `xq`: hb_quantized_bytes(rows, k) bytes, filled here (by one thread) */
+static void gemm_for(const float *x, const hb_weights *w, float *y, int64_t rows, uint8_t *xq) {
     const int64_t n = w->n, k = w->k, blocks = n / NB;
+    if (w->kind == 3) {
+        #pragma omp single
+        quantize_rows(x, rows, k, xq);
+    }
     #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t col = b * NB;
@@ -136,12 +220,19 @@ static void gemm_for(const float *x, const hb_weights *w, float *y, int64_t rows
 #define FP16(mt) fp16_tile(x + r * k, wb, y + r * n + col, k, n, mt)
             TILES(FP16)
 #undef FP16
-        } else {
+        } else if (w->kind == 2) {
             const uint8_t *qb = (const uint8_t *)w->w + col * (k / 2);
             const uint16_t *sb = w->sz + col * 2;
 #define INT4(mt) int4_tile(x + r * k, qb, sb, y + r * n + col, k, n, w->group, n, mt)
             TILES(INT4)
 #undef INT4
+        } else {
+            const uint8_t *qb = (const uint8_t *)w->w + col * (k / 2);
+            const uint16_t *sb = w->sz + col * 2;
+            int64_t r = 0;
+            for (; r + 2 <= rows; r += 2)
+                int4x8_tile(xq + r * (k / 64) * QX_PAIR, qb, sb, y + r * n + col, k, n, w->group, n, 2);
+            if (r < rows) int4x8_tile(xq + r * (k / 64) * QX_PAIR, qb, sb, y + r * n + col, k, n, w->group, n, 1);
         }
         if (w->bias)
             for (int64_t i = 0; i < rows; i++)
@@ -149,9 +240,16 @@ static void gemm_for(const float *x, const hb_weights *w, float *y, int64_t rows
     }
 }
 
-void hb_linear(const float *x, const hb_weights *w, float *y, int64_t rows) {
+int64_t hb_quantized_bytes(int64_t rows, int64_t k) { return rows * (k / 64) * QX_PAIR; }
+
+/* Returns 0, or -1 if the quantized activations' memory could not be had. */
+int hb_linear(const float *x, const hb_weights *w, float *y, int64_t rows) {
+    uint8_t *xq = NULL;
+    if (w->kind == 3 && (xq = aligned_alloc(64, (size_t)hb_quantized_bytes(rows, w->k))) == NULL) return -1;
     #pragma omp parallel
-    gemm_for(x, w, y, rows);
+    gemm_for(x, w, y, rows, xq);
+    free(xq);
+    return 0;
 }
 
 /* --- the decoder layer ------------------------------------------------------------------------------------ */
@@ -180,14 +278,14 @@ int64_t hb_scratch_floats(int64_t rows, int64_t d, int64_t heads, int64_t kv_hea
 }
 
 static void layer(const hb_layer *L, const hb_pass *p, float *x, float *h, float *qkv, float *att, float *tmp,
-                  float *gu, float *act, float *scores) {
+                  float *gu, float *act, float *scores, uint8_t *xq) {
     const int64_t rows = p->b * p->t, d = p->d, hd = p->head_dim, H = p->heads, KV = p->kv_heads;
     const int64_t width = (H + 2 * KV) * hd, group = H / KV, inner = p->inner, S = p->slots_len;
     float *kc = p->k_cache + L->index * p->s_layer, *vc = p->v_cache + L->index * p->s_layer;
 
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) rms_norm(x + r * d, L->norm1, h + r * d, d, p->eps);
-    gemm_for(h, &L->qkv, qkv, rows);
+    gemm_for(h, &L->qkv, qkv, rows, xq);
     /* keys rotated and values, written to their cache slots */
     #pragma omp for schedule(static)
     for (int64_t i = 0; i < rows * KV; i++) {
@@ -226,31 +324,36 @@ static void layer(const hb_layer *L, const hb_pass *p, float *x, float *h, float
         }
         memcpy(att + r * H * hd + head * hd, o, hd * sizeof(float));
     }
-    gemm_for(att, &L->o, tmp, rows);
+    gemm_for(att, &L->o, tmp, rows, xq);
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) {
         for (int64_t j = 0; j < d; j++) x[r * d + j] += tmp[r * d + j];
         rms_norm(x + r * d, L->norm2, h + r * d, d, p->eps);
     }
-    gemm_for(h, &L->gate_up, gu, rows);
+    gemm_for(h, &L->gate_up, gu, rows, xq);
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t j = 0; j < inner; j++) {
             const float g = gu[r * 2 * inner + j];
             act[r * inner + j] = g / (1.0f + expf(-g)) * gu[r * 2 * inner + inner + j];
         }
-    gemm_for(act, &L->down, tmp, rows);
+    gemm_for(act, &L->down, tmp, rows, xq);
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t j = 0; j < d; j++) x[r * d + j] += tmp[r * d + j];
 }
 
-/* Layers[0..count) over x (b*t, d), in place. Returns 0, or -1 if scratch for the scores could not be had. */
+/* Layers[0..count) over x (b*t, d), in place. Returns 0, or -1 if memory for the scores or the quantized
+   activations could not be had. */
 int hb_layers(const hb_layer *layers, int64_t count, const hb_pass *p, float *x) {
     const int64_t rows = p->b * p->t, d = p->d, hd = p->head_dim;
     const int64_t width = (p->heads + 2 * p->kv_heads) * hd, inner = p->inner;
     float *h = p->scratch, *qkv = h + rows * d, *att = qkv + rows * width, *tmp = att + rows * p->heads * hd;
     float *gu = tmp + rows * d, *act = gu + rows * 2 * inner;
+    int64_t widest = p->d > inner ? p->d : inner;
+    if (p->heads * hd > widest) widest = p->heads * hd;
+    uint8_t *xq = aligned_alloc(64, (size_t)hb_quantized_bytes(rows, widest + 63));
+    if (xq == NULL) return -1;
     int failed = 0;
     #pragma omp parallel
     {
@@ -260,9 +363,10 @@ int hb_layers(const hb_layer *layers, int64_t count, const hb_pass *p, float *x)
         failed += !ok;
         #pragma omp barrier
         if (!failed)
-            for (int64_t i = 0; i < count; i++) layer(&layers[i], p, x, h, qkv, att, tmp, gu, act, scores);
+            for (int64_t i = 0; i < count; i++) layer(&layers[i], p, x, h, qkv, att, tmp, gu, act, scores, xq);
         free(scores);
     }
+    free(xq);
     return failed ? -1 : 0;
 }
 
