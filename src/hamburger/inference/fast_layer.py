@@ -16,6 +16,8 @@ says yes; `usable` checks the modules again at each pass (a LoRA attached later,
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,6 +27,7 @@ from hamburger.kernels.fused import FusedPart
 from hamburger.kernels.qlinear import QuantizedLinear
 
 FAST_TYPES = ("llama", "mistral", "qwen2")
+_HOOKS = operator.attrgetter("_forward_hooks", "_forward_pre_hooks")
 
 
 class FastLayer:
@@ -38,6 +41,11 @@ class FastLayer:
         self.slots += [(attn, n, getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         self.slots += [(mlp, n, getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")]
         self.layer = layer
+        # what `usable` reads, flat, so that it runs at C speed (it runs for every layer of every pass)
+        self._modules = [layer] + [module for _, _, module in self.slots]
+        self._owners = [parent._modules for parent, _, _ in self.slots]
+        self._names = [name for _, name, _ in self.slots]
+        self._held = [module for _, _, module in self.slots]
         self.qkv, self.gate_up = attn.q_proj.group.linear, mlp.gate_proj.group.linear
         self.o, self.down = attn.o_proj, mlp.down_proj
         self.norm1, self.norm2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
@@ -48,11 +56,9 @@ class FastLayer:
 
     def usable(self) -> bool:
         """The layer still holds the modules this was made from, none with a hook (read from the modules' own
-        dicts: this runs for every layer of every pass)."""
-        if self.layer._forward_hooks or self.layer._forward_pre_hooks:
-            return False
-        return all(parent._modules.get(name) is module and not (module._forward_hooks or module._forward_pre_hooks)
-                   for parent, name, module in self.slots)
+        dicts, through `map` over flat lists: this runs for every layer of every pass)."""
+        return (not any(map(any, map(_HOOKS, self._modules)))
+                and all(map(operator.is_, map(dict.get, self._owners, self._names), self._held)))
 
     def __call__(self, x3: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, cache, index: int, start,
                  mask) -> torch.Tensor:

@@ -16,6 +16,7 @@ slots lie beyond its mask, so verify mode's check passes give each position the 
 from __future__ import annotations
 
 import ctypes
+import operator
 
 import torch
 
@@ -50,14 +51,22 @@ class NativeLayers:
             self._held += [(norm._parameters, "weight", norm.weight) for norm in norms]
             self.layers[i] = native.Layer(f.norm1.data_ptr(), f.norm2.data_ptr(), index=i, **weights)
 
+        self._owners, self._keys, self._tensors = (list(column) for column in zip(*self._held))
+
     def usable(self) -> bool:
-        """The modules still hold the tensors the descriptions point into."""
-        return all(owner.get(key) is tensor for owner, key, tensor in self._held)
+        """The modules still hold the tensors the descriptions point into (at C speed: it runs at every pass)."""
+        return all(map(operator.is_, map(dict.get, self._owners, self._keys), self._tensors))
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
                  start: int | RowSlots, mask: torch.Tensor, first: int, last: int) -> torch.Tensor:
         """Layers first..last-1 over x (B, T, d) float32 contiguous, in place (the caller's own copy); `rope`: the
         base's (cos, sin), `mask`: bool (B or 1, 1, T, slots)."""
+        return self.run(x, rope, cache, start, mask, [last], first)[last]
+
+    def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, start: int | RowSlots,
+            mask: torch.Tensor, stops: list[int], first: int = 0) -> dict[int, torch.Tensor]:
+        """Layers first.. up to each of `stops` in turn (ascending) over x, in place: {stop: x after layer stop-1}
+        (x itself for the last stop, a copy for the others); the pass's tables are made once for all."""
         b, t, d = x.shape
         cos, sin = (table.reshape(b * t, self.head_dim).contiguous() for table in rope_tables(rope))
         if isinstance(start, RowSlots):
@@ -71,10 +80,13 @@ class NativeLayers:
         p = native.Pass(b, t, d, self.heads, self.kv_heads, self.head_dim, self.inner, end, self.eps, self.scaling,
                         cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), *k.stride()[:4],
                         slots.data_ptr(), allowed.data_ptr(), scratch.data_ptr())
-        if lib.hb_layers(ctypes.byref(self.layers, first * ctypes.sizeof(native.Layer)), last - first,
-                         ctypes.byref(p), x.data_ptr()):
-            raise MemoryError("the native layers could not allocate their attention scores")
-        return x
+        out = {}
+        for stop in stops:
+            if lib.hb_layers(ctypes.byref(self.layers, first * ctypes.sizeof(native.Layer)), stop - first,
+                             ctypes.byref(p), x.data_ptr()):
+                raise MemoryError("the native layers could not allocate their attention scores")
+            out[stop], first = (x if stop == stops[-1] else x.clone()), stop
+        return out
 
     def takes(self, x: torch.Tensor, cache: KVCache, start, mask) -> bool:
         """Whether this pass can run natively: few rows, float32 everywhere, a bool mask over the pass's slots."""

@@ -170,14 +170,10 @@ class ModelRunner:
                 and fast_usable(self.fast) else None)
         feats: dict[int, torch.Tensor] = {}
         if fast and self.native is not None and self.native.takes(embeds, cache, start, mask):
-            x, done = embeds.clone(memory_format=torch.contiguous_format), 0  # the native layers write in place
-            for stop in sorted({i for i in wanted if 0 < i < depth} | {depth}):
-                self.native(x, rope, cache, start, mask, done, stop)
-                if stop < depth:
-                    feats[stop] = (x[:, -1] if last else x).clone()
-                done = stop
-            final = base.norm(x[:, -1] if last else x)
-            return [final] + [feats[i] if i < depth else final for i in wanted]
+            stops = sorted({i for i in wanted if 0 < i < depth} | {depth})  # the native layers write in place
+            xs = self.native.run(embeds.clone(memory_format=torch.contiguous_format), rope, cache, start, mask, stops)
+            final = base.norm(xs[depth][:, -1] if last else xs[depth])
+            return [final] + [(xs[i][:, -1] if last else xs[i]) if i < depth else final for i in wanted]
         tables = rope_tables(rope) if fast else None
         x = embeds
         for i, layer in enumerate(base.layers):
