@@ -124,10 +124,15 @@ def test_int4_codes_and_scales_read_back_exactly_and_survive_the_disk_format():
 
 
 def test_turned_off_makes_pytorchs_kernels_and_shapes_that_do_not_fit_stay_there():
+    from conftest import tiny_base
+    from hamburger.kernels.quantize import quantize_model
     with native.turned_off():
         assert not native.available()
         assert not Fp16Linear.from_linear(linear(96, 80)).native
         assert not Int4Linear.from_linear(linear(48, 128), 32).native
+        model = tiny_base()
+        quantize_model(model, "int4")  # its layers are made on a pool of threads: off there too
+        assert not any(getattr(m, "native", False) for m in model.modules())
     assert native.available()
     assert native.fits(50, 64, native.FP16) is not None  # out_features not a multiple of 4
     assert native.fits(48, 40, native.FP16) is not None  # in_features not a multiple of 16

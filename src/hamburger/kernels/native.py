@@ -38,7 +38,7 @@ FP16, INT4, INT4_Q8 = 1, 2, 3
 TILE_OUT, INT4_BLOCK, Q8_PAIR = 4, 32, 64  # output rows a tile computes; 4-bit blocks; inputs per int8 step
 MAX_HEAD_DIM = 256
 _lock = threading.Lock()
-_off = threading.local()  # `turned_off()`: PyTorch's kernels for layers made meanwhile (A/B benchmarks, tests)
+_off = [0]  # how many `turned_off()` blocks are open: PyTorch's kernels for layers made meanwhile, in every thread
 
 
 class Weights(ctypes.Structure):
@@ -139,19 +139,20 @@ def why_unavailable() -> str | None:
 
 def available() -> bool:
     """Whether layers made now use the native kernels."""
-    return not getattr(_off, "on", False) and library() is not None
+    return not _off[0] and library() is not None
 
 
 @contextmanager
 def turned_off():
-    """Layers and engines made inside this block use PyTorch's kernels, in this thread (to measure one against the
-    other in one process)."""
-    before = getattr(_off, "on", False)
-    _off.on = True
+    """Layers and engines made inside this block use PyTorch's kernels (to measure one against the other in one
+    process), in every thread: `quantize_model` makes layers on a pool of threads."""
+    with _lock:
+        _off[0] += 1
     try:
         yield
     finally:
-        _off.on = before
+        with _lock:
+            _off[0] -= 1
 
 
 def weights(kind: int, w: torch.Tensor, out_features: int, in_features: int, sz: torch.Tensor | None = None,
