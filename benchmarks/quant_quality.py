@@ -3,7 +3,7 @@
 The float base decodes the bench's prompts (2 a set, 128 new tokens, greedy); each scheme then scores those
 replies teacher-forced (one full pass through transformers' own forward, the quantized layers' products): the
 mean negative log-likelihood of the float model's tokens, and how often its top-1 token is the float model's.
-Schemes: PyTorch's kernels (`native.turned_off`: FBGEMM's float16, the packed int4 kernel with bfloat16
+Schemes (int4/fp16: 4-bit layers, the LM head in fp16), each with PyTorch's kernels (`native.turned_off`: FBGEMM's float16, the packed int4 kernel with bfloat16
 activations) and the native kernels (float16; int4 with int8 activations in blocks of 32, as llama.cpp).
 
     python benchmarks/quant_quality.py          # 2 min on 2 cores
@@ -51,16 +51,17 @@ def main() -> None:
     sequences = list(zip(prompts, replies))
     float_nll, _, reference = scored(model.base, sequences, None)
     rows = [("float32 (the reference)", float_nll, 1.0)]
-    for scheme in ("fp16", "int4"):
+    for spec in ("fp16", "int4", "int4/fp16"):
+        scheme, _, head = spec.partition("/")
         for kernels in ("torch", "native"):
             if kernels == "native" and not native.available():
                 continue
             with native.turned_off() if kernels == "torch" else contextlib.nullcontext():
                 copy, _ = load_model("default")
                 copy.eval()
-                quantize_model(copy, scheme, skip=DEFAULT_SKIP)
+                quantize_model(copy, scheme, head=head or None, skip=DEFAULT_SKIP)
             nll, agree, _ = scored(copy.base, sequences, reference)
-            rows.append((f"{scheme}, {kernels} kernels", nll, agree))
+            rows.append((f"{spec}, {kernels} kernels", nll, agree))
     tokens = sum(len(r) for r in replies)
     print(f"\nthe float base's greedy replies to {len(prompts)} bench prompts ({tokens} tokens), teacher-forced\n")
     print("| weights | NLL of the float model's tokens | top-1 = the float model's |")

@@ -231,6 +231,16 @@ def hide_progress_bars() -> None:
     disable_progress_bars()
 
 
+def kernels_note(quantize: str, device) -> str | None:
+    """Which kernels multiply fp16 / int4 weights on a CPU: "native kernels", or PyTorch's and why; None otherwise."""
+    if getattr(device, "type", str(device)) != "cpu" or split_scheme(quantize)[0] not in ("fp16", "int4"):
+        return None
+    from hamburger.kernels import native
+
+    why = native.why_unavailable()
+    return "native kernels" if why is None else f"PyTorch's kernels: {why}"
+
+
 def describe_run(model: HamburgerModel, trained: bool, quantize: str = "none", auto: bool = False,
                  mode: str | None = None, lookup: int | None = None) -> str:
     """What a decoding command runs, in one line: where, in which weights, in which mode, and so what the output
@@ -249,7 +259,8 @@ def describe_run(model: HamburgerModel, trained: bool, quantize: str = "none", a
     else:
         where = str(device)
     weights = str(param.dtype).removeprefix("torch.") if split_scheme(quantize) == ("none", None) else quantize
-    line = f"{where}, {weights} weights" + (" (auto)" if auto else "")
+    notes = (["auto"] if auto else []) + ([kernels] if (kernels := kernels_note(quantize, device)) else [])
+    line = f"{where}, {weights} weights" + (f" ({'; '.join(notes)})" if notes else "")
     if not trained:
         return f"{line}, a base model (one token per step): the output of the {weights} base"
     lookup = model.config.lookup if lookup is None else lookup
