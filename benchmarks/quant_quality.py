@@ -4,7 +4,7 @@ The float base decodes the bench's prompts (2 a set, 128 new tokens, greedy); ea
 replies teacher-forced (one full pass through transformers' own forward, the quantized layers' products): the
 mean negative log-likelihood of the float model's tokens, and how often its top-1 token is the float model's.
 Schemes (int4/fp16: 4-bit layers, the LM head in fp16), each with PyTorch's kernels (`native.turned_off`: FBGEMM's float16, the packed int4 kernel with bfloat16
-activations) and the native kernels (float16; int4 with int8 activations in blocks of 32, as llama.cpp).
+activations) and the native kernels (float16; int4 with int16 activations in blocks of 32).
 
     python benchmarks/quant_quality.py          # 2 min on 2 cores
 """
