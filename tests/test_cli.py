@@ -309,9 +309,11 @@ def test_decoding_defaults_are_auto_and_one_line_says_what_runs(capsys, checkpoi
     assert out["quantize"] == auto
     captured = run_and_capture(capsys, "generate", "w5 w6", "--model", str(checkpoint), "--max-new-tokens", "3",
                                "--mode", "verify")
+    from hamburger.loading import kernels_note
     weights = "fp16" if auto == "fp16" else "float32"
+    kernels = f"; {note}" if (note := kernels_note(auto, torch.device("cpu"))) else ""  # native or PyTorch's, and why
     assert start_lines(captured.err) == [f"hamburger: cpu ({torch.get_num_threads()} threads), {weights} weights "
-                                         f"(auto), verify mode: the output of the {weights} base"]
+                                         f"(auto{kernels}), verify mode: the output of the {weights} base"]
     assert "quantize:" not in captured.err  # the quantization's details only with --verbose
     captured = run_and_capture(capsys, "generate", "w5 w6", "--model", str(tiny_model_dir), "--max-new-tokens", "3",
                                "--quantize", "none")
