@@ -136,3 +136,19 @@ def test_the_first_layer_check_catches_a_wrong_description():
     torch.nn.init.normal_(engine.base.layers[0].input_layernorm.weight)  # (they start equal: all ones)
     assert not _close_to(engine.native, engine.base)
     assert ctypes.sizeof(engine.native.layers[0]) == ctypes.sizeof(native.Layer)
+
+
+def test_slots_outside_the_cache_are_refused_not_written():
+    model = packed("llama", "fp16")
+    engine = Engine(model)
+    base = engine.base
+    cache = random_cache(base, 1)  # 16 slots
+    before = cache.k.clone()
+    x = torch.randn(1, 2, base.config.hidden_size)
+    with torch.inference_mode():
+        rope = base.rotary_emb(x, torch.tensor([[15, 16]]))
+        with pytest.raises(IndexError, match="outside the cache"):
+            engine.native(x, rope, cache, 15, torch.ones(1, 1, 2, 17, dtype=torch.bool), 0, 1)
+        with pytest.raises(IndexError, match="outside the cache"):
+            engine.native(x, rope, cache, RowSlots(torch.tensor([[3, 16]]), 17), torch.ones(1, 1, 2, 17).bool(), 0, 1)
+    assert torch.equal(cache.k, before)

@@ -144,3 +144,12 @@ def test_the_start_line_names_the_kernels():
     cpu = torch.device("cpu")
     assert kernels_note("fp16", cpu) == "native kernels" and kernels_note("int4/int8", cpu) == "native kernels"
     assert kernels_note("none", cpu) is None and kernels_note("int8", cpu) is None
+
+
+def test_a_wrong_input_is_refused_not_read_out_of_bounds():
+    layer = Fp16Linear.from_linear(linear(64, 96))
+    with pytest.raises(RuntimeError):  # the module reshapes to its in_features first
+        layer(torch.randn(3, 80))
+    for bad in (torch.randn(3, 80), torch.randn(96, 3).t(), torch.randn(3, 96).double()):
+        with pytest.raises(ValueError, match="native product takes"):
+            native.linear(bad, layer.native_desc())

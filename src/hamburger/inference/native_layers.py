@@ -7,10 +7,11 @@ runs every layer of a pass over the engine's own caches, in one OpenMP region: t
 layers' native float16 or 4-bit weights), the rotary embedding, the cache writes, attention and the MLP.
 
 It is the fast layers' computation, not their bits: sums run in another order, and the 4-bit products quantize
-their inputs to int16 (`native.INT4_Q16`). The engine checks the first layer against the
-module-by-module layer (`kv.layer_forward`) before using it (`_close_to`), and uses it for every pass of at most
-`NATIVE_ROWS` rows; longer passes (a prompt's prefill) take the fast layers. Each row's result is the same whatever the pass's other rows and however many
-slots lie beyond its mask, so verify mode's check passes give each position the one-position step's result.
+their inputs to int16 (`native.INT4_Q16`). The engine checks the first layer against the module-by-module layer
+(`kv.layer_forward`) before using it (`_close_to`), and uses it for every pass of at most `NATIVE_ROWS` rows;
+longer passes (a prompt's prefill) take the fast layers. Each row's result is the same whatever the pass's other
+rows and however many slots lie beyond its mask, so verify mode's check passes give each position the
+one-position step's result.
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ class NativeLayers:
             norms = (f.layer.input_layernorm, f.layer.post_attention_layernorm)
             self._held += [(norm._parameters, "weight", norm.weight) for norm in norms]
             self.layers[i] = native.Layer(f.norm1.data_ptr(), f.norm2.data_ptr(), index=i, **weights)
-
         self._owners, self._keys, self._tensors = (list(column) for column in zip(*self._held))
 
     def usable(self) -> bool:
@@ -70,11 +70,14 @@ class NativeLayers:
         b, t, d = x.shape
         cos, sin = (table.reshape(b * t, self.head_dim).contiguous() for table in rope_tables(rope))
         if isinstance(start, RowSlots):
-            slots, end = start.slots.reshape(b * t).contiguous(), start.end
+            slots, end = start.slots.reshape(b * t).to(torch.int64).contiguous(), start.end
         else:
             slots, end = torch.arange(start, start + t).repeat(b), start + t
-        allowed = mask.expand(b, 1, t, end).contiguous()
         k, v = cache.k, cache.v
+        if end > k.shape[3] or int(slots.min()) < 0 or int(slots.max()) >= k.shape[3]:  # C would write out of bounds
+            raise IndexError(f"cache slots {int(slots.min())}..{int(slots.max())} (attending to {end}) outside the "
+                             f"cache's {k.shape[3]}")
+        allowed = mask.expand(b, 1, t, end).contiguous()
         lib = native.library()
         scratch = torch.empty(lib.hb_scratch_floats(b * t, d, self.heads, self.kv_heads, self.head_dim, self.inner))
         p = native.Pass(b, t, d, self.heads, self.kv_heads, self.head_dim, self.inner, end, self.eps, self.scaling,

@@ -174,6 +174,9 @@ def fits(out_features: int, in_features: int, kind: int, group: int = 0) -> str 
 
 def linear(x: torch.Tensor, desc: Weights) -> torch.Tensor:
     """x (rows, k) float32 contiguous -> (rows, n) through the described weights (bias included)."""
+    if x.dim() != 2 or x.shape[1] != desc.k or x.dtype != torch.float32 or not x.is_contiguous() or x.is_cuda:
+        raise ValueError(f"the native product takes a contiguous float32 CPU (rows, {desc.k}) input, got "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
     y = torch.empty(x.shape[0], desc.n, dtype=torch.float32)
     if _load()[0].hb_linear(x.data_ptr(), ctypes.byref(desc), y.data_ptr(), x.shape[0]):
         raise MemoryError("the native product could not allocate its quantized activations")
