@@ -266,6 +266,27 @@ INL float dot(const float *a, const float *b, int64_t n) {
     return _mm512_reduce_add_ps(acc);
 }
 
+/* e^x for 16 floats (Cephes' expf polynomial: x = n ln2 + r, e^r to about 1 ulp, times 2^n by vscalefps); every
+   lane alike, so a value's exponential does not depend on its lane. Below -104 it gives 0 or a denormal. */
+INL __m512 exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.7f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 poly = _mm512_set1_ps(1.9875691500e-4f);
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.3981999507e-3f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(8.3334519073e-3f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1665795894e-2f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459e-1f));
+    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201e-1f));
+    poly = _mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(poly, n);
+}
+
+/* the lanes of a loop's last, partial chunk of 16 */
+INL __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
 /* out = x / sqrt(mean(x^2) + eps) * weight */
 static void rms_norm(const float *x, const float *weight, float *out, int64_t d, float eps) {
     float r = 1.0f / sqrtf(dot(x, x, d) / (float)d + eps);
@@ -312,16 +333,20 @@ static void layer(const hb_layer *L, const hb_pass *p, float *x, float *h, float
         const float *keys = kc + row * p->s_row + kh * p->s_head, *values = vc + row * p->s_row + kh * p->s_head;
         float top = -INFINITY;
         for (int64_t s = 0; s < S; s++) {
-            if (!allowed[s]) continue;
-            scores[s] = dot(q, keys + s * p->s_slot, hd) * p->scaling;
+            scores[s] = allowed[s] ? dot(q, keys + s * p->s_slot, hd) * p->scaling : -INFINITY;
             if (scores[s] > top) top = scores[s];
         }
         float total = 0.0f;
         for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
         if (top > -INFINITY) {
+            const __m512 shift = _mm512_set1_ps(top);
+            for (int64_t s = 0; s < S; s += 16) {  /* each exponential alike in any lane: the same for any S */
+                const __mmask16 m = lanes(S - s);
+                _mm512_mask_storeu_ps(scores + s, m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + s), shift)));
+            }
             for (int64_t s = 0; s < S; s++) {
                 if (!allowed[s]) continue;
-                const float e = expf(scores[s] - top);
+                const float e = scores[s];
                 total += e;
                 const float *v = values + s * p->s_slot;
                 for (int64_t j = 0; j < hd; j++) o[j] += e * v[j];
@@ -339,9 +364,12 @@ static void layer(const hb_layer *L, const hb_pass *p, float *x, float *h, float
     gemm_for(h, &L->gate_up, gu, rows, xq);
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < inner; j++) {
-            const float g = gu[r * 2 * inner + j];
-            act[r * inner + j] = g / (1.0f + expf(-g)) * gu[r * 2 * inner + inner + j];
+        for (int64_t j = 0; j < inner; j += 16) {  /* silu(gate) * up */
+            const __mmask16 m = lanes(inner - j);
+            const __m512 g = _mm512_maskz_loadu_ps(m, gu + r * 2 * inner + j);
+            const __m512 up = _mm512_maskz_loadu_ps(m, gu + r * 2 * inner + inner + j);
+            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            _mm512_mask_storeu_ps(act + r * inner + j, m, _mm512_mul_ps(silu, up));
         }
     gemm_for(act, &L->down, tmp, rows, xq);
     #pragma omp for schedule(static)
