@@ -1,5 +1,6 @@
-/* The engine's native CPU kernels (x86-64 with AVX-512): weight-only float16 and 4-bit matrix products, and a
- * Llama-style decoder layer over the engine's KV cache, every layer of a pass in one call and one OpenMP region.
+/* The engine's native CPU kernels (x86-64 with AVX-512 F, BW and VNNI): weight-only float16 and 4-bit matrix
+ * products, and a Llama-style decoder layer over the engine's KV cache, every layer of a pass in one call and one
+ * OpenMP region. Built for a CPU without those, the library says so (hb_isa() == 0) and is not used.
  *
  * Built on the user's machine at first use (`hamburger/kernels/native.py`: cc -O3 -march=native -fopenmp) and
  * called through ctypes. Activations, accumulation and outputs are float32.
@@ -26,14 +27,14 @@
 int hb_version(void) { return 1; }
 
 int hb_isa(void) {
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
     return 512;
 #else
     return 0;
 #endif
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 
 typedef struct {
     int32_t kind;        /* 1: float16 (n, k) row-major; 2: 4-bit (below); 3: 4-bit, int16 activations (below) */

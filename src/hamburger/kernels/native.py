@@ -9,8 +9,8 @@ the call (the C file says how), so a multi-position verify pass gives each posit
 
 It is built with the machine's C compiler (`cc -O3 -march=native -fopenmp`, about a second) into
 `<cache>/native/<hash>.so`, the hash over the source, the compiler's version and the CPU's flags, and used where it
-was built with AVX-512 (`why_unavailable()` says why not). The OpenMP runtime is the one PyTorch loaded (the same
-`libgomp.so.1`), so its threads are PyTorch's. `HAMBURGER_NATIVE=0` turns it off (PyTorch's kernels then).
+was built with AVX-512 F, BW and VNNI (Intel since Cascade Lake, AMD since Zen 4; `why_unavailable()` says why not).
+The OpenMP runtime is the one PyTorch loaded (the same `libgomp.so.1`), so its threads are PyTorch's. `HAMBURGER_NATIVE=0` turns it off (PyTorch's kernels then).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"the native kernels could not be built: {exc}"
     if lib.hb_isa() != 512:
-        return None, "this CPU (or compiler) has no AVX-512, which the native kernels need"
+        return None, "this CPU (or compiler) has no AVX-512 with VNNI, which the native kernels need"
     lib.hb_linear.argtypes = [ctypes.c_void_p, ctypes.POINTER(Weights), ctypes.c_void_p, ctypes.c_int64]
     lib.hb_linear.restype = ctypes.c_int
     lib.hb_layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(Pass), ctypes.c_void_p]
