@@ -105,7 +105,8 @@ def native_layers(base, fast: list[FastLayer] | None) -> NativeLayers | None:
     not the native kernels' (fp16 and int4), or the first layer not close to the module-by-module layer."""
     if fast is None or not native.available() or fast[0].head_dim % 16 or fast[0].head_dim > native.MAX_HEAD_DIM:
         return None
-    if not all(isinstance(m, (Fp16Linear, Int4Linear)) and m.native for f in fast for m in (f.qkv, f.o, f.gate_up, f.down)):
+    modules = [m for f in fast for m in (f.qkv, f.o, f.gate_up, f.down)]
+    if not all(isinstance(m, (Fp16Linear, Int4Linear)) and m.native for m in modules):
         return None
     if any(m.bias is not None for f in fast for m in (f.o, f.gate_up, f.down)):
         return None  # biases only on q/k/v (Qwen2), as the fast layers assume

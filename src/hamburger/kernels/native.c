@@ -141,7 +141,8 @@ static void quantize_rows16(const float *x, int64_t rows, int64_t k, uint8_t *ou
                 dx[b] = top / 32767.0f;
                 sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(a, c)) / 8.0f;
                 __m512 inv = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
-                _mm256_storeu_si256((__m256i *)(o + 32 * b), _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
+                _mm256_storeu_si256((__m256i *)(o + 32 * b),
+                                    _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
                 _mm256_storeu_si256((__m256i *)(o + 64 + 32 * b),
                                     _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(c, inv))));
             }
@@ -369,7 +370,8 @@ static void layer(const hb_layer *L, const hb_pass *p, float *x, float *h, float
             const __mmask16 m = lanes(inner - j);
             const __m512 g = _mm512_maskz_loadu_ps(m, gu + r * 2 * inner + j);
             const __m512 up = _mm512_maskz_loadu_ps(m, gu + r * 2 * inner + inner + j);
-            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
             _mm512_mask_storeu_ps(act + r * inner + j, m, _mm512_mul_ps(silu, up));
         }
     gemm_for(act, &L->down, tmp, rows, xq);

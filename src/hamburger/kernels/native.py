@@ -10,7 +10,8 @@ the call (the C file says how), so a multi-position verify pass gives each posit
 It is built with the machine's C compiler (`cc -O3 -march=native -fopenmp`, about a second) into
 `<cache>/native/<hash>.so`, the hash over the source, the compiler's version and the CPU's flags, and used where it
 was built with AVX-512 F, BW and VNNI (Intel since Cascade Lake, AMD since Zen 4; `why_unavailable()` says why not).
-The OpenMP runtime is the one PyTorch loaded (the same `libgomp.so.1`), so its threads are PyTorch's. `HAMBURGER_NATIVE=0` turns it off (PyTorch's kernels then).
+The OpenMP runtime is the one PyTorch loaded (the same `libgomp.so.1`), so its threads are PyTorch's.
+`HAMBURGER_NATIVE=0` turns it off (PyTorch's kernels then).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def _build(cc: str, target: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".building-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300, check=False)
+        run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300,
+                             check=False)
         if run.returncode:
             raise RuntimeError(f"{cc} failed: {run.stderr.strip()[-500:]}")
         os.replace(tmp, target)

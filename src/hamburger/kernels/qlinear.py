@@ -118,7 +118,8 @@ class Int4Linear(QuantizedLinear):
 
     def native_desc(self) -> native.Weights:
         """The native kernels' description of these weights (made again if the buffers moved)."""
-        ptrs = (self.q4.data_ptr(), self.scales_and_zeros.data_ptr(), None if self.bias is None else self.bias.data_ptr())
+        bias = None if self.bias is None else self.bias.data_ptr()
+        ptrs = (self.q4.data_ptr(), self.scales_and_zeros.data_ptr(), bias)
         if self._desc is None or self._desc[0] != ptrs:
             if self.bias is not None and self.bias.dtype != torch.float32:
                 raise ValueError("native int4 layers take a float32 bias")
