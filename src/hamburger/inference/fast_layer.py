@@ -42,7 +42,7 @@ class FastLayer:
         self.slots += [(mlp, n, getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")]
         self.layer = layer
         # what `usable` reads, flat, so that it runs at C speed (it runs for every layer of every pass)
-        self._modules = [layer] + [module for _, _, module in self.slots]
+        self._watched = [layer] + [module for _, _, module in self.slots]
         self._owners = [parent._modules for parent, _, _ in self.slots]
         self._names = [name for _, name, _ in self.slots]
         self._held = [module for _, _, module in self.slots]
@@ -57,7 +57,7 @@ class FastLayer:
     def usable(self) -> bool:
         """The layer still holds the modules this was made from, none with a hook (read from the modules' own
         dicts, through `map` over flat lists: this runs for every layer of every pass)."""
-        return (not any(map(any, map(_HOOKS, self._modules)))
+        return (not any(map(any, map(_HOOKS, self._watched)))
                 and all(map(operator.is_, map(dict.get, self._owners, self._names), self._held)))
 
     def __call__(self, x3: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor, cache, index: int, start,
@@ -125,16 +125,29 @@ def decode_layers(base: nn.Module) -> list[FastLayer] | None:
     return layers
 
 
-def _same_as(fast: FastLayer, base: nn.Module) -> bool:
-    """The fast layer and `layer_forward` give the same output and cache, bit for bit, on a random input."""
-    device = fast.norm1.device
+def probe_first_layer(base: nn.Module, run) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The base's first layer module by module (`kv.layer_forward`) and through `run(x, rope, cache, start, mask)`,
+    on a random two-position pass at slots 3..4 over caches holding the same random earlier entries: [(module path,
+    run)] for the output, the keys and the values (what a faster path is checked against before it is used)."""
+    device = base.layers[0].input_layernorm.weight.device
     gen = torch.Generator(device="cpu").manual_seed(0)
     x = torch.randn(1, 2, base.config.hidden_size, generator=gen).to(device)
     positions = torch.arange(3, 5, device=device)[None]
     mask = torch.ones(1, 1, 2, 5, dtype=torch.bool, device=device).tril(3)
     caches = [KVCache.for_layers(base.layers[:1], base.config, 1, 8, torch.float32, device) for _ in range(2)]
+    earlier = torch.randn(caches[0].k.shape, generator=gen).to(device)
+    for cache in caches:
+        cache.k.copy_(earlier)
+        cache.v.copy_(earlier.flip(-1))
     with torch.inference_mode():
         rope = base.rotary_emb(x, positions)
         slow = layer_forward(base.layers[0], x, rope, caches[0], 0, 3, mask)
-        quick = fast(x, *rope_tables(rope), caches[1], 0, 3, mask)
-    return torch.equal(slow, quick) and torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+        quick = run(x.clone(), rope, caches[1], 3, mask)
+    return [(slow, quick), (caches[0].k, caches[1].k), (caches[0].v, caches[1].v)]
+
+
+def _same_as(fast: FastLayer, base: nn.Module) -> bool:
+    """The fast layer and `layer_forward` give the same output and cache, bit for bit (`probe_first_layer`)."""
+    pairs = probe_first_layer(base, lambda x, rope, cache, start, mask: fast(x, *rope_tables(rope), cache, 0,
+                                                                            start, mask))
+    return all(torch.equal(a, b) for a, b in pairs)

@@ -21,8 +21,8 @@ import operator
 
 import torch
 
-from hamburger.inference.fast_layer import FastLayer, rope_tables
-from hamburger.inference.kv import KVCache, RowSlots, layer_forward
+from hamburger.inference.fast_layer import FastLayer, probe_first_layer, rope_tables
+from hamburger.inference.kv import KVCache, RowSlots
 from hamburger.kernels import native
 from hamburger.kernels.qlinear import Fp16Linear, Int4Linear
 
@@ -115,22 +115,8 @@ def native_layers(base, fast: list[FastLayer] | None) -> NativeLayers | None:
 
 
 def _close_to(layers: NativeLayers, base) -> bool:
-    """Layer 0 natively against `layer_forward` on a random two-position pass: outputs and cache within 1e-3 of
+    """Layer 0 natively against `layer_forward` (`fast_layer.probe_first_layer`): outputs and cache within 1e-3 of
     their norm (sums in another order, the 4-bit products' inputs rounded to int16: 1e-7 to 1e-4 measured). A
     wrong layout, sign or weight is far outside it."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 2, base.config.hidden_size, generator=gen)
-    positions = torch.arange(3, 5)[None]
-    mask = torch.ones(1, 1, 2, 5, dtype=torch.bool).tril(3)
-    caches = [KVCache.for_layers(base.layers[:1], base.config, 1, 8, torch.float32, "cpu") for _ in range(2)]
-    for c in caches:
-        c.k.normal_(generator=gen)
-        c.v.normal_(generator=gen)
-    caches[1].k.copy_(caches[0].k)
-    caches[1].v.copy_(caches[0].v)
-    with torch.inference_mode():
-        rope = base.rotary_emb(x, positions)
-        slow = layer_forward(base.layers[0], x, rope, caches[0], 0, 3, mask)
-        quick = layers(x.clone(), rope, caches[1], 3, mask, 0, 1)
-    return all(bool((a - b).norm() <= 1e-3 * a.norm()) for a, b in
-               ((slow, quick), (caches[0].k, caches[1].k), (caches[0].v, caches[1].v)))
+    pairs = probe_first_layer(base, lambda x, rope, cache, start, mask: layers(x, rope, cache, start, mask, 0, 1))
+    return all(bool((a - b).norm() <= 1e-3 * a.norm()) for a, b in pairs)

@@ -24,8 +24,6 @@
 #endif
 #define INL static inline __attribute__((always_inline))
 
-int hb_version(void) { return 1; }
-
 int hb_isa(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
     return 512;

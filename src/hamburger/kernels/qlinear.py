@@ -287,7 +287,7 @@ class Fp16Linear(Fp16Weights):
         if torch.compiler.is_compiling():  # the weights are opaque to the compiler: an operator by key
             return compiled_ops.fp16_linear(x, self.key)
         if self.native:
-            return native.linear(x.reshape(-1, self.in_features), self.native_desc()).view(*x.shape[:-1], -1)
+            return self.eager_mm(x.reshape(-1, self.in_features)).view(*x.shape[:-1], -1)
         return FP16_MM(x, self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # any leading dims, the bias inside: no extra ops

@@ -1,7 +1,7 @@
 """Weight-only fp16 / int8 / int4 quantization of a model's linear layers, in the style of gpt-fast's quantize.py.
 
 Every `nn.Linear` the plan takes (the base's projections and MLPs, the micro-step decoder's, and the LM
-head) is swapped for a module with the same forward signature that multiplies with PyTorch's packed kernels:
+head) is swapped for a module with the same forward signature that multiplies with weight-only kernels:
 
 * ``fp16``: weights rounded to float16, float32 activations. At batch 1 a decode step reads every weight once, so
   halving their bytes with a kernel that streams them well is the CPU's largest lever (docs/quantize.md has the
@@ -11,7 +11,7 @@ head) is swapped for a module with the same forward signature that multiplies wi
   calls, the same outputs.
 * ``int8``: per-output-channel symmetric int8, `aten._weight_int8pack_mm` (CPU and CUDA).
 * ``int4``: asymmetric group-wise 4-bit (groups of `group_size` input weights sharing a scale and a
-  minimum): the native kernels where they run (float32 activations), else `aten._convert_weight_to_int4pack_for_cpu`
+  minimum): the native kernels where they run (int16 activations), else `aten._convert_weight_to_int4pack_for_cpu`
   + `aten._weight_int4pack_mm_for_cpu` on CPU (bfloat16 activations), and `aten._convert_weight_to_int4pack` +
   `aten._weight_int4pack_mm` on CUDA (bfloat16 only there).
 
