@@ -69,14 +69,15 @@ class NativeLayers:
         (x itself for the last stop, a copy for the others); the pass's tables are made once for all."""
         b, t, d = x.shape
         cos, sin = (table.reshape(b * t, self.head_dim).contiguous() for table in rope_tables(rope))
+        k, v = cache.k, cache.v
         if isinstance(start, RowSlots):
             slots, end = start.slots.reshape(b * t).to(torch.int64).contiguous(), start.end
+            low, high = int(slots.min()), int(slots.max())
         else:
             slots, end = torch.arange(start, start + t).repeat(b), start + t
-        k, v = cache.k, cache.v
-        if end > k.shape[3] or int(slots.min()) < 0 or int(slots.max()) >= k.shape[3]:  # C would write out of bounds
-            raise IndexError(f"cache slots {int(slots.min())}..{int(slots.max())} (attending to {end}) outside the "
-                             f"cache's {k.shape[3]}")
+            low, high = start, start + t - 1
+        if end > k.shape[3] or low < 0 or high >= k.shape[3]:  # C would write out of bounds
+            raise IndexError(f"cache slots {low}..{high} (attending to {end}) outside the cache's {k.shape[3]}")
         allowed = mask.expand(b, 1, t, end).contiguous()
         lib = native.library()
         scratch = torch.empty(lib.hb_scratch_floats(b * t, d, self.heads, self.kv_heads, self.head_dim, self.inner))
