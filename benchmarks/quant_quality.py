@@ -51,7 +51,8 @@ def main() -> None:
     sequences = list(zip(prompts, replies))
     float_nll, _, reference = scored(model.base, sequences, None)
     rows = [("float32 (the reference)", float_nll, 1.0)]
-    for spec in ("fp16", "int4", "int4/fp16"):
+    import sys
+    for spec in (sys.argv[1:] or ("fp16", "int4", "int4/fp16")):
         scheme, _, head = spec.partition("/")
         for kernels in ("torch", "native"):
             if kernels == "native" and not native.available():

@@ -1,5 +1,6 @@
-"""The native kernels' matrix products (`kernels/native.c` through `Fp16Linear` / `Int4Linear`): the layers' own
-weights, the bias, each row alike whatever the other rows, and the 4-bit layout read back exactly."""
+"""The native kernels' matrix products (`kernels/native.c` through `Fp16Linear` / `Int4Linear` / `Int8Linear`): the
+layers' own weights, the bias, each row alike whatever the other rows, and the 4-bit and 8-bit layouts read back
+exactly."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hamburger.kernels import native
-from hamburger.kernels.qlinear import Fp16Linear, Int4Linear
+from hamburger.kernels.qlinear import Fp16Linear, Int4Linear, Int8Linear
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
 
@@ -25,15 +26,15 @@ def linear(out_features: int, in_features: int, bias: bool = True, seed: int = 0
 
 
 def q4_layer(n: int = 48, k: int = 128, group: int = 64, bias: bool = True) -> tuple[Int4Linear, torch.Tensor]:
-    """A native 4-bit layer from random codes, and its weights computed here: q * scale + (zero - 8 * scale)."""
+    """A native 4-bit layer from random codes, and its weights computed here: q * scale + min (float16 scales and
+    mins, GGUF's Q4_1)."""
     gen = torch.Generator().manual_seed(1)
     q = torch.randint(0, 16, (n, k), generator=gen)
-    scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).bfloat16()
-    mins = (torch.randn(n, k // group, generator=gen) * 0.05).bfloat16()
+    scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).half()
+    mins = (torch.randn(n, k // group, generator=gen) * 0.05).half()
     layer = Int4Linear(q, scales, mins, group, torch.randn(n, generator=gen) if bias else None)
-    sz = layer.scales_and_zeros.float()
-    s, z = (sz[..., i].t().repeat_interleave(group, 1) for i in (0, 1))
-    return layer, q.float() * s + (z - 8 * s)
+    s, m = (t.float().repeat_interleave(group, 1) for t in (scales, mins))
+    return layer, q.float() * s + m
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 9])
@@ -52,7 +53,7 @@ def test_fp16_products_are_the_rounded_weights_with_the_bias(rows):
 def q16_products(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     """What `native.INT4_Q16` computes, in float64: each block of 32 inputs as int16 codes times max|x| / 32767
     (rounded to nearest even, as the kernel converts), the codes' dot product scaled by scale * dx, plus
-    (zero - 8 * scale) times the block's float sum; and the bias."""
+    min times the block's float sum; and the bias."""
     n, k, g = layer.out_features, layer.in_features, layer.group_size
     xb = x.reshape(-1, k // 32, 32)
     top = xb.abs().amax(-1, keepdim=True)
@@ -60,11 +61,11 @@ def q16_products(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     x8 = torch.round(xb * inv).clamp(-32768, 32767).double()
     dx = (top / 32767).double()
     codes = layer.unpack()[0].double().reshape(n, k // 32, 32)
-    sz = layer.scales_and_zeros.double()  # (k/g, n, 2)
-    scale, zero = (sz[..., i].t().repeat_interleave(g // 32, 1) for i in (0, 1))  # (n, k/32)
+    sm = layer.scales_and_mins.double()  # (k/g, n, 2)
+    scale, low = (sm[..., i].t().repeat_interleave(g // 32, 1) for i in (0, 1))  # (n, k/32)
     dots = torch.einsum("rbi,nbi->rnb", x8, codes)
     out = (dots * scale[None] * dx.squeeze(-1)[:, None]).sum(-1)
-    out += ((zero - 8 * scale)[None] * xb.double().sum(-1)[:, None]).sum(-1)
+    out += (low[None] * xb.double().sum(-1)[:, None]).sum(-1)
     return (out + (layer.bias.double() if layer.bias is not None else 0)).float()
 
 
@@ -93,15 +94,18 @@ def test_int4_products_with_int16_activations_are_that_arithmetic(rows, group):
     # block's scale from its neighbour (what a wrong lane layout does) is far from it
     exact = F.linear(x, weights, layer.bias)
     assert (got - exact).norm() <= 3e-4 * exact.norm()
-    swapped = layer.scales_and_zeros.clone()
-    layer.scales_and_zeros.copy_(swapped.roll(1, 0))
+    swapped = layer.scales_and_mins.clone()
+    layer.scales_and_mins.copy_(swapped.roll(1, 0))
     assert (layer(x) - want).abs().max() > 1e-3 * want.abs().max()
 
 
-@pytest.mark.parametrize("kind", ["fp16", "int4", "int4 int16"])
+@pytest.mark.parametrize("kind", ["fp16", "int4", "int4 int16", "int8"])
 def test_each_row_is_the_same_whatever_the_other_rows(kind):
-    k = 128 if kind == "int4 int16" else 96
-    layer = Fp16Linear.from_linear(linear(64, k)) if kind == "fp16" else q4_layer(64, k, 32)[0]
+    k = 128 if kind in ("int4 int16", "int8") else 96
+    if kind == "fp16":
+        layer = Fp16Linear.from_linear(linear(64, k))
+    else:
+        layer = q8_layer(64, k)[0] if kind == "int8" else q4_layer(64, k, 32)[0]
     x = torch.randn(11, k)
     together = layer(x)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(11)])
@@ -117,7 +121,7 @@ def test_int4_codes_and_scales_read_back_exactly_and_survive_the_disk_format():
     codes = layer.unpack()[0]
     assert torch.equal(codes, q.to(torch.uint8))
     again = Int4Linear.from_portable(layer.portable(), torch.device("cpu"), 64)
-    assert torch.equal(again.q4, layer.q4) and torch.equal(again.scales_and_zeros, layer.scales_and_zeros)
+    assert torch.equal(again.q4, layer.q4) and torch.equal(again.scales_and_mins, layer.scales_and_mins)
     both = Int4Linear.concat([layer, again])
     x = torch.randn(3, 128)
     assert torch.equal(both(x), torch.cat([layer(x), again(x)], -1))
@@ -143,7 +147,8 @@ def test_the_start_line_names_the_kernels():
     from hamburger.loading import kernels_note
     cpu = torch.device("cpu")
     assert kernels_note("fp16", cpu) == "native kernels" and kernels_note("int4/int8", cpu) == "native kernels"
-    assert kernels_note("none", cpu) is None and kernels_note("int8", cpu) is None
+    assert kernels_note("int8", cpu) == "native kernels" and kernels_note("none", cpu) is None
+    assert kernels_note("int4", torch.device("meta")) is None  # not a CPU
 
 
 def test_a_wrong_input_is_refused_not_read_out_of_bounds():
@@ -153,3 +158,90 @@ def test_a_wrong_input_is_refused_not_read_out_of_bounds():
     for bad in (torch.randn(3, 80), torch.randn(96, 3).t(), torch.randn(3, 96).double()):
         with pytest.raises(ValueError, match="native product takes"):
             native.linear(bad, layer.native_desc())
+
+
+def q8_layer(n: int = 48, k: int = 192, bias: bool = True) -> tuple[Int8Linear, torch.Tensor]:
+    """A native 8-bit layer from random codes and float16 block scales (GGUF's Q8_0), and its weights q * scale."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales = (torch.rand(n, k // 32, generator=gen) * 0.01 + 1e-4).half()
+    layer = Int8Linear(q, scales, torch.randn(n, generator=gen) if bias else None)
+    return layer, q.float() * scales.float().repeat_interleave(32, 1)
+
+
+def q8_products(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
+    """What `native.INT8_Q16` computes, in float64: each block of 32 inputs as int16 codes times max|x| / 32767,
+    the codes' dot product with the weights' codes scaled by scale * dx; and the bias."""
+    n, k = layer.out_features, layer.in_features
+    xb = x.reshape(-1, k // 32, 32)
+    top = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, torch.tensor(32767.0) / top, torch.zeros(()))
+    x16 = torch.round(xb * inv).clamp(-32768, 32767).double()
+    codes, scales = layer.codes()
+    dots = torch.einsum("rbi,nbi->rnb", x16, codes.double().reshape(n, k // 32, 32))
+    out = (dots * scales.double()[None] * (top / 32767).double().squeeze(-1)[:, None]).sum(-1)
+    return (out + (layer.bias.double() if layer.bias is not None else 0)).float()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
+def test_int8_products_with_int16_activations_are_that_arithmetic(rows):
+    layer, weights = q8_layer()
+    assert layer.native and layer.group_size == 32 and not hasattr(layer, "weight_int8")
+    assert torch.equal(layer.dequantize(), weights)
+    x = torch.randn(rows, 192)
+    x[0, 64:96] = 0  # a block of zeros
+    got, want = layer(x), q8_products(layer, x)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    exact = F.linear(x, weights, layer.bias)
+    assert (got - exact).norm() <= 3e-4 * exact.norm()
+    # a mutation that takes each block's scale from the next block (a wrong lane layout) is far from it
+    layer.block_scales.copy_(layer.block_scales.roll(1, 0))
+    assert (layer(x) - want).abs().max() > 1e-3 * want.abs().max()
+
+
+def test_int8_codes_read_back_and_survive_the_disk_format_and_concatenation():
+    layer, weights = q8_layer()
+    gen = torch.Generator().manual_seed(2)
+    assert torch.equal(layer.codes()[0], torch.randint(-127, 128, (48, 192), generator=gen, dtype=torch.int8))
+    again = Int8Linear.from_portable(layer.portable(), torch.device("cpu"))
+    assert torch.equal(again.q8, layer.q8) and torch.equal(again.block_scales, layer.block_scales)
+    both = Int8Linear.concat([layer, again])
+    x = torch.randn(3, 192)
+    assert torch.equal(both(x), torch.cat([layer(x), again(x)], -1))
+    with native.turned_off():  # read where the native kernels do not run: per channel again, close to the blocks
+        torch_layer = Int8Linear.from_portable(layer.portable(), torch.device("cpu"))
+    assert not torch_layer.native and torch_layer.scales.shape == (48,)
+    err = (torch_layer.dequantize().float() - weights).abs()  # half a step, and the bfloat16 product's rounding
+    assert (err <= 0.51 * torch_layer.scales.float()[:, None] + 2**-8 * weights.abs()).all()
+
+
+def test_gguf_q4_1_and_q8_0_blocks_come_back_exactly():
+    """Weights dequantised from GGUF blocks in float32 (the embedded default's projections are Q4_1, its embedding
+    and tied LM head Q8_0): the native layers made from them hold the GGUF's own codes and float16 scales (and
+    mins), so they multiply with exactly those weights."""
+    gen = torch.Generator().manual_seed(3)
+    n, k = 32, 128
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=gen)
+    q[..., 0], q[..., 1] = 0, 15  # Q4_1's rule: each block's min gets 0, its max 15
+    d = (torch.rand(n, k // 32, 1, generator=gen) * 0.02 + 1e-3).half()
+    m = (-8 * d.float() + torch.randn(n, k // 32, 1, generator=gen) * 0.01).half()
+    w4 = (q * d.float() + m.float()).reshape(n, k)
+    layer = Int4Linear.from_linear(_with_weight(w4), 32)
+    codes, scales, mins = layer.unpack()
+    assert torch.equal(codes.long(), q.reshape(n, k)) and torch.equal(scales, d.squeeze(-1))
+    assert torch.equal(mins, m.squeeze(-1)) and torch.equal(layer.dequantize(), w4)
+    q8 = torch.randint(-127, 128, (n, k // 32, 32), generator=gen)
+    q8[..., 5] = torch.where(torch.rand(n, k // 32, generator=gen) < 0.5, -127, 127)  # Q8_0: the max |w| gets 127
+    d8 = (torch.rand(n, k // 32, 1, generator=gen) * 0.01 + 1e-4).half()
+    w8 = (q8 * d8.float()).reshape(n, k)
+    head = Int8Linear.from_linear(_with_weight(w8))
+    codes8, scales8 = head.codes()
+    assert torch.equal(codes8.long(), q8.reshape(n, k)) and torch.equal(scales8, d8.squeeze(-1))
+    assert torch.equal(head.dequantize(), w8)
+
+
+def _with_weight(w: torch.Tensor) -> nn.Linear:
+    layer = nn.Linear(w.shape[1], w.shape[0], bias=False)
+    with torch.no_grad():
+        layer.weight.copy_(w)
+    return layer

@@ -14,7 +14,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from conftest import hamburger, tiny_base
 from hamburger import HamburgerModel, generate
 from hamburger.inference.engine import Engine
-from hamburger.kernels import qlinear
+from hamburger.kernels import native, qlinear
 from hamburger.kernels import quantize as qz
 from hamburger.kernels.fused import FusedPart
 from hamburger.kernels.qlinear import Fp16Linear, Int4Linear, Int8Linear, QuantizedLinear, fp16_unavailable
@@ -55,9 +55,11 @@ def linear_from(w: torch.Tensor, bias: bool = False) -> nn.Linear:
 
 
 def test_int4_represents_q4_1_blocks_exactly():
-    """With float32 scales (and activations: the kernel's slow path on CPU, `act_dtype=torch.float32`)."""
+    """PyTorch's kernels with float32 scales (and activations: the kernel's slow path on CPU,
+    `act_dtype=torch.float32`); the native kernels' float16 blocks are exact (tests/kernels/test_native.py)."""
     w, q, d, m = q4_1_blocks(64, 256)
-    layer = Int4Linear.from_linear(linear_from(w), 32, torch.float32)
+    with native.turned_off():
+        layer = Int4Linear.from_linear(linear_from(w), 32, torch.float32)
     codes, scales, mins = layer.unpack()
     assert torch.equal(codes.long(), q)  # every 4-bit code comes back as GGUF stored it
     # The scale is (max - min) / 15 in float32: d up to its rounding; the min is the block's min.
@@ -79,7 +81,8 @@ def test_int4_q4_1_blocks_in_bfloat16_up_to_rounding(model_dtype):
     come back exactly; scale and weights up to those roundings (unit roundoff u = 2^-8 each: the scale inherits
     the min's and max's, over 15). The layer takes and returns the model's dtype."""
     w, q, d, m = q4_1_blocks(32, 128, seed=1)
-    layer = Int4Linear.from_linear(linear_from(w).to(model_dtype), 32)
+    with native.turned_off():
+        layer = Int4Linear.from_linear(linear_from(w).to(model_dtype), 32)
     assert layer(torch.randn(2, 128, dtype=model_dtype)).dtype == model_dtype
     codes, scales, _ = layer.unpack()
     assert scales.dtype == torch.bfloat16 and torch.equal(codes.long(), q)
@@ -99,10 +102,11 @@ def bf16_linear(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = No
 
 @pytest.mark.parametrize("dtype", [torch.float32, None])
 def test_int4_general_weights_within_half_a_step(dtype):
-    """Both activation dtypes (None: the default, bfloat16 on CPU): the weights within half a quantisation
-    step (plus the scale's own rounding), the forward = those weights times the input in that dtype."""
+    """PyTorch's kernels, both activation dtypes (None: the default, bfloat16 on CPU): the weights within half a
+    quantisation step (plus the scale's own rounding), the forward = those weights times the input in that dtype."""
     w = torch.randn(48, 128)
-    layer = Int4Linear.from_linear(linear_from(w, bias=True), 64, dtype)
+    with native.turned_off():
+        layer = Int4Linear.from_linear(linear_from(w, bias=True), 64, dtype)
     codes, scales, mins = layer.unpack()
     assert scales.dtype == (dtype or torch.bfloat16)
     deq = codes.float() * scales.float().repeat_interleave(64, 1) + mins.float().repeat_interleave(64, 1)
@@ -116,7 +120,9 @@ def test_int4_general_weights_within_half_a_step(dtype):
         torch.allclose(layer(x), ref, rtol=2**-7, atol=2**-7 * ref.abs().max().item())  # bfloat16 output
 
 
+@native.turned_off()
 def test_int8_per_channel():
+    """PyTorch's int8 kernel (natively: GGUF's Q8_0 blocks, tests/kernels/test_native.py)."""
     w = torch.randn(40, 72) * torch.linspace(0.1, 3, 40)[:, None]
     lin = linear_from(w, bias=True)
     exact = Int8Linear.from_linear(lin, dtype=torch.float32)
@@ -313,7 +319,9 @@ def test_int4_zero_and_constant_groups():
     w[1] = 0.5  # a constant row
     layer = Int4Linear.from_linear(linear_from(w), 32)
     assert torch.equal(layer.dequantize(), w)
-    assert torch.equal(Int8Linear.from_linear(linear_from(w)).weight, w)
+    int8 = Int8Linear.from_linear(linear_from(w))
+    # natively GGUF's Q8_0: 0.5 = 127 codes times 0.5 / 127 rounded to float16
+    assert torch.equal(int8.weight, w) if not int8.native else torch.allclose(int8.weight, w, rtol=2**-11, atol=0)
 
 
 # --- whole models ------------------------------------------------------------------------------------------------
@@ -542,9 +550,26 @@ def test_cache_off(monkeypatch):
 
 
 @pytest.mark.slow
-def test_default_q4_1_base_is_exact_in_int4():
-    """SmolLM2's GGUF stores its projections as Q4_1 (every block uses codes 0 and 15): int4 at group 32 gives
-    them back up to float32 rounding. Its tied head/embedding is Q8_0, which int4 only approximates."""
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+def test_default_int4_int8_is_its_gguf_weights_bit_for_bit():
+    """SmolLM2's GGUF stores its projections as Q4_1 and its embedding (the tied LM head) as Q8_0: natively
+    `int4/int8` (what "auto" picks for it) holds exactly the float default's weights, every one of them."""
+    from hamburger.model.hamburger_model import load_model
+
+    model, _ = load_model("SmolLM2-135M-Instruct")
+    floats = {n: m.weight.detach().clone() for n, m in model.base.named_modules() if isinstance(m, nn.Linear)}
+    embedding = model.base.get_input_embeddings().weight.detach()
+    quantize_model(model.base, "int4", head="int8", fuse=False)
+    assert len(floats) == 211
+    for name, w in floats.items():
+        layer = model.base.get_submodule(name)
+        assert layer.native and torch.equal(layer.dequantize(), embedding if name == "lm_head" else w), name
+
+
+@pytest.mark.slow
+def test_default_q4_1_base_is_exact_in_int4_with_pytorchs_kernels():
+    """PyTorch's kernels: int4 at group 32 gives the GGUF's Q4_1 projections back up to float32 rounding with
+    float32 scales, and the same codes nearly everywhere with the CPU kernel's bfloat16 scale and zero."""
     from hamburger.model.hamburger_model import load_model
 
     model, _ = load_model("SmolLM2-135M-Instruct")
@@ -554,8 +579,9 @@ def test_default_q4_1_base_is_exact_in_int4():
     floats = {n: m.weight.detach().clone() for n, m in picked.named_modules() if isinstance(m, nn.Linear)}
     assert len(floats) == 21
     exact, fast = copy.deepcopy(picked), picked
-    quantize_model(exact, "int4", act_dtype=torch.float32, fuse=False)  # layer by layer, as the GGUF stores them
-    quantize_model(fast, "int4", fuse=False)  # the default on CPU: bfloat16 scales and zeros
+    with native.turned_off():
+        quantize_model(exact, "int4", act_dtype=torch.float32, fuse=False)  # layer by layer, as the GGUF stores them
+        quantize_model(fast, "int4", fuse=False)  # the default of PyTorch's CPU kernel: bfloat16 scales and zeros
     for name, w in floats.items():
         layer = exact.get_submodule(name)
         codes, scales, _ = layer.unpack()

@@ -24,7 +24,7 @@ import torch
 from hamburger.inference.fast_layer import FastLayer, probe_first_layer, rope_tables
 from hamburger.inference.kv import KVCache, RowSlots
 from hamburger.kernels import native
-from hamburger.kernels.qlinear import Fp16Linear, Int4Linear
+from hamburger.kernels.qlinear import Fp16Linear, Int4Linear, Int8Linear
 
 NATIVE_ROWS = 64  # passes of at most this many rows (batch x positions) run natively; longer ones (prefill) do not
 
@@ -44,8 +44,7 @@ class NativeLayers:
             for name in ("qkv", "o", "gate_up", "down"):
                 module = getattr(f, name)
                 weights[name] = module.native_desc()
-                buffers = ("w16",) if isinstance(module, Fp16Linear) else ("q4", "scales_and_zeros")
-                self._held += [(module._buffers, key, module._buffers[key]) for key in buffers]
+                self._held += [(module._buffers, key, t) for key, t in module._buffers.items()]
                 if module.bias is not None:
                     self._held.append((module._parameters, "bias", module.bias))
             norms = (f.layer.input_layernorm, f.layer.post_attention_layernorm)
@@ -107,7 +106,7 @@ def native_layers(base, fast: list[FastLayer] | None) -> NativeLayers | None:
     if fast is None or not native.available() or fast[0].head_dim % 16 or fast[0].head_dim > native.MAX_HEAD_DIM:
         return None
     modules = [m for f in fast for m in (f.qkv, f.o, f.gate_up, f.down)]
-    if not all(isinstance(m, (Fp16Linear, Int4Linear)) and m.native for m in modules):
+    if not all(isinstance(m, (Fp16Linear, Int4Linear, Int8Linear)) and m.native for m in modules):
         return None
     if any(m.bias is not None for f in fast for m in (f.o, f.gate_up, f.down)):
         return None  # biases only on q/k/v (Qwen2), as the fast layers assume

@@ -20,7 +20,7 @@ from hamburger.inference.fast_layer import decode_layers, fast_usable, rope_tabl
 from hamburger.inference.native_layers import native_layers as make_native
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
 from hamburger.inference.lookup import reply_store
-from hamburger.kernels.qlinear import Fp16Linear, QuantizedLinear, fp16_unavailable
+from hamburger.kernels.qlinear import Fp16Linear, Int8Linear, QuantizedLinear, fp16_unavailable
 from hamburger.model.config import DRAFT_ROWS, LOOKUP_DRAFTS, check_draft_rows, check_lookup
 from hamburger.model.hamburger_model import HamburgerModel
 from hamburger.model.slot_adapters import AdapterPass
@@ -86,14 +86,17 @@ class ModelRunner:
         # Micro-steps choose among the checkpoint's shortlist (if it has one): a head of |shortlist| rows
         # instead of the whole vocabulary. Token 0 of every step always uses the full head.
         self.vocab = model.micro_vocab if shortlist else None
-        self._short: Fp16Linear | None = None
+        self._short: QuantizedLinear | None = None
         p = next(model.parameters())
         self.dtype, self.device = p.dtype, p.device
         if self.vocab is not None:
             self.vocab = self.vocab.to(self.device)
             head = model.base.get_output_embeddings()
-            self.short_head = head_rows(model, self.vocab).to(self.dtype).contiguous()
-            if isinstance(head, QuantizedLinear) and fp16_unavailable(self.device) is None:
+            if isinstance(head, Int8Linear) and head.native and (short := head.rows(self.vocab)).native:
+                self._short, self.short_head = short, None  # the head's own codes at those rows: exact
+            else:
+                self.short_head = head_rows(model, self.vocab).to(self.dtype).contiguous()
+            if self._short is None and isinstance(head, QuantizedLinear) and fp16_unavailable(self.device) is None:
                 # A quantized head's rows packed as fp16: its own float16 values for fp16; int8/int4 rows are
                 # bfloat16 values, which float16 holds exactly within its normal range (a test)
                 self._short, self.short_head = Fp16Linear(self.short_head), None

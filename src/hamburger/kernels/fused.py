@@ -74,9 +74,9 @@ class FusedPart(QuantizedLinear):
         return self.group.linear.dequantize()[start:end]
 
     def portable(self) -> dict[str, torch.Tensor]:
-        """The group's tensors cut to this part's rows (int4's scales and zeros are (K/g, N, 2): cut along N)."""
+        """The group's tensors cut to this part's rows (int4's scales are (K/g, N, 2): cut along N)."""
         start, end = self.group.bounds[self.index]
-        out = {key: t[:, start:end] if key == "scales_and_zeros" else t[start:end]
+        out = {key: t[:, start:end] if key in ("scales_and_zeros", "scales_and_mins") else t[start:end]
                for key, t in self.group.linear.portable().items() if key != "bias"}
         if self.bias is not None:
             out["bias"] = self.bias.detach().cpu()

@@ -1,5 +1,5 @@
 /* The engine's native CPU kernels (x86-64 with AVX-512 F, BW and VNNI): weight-only float16 and 4-bit matrix
- * products, and a Llama-style decoder layer over the engine's KV cache, every layer of a pass in one call and one
+ * and 8-bit matrix products, and a Llama-style decoder layer over the engine's KV cache, every layer of a pass in one call and one
  * OpenMP region. Built for a CPU without those, the library says so (hb_isa() == 0) and is not used.
  *
  * Built on the user's machine at first use (`hamburger/kernels/native.py`: cc -O3 -march=native -fopenmp) and
@@ -35,12 +35,15 @@ int hb_isa(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 
 typedef struct {
-    int32_t kind;        /* 1: float16 (n, k) row-major; 2: 4-bit (below); 3: 4-bit, int16 activations (below) */
+    int32_t kind;        /* 1: float16 (n, k) row-major; 2: 4-bit (below); 3: 4-bit, int16 activations (below);
+                            5: 8-bit in blocks of 32, int16 activations (below) */
     int32_t unused;
     int64_t n, k, group;
-    const void *w;       /* kind 1: uint16 (n, k); kind 2: uint8 (n, k/2), each 32 weights in 16 bytes, the low
-                            nibbles the first 16, the high nibbles the next 16 */
-    const uint16_t *sz;  /* kinds 2, 3: bfloat16 (k/group, n, 2): scale and zero, w = (q - 8) * scale + zero */
+    const void *w;       /* kind 1: uint16 (n, k); kinds 2, 3: uint8 (n, k/2), each 32 weights in 16 bytes, the low
+                            nibbles the first 16, the high nibbles the next 16; kind 5: int8 (n, k), each 64 inputs
+                            in the order of the int16 activations (below) */
+    const uint16_t *sz;  /* kinds 2, 3: float16 (k/group, n, 2): scale and min, w = q * scale + min (GGUF's Q4_1);
+                            kind 5: float16 (k/32, n): scale, w = q * scale (GGUF's Q8_0) */
     const float *bias;   /* (n) or NULL */
 } hb_weights;
 
@@ -61,10 +64,7 @@ typedef struct {
     float *scratch;                  /* hb_scratch_floats(...) floats */
 } hb_pass;
 
-INL float bf16(uint16_t v) {
-    union { uint32_t u; float f; } c = {.u = (uint32_t)v << 16};
-    return c.f;
-}
+INL float f16(uint16_t v) { return _cvtsh_ss(v); }
 
 /* --- matrix products: y (m, n) = x (m, k) . w^T (+ bias). Orphaned `omp for`: inside a parallel region the
    threads split the output rows; outside one, the caller's thread does all. --------------------------------- */
@@ -100,8 +100,7 @@ INL void int4_tile(const float *x, const uint8_t *q, const uint16_t *sz, float *
             for (int j = 0; j < NB; j++) _mm_prefetch((const char *)(q + j * (k / 2) + i / 2) + AHEAD, _MM_HINT_T0);
         for (int j = 0; j < NB; j++) {
             __m128i bytes = _mm_loadu_si128((const __m128i *)(q + j * (k / 2) + i / 2));
-            float scale = bf16(g[2 * j]), zero = bf16(g[2 * j + 1]);
-            __m512 s = _mm512_set1_ps(scale), mn = _mm512_set1_ps(zero - 8.0f * scale);
+            __m512 s = _mm512_set1_ps(f16(g[2 * j])), mn = _mm512_set1_ps(f16(g[2 * j + 1]));
             __m512 ql = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)));
             __m512 qh = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
             lo[j] = _mm512_fmadd_ps(ql, s, mn);
@@ -119,7 +118,7 @@ INL void int4_tile(const float *x, const uint8_t *q, const uint16_t *sz, float *
 
 /* kind 3: the activations quantized per block of 32 to int16 (x ~ x16 * dx, dx = max|x| / 32767), multiplied
    with the codes in int32 (vpmaddwd, AVX512-VNNI's vpdpwssd), each block's sum scaled by scale * dx, plus
-   (zero - 8 * scale) * sum(x) in float. About 3e-5 of a product off its float value (llama.cpp's int8 blocks: 1e-2),
+   min * sum(x) in float. About 3e-5 of a product off its float value (llama.cpp's int8 blocks: 1e-2),
    at twice the float32-activation kernel's speed: unpacking codes to floats is what bounds that one. Per 64
    inputs a row's activations are laid out as the codes unpack: [block 0 inputs 0-15 | block 1 0-15] and [block 0
    16-31 | block 1 16-31] as int16 (128 bytes), then dx and sum(x) / 8 over the lanes of each block (16 floats
@@ -156,8 +155,7 @@ INL void int4x16_tile(const uint8_t *xq, const uint8_t *q, const uint16_t *sz, f
                       int64_t group, int64_t ldy, const int mt) {
     __m512 acc[Q16_MT][NB];
     const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m512 eight = _mm512_set1_ps(8.0f);
-    __m512i take_s[NB], take_z[NB];  /* row j's scale (zero) of block 0 on lanes 0-7, of block 1 on 8-15 */
+    __m512i take_s[NB], take_z[NB];  /* row j's scale (min) of block 0 on lanes 0-7, of block 1 on 8-15 */
     for (int j = 0; j < NB; j++) {
         take_s[j] = _mm512_set_epi32(8 + 2 * j, 8 + 2 * j, 8 + 2 * j, 8 + 2 * j, 8 + 2 * j, 8 + 2 * j, 8 + 2 * j,
                                      8 + 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j);
@@ -173,14 +171,13 @@ INL void int4x16_tile(const uint8_t *xq, const uint8_t *q, const uint16_t *sz, f
             for (int j = 0; j < NB; j++) _mm_prefetch((const char *)(q + j * (k / 2) + p * 32) + AHEAD, _MM_HINT_T0);
         const __m128i g0 = _mm_loadu_si128((const __m128i *)(sz + ((p * 64) / group) * n * 2));
         const __m128i g1 = _mm_loadu_si128((const __m128i *)(sz + ((p * 64 + 32) / group) * n * 2));
-        const __m512 f = _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_inserti128_si256(_mm256_castsi128_si256(g0), g1, 1)), 16));
+        const __m512 f = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(g0), g1, 1));
         for (int j = 0; j < NB; j++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(q + j * (k / 2) + p * 32));
             lo[j] = _mm512_cvtepu8_epi16(_mm256_and_si256(v, low));
             hi[j] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low));
             sv[j] = _mm512_permutexvar_ps(take_s[j], f);
-            mv[j] = _mm512_fnmadd_ps(eight, sv[j], _mm512_permutexvar_ps(take_z[j], f));
+            mv[j] = _mm512_permutexvar_ps(take_z[j], f);
         }
         for (int m = 0; m < mt; m++) {
             const uint8_t *xm = xq + (m * pairs + p) * QX16_PAIR;
@@ -197,6 +194,43 @@ INL void int4x16_tile(const uint8_t *xq, const uint8_t *q, const uint16_t *sz, f
         for (int j = 0; j < NB; j++) y[m * ldy + j] = _mm512_reduce_add_ps(acc[m][j]);
 }
 
+/* kind 5: 8-bit codes (Q8_0's), the activations as kind 3 quantizes them; each row's 64 codes of a pair of blocks
+   stored as the activations lie: [block 0 inputs 0-15 | block 1 0-15 | block 0 16-31 | block 1 16-31]. */
+INL void int8x16_tile(const uint8_t *xq, const int8_t *q, const uint16_t *sc, float *y, int64_t k, int64_t n,
+                      int64_t ldy, const int mt) {
+    __m512 acc[Q16_MT][NB];
+    __m512i take[NB];  /* row j's scale of block 0 on lanes 0-7, of block 1 on 8-15 */
+    for (int j = 0; j < NB; j++)
+        take[j] = _mm512_set_epi32(4 + j, 4 + j, 4 + j, 4 + j, 4 + j, 4 + j, 4 + j, 4 + j, j, j, j, j, j, j, j, j);
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < NB; j++) acc[m][j] = _mm512_setzero_ps();
+    const int64_t pairs = k / 64;
+    for (int64_t p = 0; p < pairs; p++) {
+        __m512i lo[NB], hi[NB];
+        __m512 sv[NB];
+        for (int j = 0; j < NB; j++) _mm_prefetch((const char *)(q + j * k + p * 64) + AHEAD, _MM_HINT_T0);
+        const __m128i g = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(sc + 2 * p * n)),
+                                             _mm_loadl_epi64((const __m128i *)(sc + (2 * p + 1) * n)));
+        const __m512 f = _mm512_castps256_ps512(_mm256_cvtph_ps(g));
+        for (int j = 0; j < NB; j++) {
+            lo[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + j * k + p * 64)));
+            hi[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + j * k + p * 64 + 32)));
+            sv[j] = _mm512_permutexvar_ps(take[j], f);
+        }
+        for (int m = 0; m < mt; m++) {
+            const uint8_t *xm = xq + (m * pairs + p) * QX16_PAIR;
+            __m512i xl = _mm512_loadu_si512((const void *)xm), xh = _mm512_loadu_si512((const void *)(xm + 64));
+            __m512 dx = _mm512_loadu_ps((const float *)(xm + 128));
+            for (int j = 0; j < NB; j++) {
+                __m512i dots = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo[j], xl), hi[j], xh);
+                acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(sv[j], dx), acc[m][j]);
+            }
+        }
+    }
+    for (int m = 0; m < mt; m++)
+        for (int j = 0; j < NB; j++) y[m * ldy + j] = _mm512_reduce_add_ps(acc[m][j]);
+}
+
 #define TILES(CALL)                                   \
     int64_t r = 0;                                    \
     for (; r + MT <= rows; r += MT) CALL(MT);         \
@@ -206,10 +240,12 @@ INL void int4x16_tile(const uint8_t *xq, const uint8_t *q, const uint16_t *sz, f
         case 1: CALL(1); break;                       \
     }
 
-/* kind 3 needs `xq`: hb_quantized_bytes(rows, k) bytes, filled here (by one thread) */
+INL int int16_activations(int32_t kind) { return kind == 3 || kind == 5; }
+
+/* kinds 3 and 5 need `xq`: hb_quantized_bytes(rows, k) bytes, filled here (by one thread) */
 static void gemm_for(const float *x, const hb_weights *w, float *y, int64_t rows, uint8_t *xq) {
     const int64_t n = w->n, k = w->k, blocks = n / NB;
-    if (w->kind == 3) {
+    if (int16_activations(w->kind)) {
         #pragma omp single
         quantize_rows16(x, rows, k, xq);
     }
@@ -227,18 +263,18 @@ static void gemm_for(const float *x, const hb_weights *w, float *y, int64_t rows
 #define INT4(mt) int4_tile(x + r * k, qb, sb, y + r * n + col, k, n, w->group, n, mt)
             TILES(INT4)
 #undef INT4
-        } else {
+        } else if (w->kind == 3) {
             const uint8_t *qb = (const uint8_t *)w->w + col * (k / 2);
             const uint16_t *sb = w->sz + col * 2;
 #define Q16(mt) int4x16_tile(xq + r * (k / 64) * QX16_PAIR, qb, sb, y + r * n + col, k, n, w->group, n, mt)
-            int64_t r = 0;
-            for (; r + Q16_MT <= rows; r += Q16_MT) Q16(Q16_MT);
-            switch (rows - r) {
-                case 3: Q16(3); break;
-                case 2: Q16(2); break;
-                case 1: Q16(1); break;
-            }
+            TILES(Q16)
 #undef Q16
+        } else {
+            const int8_t *qb = (const int8_t *)w->w + col * k;
+            const uint16_t *sb = w->sz + col;
+#define Q8(mt) int8x16_tile(xq + r * (k / 64) * QX16_PAIR, qb, sb, y + r * n + col, k, n, n, mt)
+            TILES(Q8)
+#undef Q8
         }
         if (w->bias)
             for (int64_t i = 0; i < rows; i++)
@@ -251,7 +287,7 @@ int64_t hb_quantized_bytes(int64_t rows, int64_t k) { return rows * (k / 64) * Q
 /* Returns 0, or -1 if the quantized activations' memory could not be had. */
 int hb_linear(const float *x, const hb_weights *w, float *y, int64_t rows) {
     uint8_t *xq = NULL;
-    if (w->kind == 3 && (xq = aligned_alloc(64, (size_t)hb_quantized_bytes(rows, w->k))) == NULL) return -1;
+    if (int16_activations(w->kind) && (xq = aligned_alloc(64, (size_t)hb_quantized_bytes(rows, w->k))) == NULL) return -1;
     #pragma omp parallel
     gemm_for(x, w, y, rows, xq);
     free(xq);

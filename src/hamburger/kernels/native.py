@@ -34,8 +34,8 @@ SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
 # The kinds of weights (native.c's hb_weights): float16; 4-bit with float32 activations; 4-bit with the activations
 # quantized to int16 in blocks of 32 (2x faster, about 3e-5 of each product off its float value), what 4-bit layers
-# use wherever their inputs are a multiple of 64 long
-FP16, INT4, INT4_Q16 = 1, 2, 3
+# use wherever their inputs are a multiple of 64 long; 8-bit (GGUF's Q8_0) with int16 activations likewise
+FP16, INT4, INT4_Q16, INT8_Q16 = 1, 2, 3, 5
 TILE_OUT, INT4_BLOCK, Q16_PAIR = 4, 32, 64  # output rows a tile computes; 4-bit blocks; inputs per int16 step
 MAX_HEAD_DIM = 256
 _lock = threading.Lock()
@@ -168,7 +168,7 @@ def fits(out_features: int, in_features: int, kind: int, group: int = 0) -> str 
     """Why the native products cannot take a layer of this shape (None if they can)."""
     if out_features % TILE_OUT:
         return f"out_features {out_features} is not a multiple of {TILE_OUT} (native kernels)"
-    block = {FP16: 16, INT4: INT4_BLOCK, INT4_Q16: Q16_PAIR}[kind]
+    block = {FP16: 16, INT4: INT4_BLOCK, INT4_Q16: Q16_PAIR, INT8_Q16: Q16_PAIR}[kind]
     if in_features % block or (kind != FP16 and group % INT4_BLOCK):
         return f"in_features {in_features} is not a multiple of {block} (native kernels)"
     return None

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hamburger.kernels import native
+
 # `set_wide`: passes of at least this many rows (prefill, a batch of 8 or more rows) multiply by a bfloat16 copy of
 # the weights. On a CPU with AMX, oneDNN's bfloat16 GEMM costs about the same from 1 to 64 rows, while FBGEMM's fp16
 # and the int8/int4 kernels grow with the rows; the two cross near 8 rows (docs/quantize.md, "Wide passes").
@@ -159,6 +161,46 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         group = f", group_size={self.group_size}" if self.group_size else ""
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}{group}"
+
+
+class NativeCodes:
+    """What the int4 and int8 layers share where the native kernels multiply them (`native` true): float32
+    activations, the C description of their buffers (`native_tensors`), the bias added inside the kernel."""
+
+    native = False
+    _desc = None
+
+    def native_tensors(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(native kind, codes, scales) of the native layout."""
+        raise NotImplementedError
+
+    def native_desc(self) -> native.Weights:
+        """The native kernels' description of these weights (made again if the buffers moved)."""
+        kind, w, sz = self.native_tensors()
+        bias = None if self.bias is None else self.bias.data_ptr()
+        ptrs = (w.data_ptr(), sz.data_ptr(), bias)
+        if self._desc is None or self._desc[0] != ptrs:
+            if self.bias is not None and self.bias.dtype != torch.float32:
+                raise ValueError(f"native {self.scheme} layers take a float32 bias")
+            self._desc = (ptrs, native.weights(kind, w, self.out_features, self.in_features, sz, self.group_size,
+                                               self.bias))
+        return self._desc[1]
+
+    def native_linear2d(self, x: torch.Tensor) -> torch.Tensor:
+        if (y := self._wide(x)) is not None:
+            return y
+        return native.linear(x.float().contiguous(), self.native_desc()).to(x.dtype)  # the bias inside
+
+    def native_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x (rows, in) float32 -> (rows, out) without the bias (`linear2d` adds it)."""
+        desc = self.native_desc()
+        return native.linear(x, native.Weights(desc.kind, 0, desc.n, desc.k, desc.group, desc.w, desc.sz, None))
+
+
+def native_here(device: torch.device, out_features: int, in_features: int, kind: int, group: int = 0) -> bool:
+    """Whether a layer of this shape made now on `device` is multiplied by the native kernels."""
+    return (device.type == "cpu" and native.available()
+            and native.fits(out_features, in_features, kind, group) is None)
 
 
 def carry_hooks(old: nn.Module, new: nn.Module) -> nn.Module:

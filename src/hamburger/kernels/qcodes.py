@@ -1,4 +1,5 @@
-"""The arithmetic of the int8 and int4 weight codes (pure functions): quantizing float weights to codes and scales,
+"""The arithmetic of the int8 and int4 weight codes (pure functions): quantizing float weights to codes and scales
+(PyTorch's kernels' per-channel int8 and (scale, zero) int4; the native kernels' GGUF Q8_0 and Q4_1 blocks),
 the portable nibble packing of the disk cache, and the CUDA int4 packing's tile size. `qlinear.py` holds the layers
 that multiply with them.
 """
@@ -33,6 +34,51 @@ def int4_weights(w: torch.Tensor, group_size: int, dtype: torch.dtype) -> tuple[
     low = zero - 8 * scale
     q = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
     return q.reshape(n, k), scale.to(dtype), low.to(dtype)
+
+
+def q4_1_weights(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (uint8 codes 0..15 (N, K), float16 scales (N, K/g), float16 mins (N, K/g)), w ≈ q · scale + min:
+    GGUF's Q4_1 (the native kernels' 4-bit weights). Min/max per group, the scale and the min rounded to float16
+    and the codes computed against the rounded values. Weights that came from Q4_1 blocks (the embedded default's
+    projections) get their own codes, scales and mins back exactly: each block's smallest weight is its min
+    (q = 0), its largest min + 15 · scale."""
+    n, k = w.shape
+    groups = w.detach().float().reshape(n, k // group_size, group_size)
+    lo, hi = groups.amin(-1), groups.amax(-1)
+    _check_half(lo, hi)
+    scale = ((hi - lo) / 15).half().float()
+    low = lo.half().float()
+    step = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = ((groups - low[..., None]) / step[..., None]).round().clamp(0, 15)
+    q = torch.where(scale[..., None] > 0, q, torch.zeros_like(q)).to(torch.uint8)
+    return q.reshape(n, k), scale.half(), low.half()
+
+
+def q8_0_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) float -> (int8 codes -127..127 (N, K), float16 scales (N, K/32)), w ≈ q · scale: GGUF's Q8_0 (the
+    native kernels' 8-bit weights), symmetric blocks of 32. Weights that came from Q8_0 blocks (the embedded
+    default's embedding and LM head) get their own codes and scales back exactly."""
+    n, k = w.shape
+    blocks = w.detach().float().reshape(n, k // 32, 32)
+    amax = blocks.abs().amax(-1)
+    _check_half(-amax, amax)
+    scale = (amax / 127).half().float()
+    step = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = (blocks / step[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return q.reshape(n, k), scale.half()
+
+
+def swap_halves64(q: torch.Tensor) -> torch.Tensor:
+    """(N, K) codes, K a multiple of 64, each 64 reordered as the native kernels' int16 activations lie (blocks b0,
+    b1 of 32: [b0 0-15 | b1 0-15 | b0 16-31 | b1 16-31]); its own inverse."""
+    n, k = q.shape
+    return q.reshape(n, k // 64, 2, 2, 16).transpose(2, 3).reshape(n, k).contiguous()
+
+
+def _check_half(lo: torch.Tensor, hi: torch.Tensor) -> None:
+    top = float(torch.finfo(torch.float16).max)
+    if lo.numel() and (float(lo.min()) < -top or float(hi.max()) > top):
+        raise ValueError("weights beyond float16's range cannot take 4-bit or 8-bit codes with float16 scales")
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:

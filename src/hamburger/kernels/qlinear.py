@@ -1,7 +1,7 @@
-"""Weight-only quantized linear layers: float16 weights, int8 per output channel and int4 in groups (GGUF Q4_1's
-layout). float16 and int4 multiply with the native kernels where they run (`native.py`: x86-64 CPUs with AVX-512
-and a C compiler), else with PyTorch's packed kernels (FBGEMM's float16 GEMM, the int4 pack kernels); int8 always
-with PyTorch's. `qbase.py` holds what they share, `qcodes.py` the arithmetic that makes their codes, `quantize.py`
+"""Weight-only quantized linear layers: float16 weights, int8 and int4 codes. All three multiply with the native
+kernels where they run (`native.py`: x86-64 CPUs with AVX-512 and a C compiler; int8 and int4 then in GGUF's Q8_0
+and Q4_1 blocks with float16 scales), else with PyTorch's packed kernels (FBGEMM's float16 GEMM, the int8 and int4
+pack kernels: int8 per output channel, int4 in groups with bfloat16 scale and zero on CPU). `qbase.py` holds what they share, `qcodes.py` the arithmetic that makes their codes, `quantize.py`
 plans which layers to swap.
 """
 
@@ -16,6 +16,7 @@ from hamburger.kernels.qbase import (
     INT4_MM_CPU,
     INT8_MM,
     WIDE_ROWS,
+    NativeCodes,
     QuantizedLinear,
     carry_hooks,
     cat_bias,
@@ -23,23 +24,47 @@ from hamburger.kernels.qbase import (
     fp16_unavailable,
     int8_unfit,
     int_kernel_dtype,
+    native_here,
     wide_unavailable,
 )
-from hamburger.kernels.qcodes import inner_k_tiles, int4_weights, int8_weights, pack_nibbles, unpack_nibbles
+from hamburger.kernels.qcodes import (
+    inner_k_tiles,
+    int4_weights,
+    int8_weights,
+    pack_nibbles,
+    q4_1_weights,
+    q8_0_weights,
+    swap_halves64,
+    unpack_nibbles,
+)
 
 __all__ = ["MODULES", "WIDE_ROWS", "Fp16Linear", "Fp16Weights", "Int4Linear", "Int8Linear", "QuantizedLinear",
            "carry_hooks", "fp16_unavailable", "int8_unfit", "int_kernel_dtype", "wide_unavailable"]
 
 
 
-class Int8Linear(QuantizedLinear):
-    """Per-channel symmetric int8 weights, `aten._weight_int8pack_mm` (CPU and CUDA)."""
+class Int8Linear(NativeCodes, QuantizedLinear):
+    """Symmetric int8 weights. Natively (CPU, where the native kernels run): GGUF's Q8_0, a float16 scale per block
+    of 32 inputs, the activations quantized to int16 in blocks of 32 (`native.INT8_Q16`); else a scale per output
+    channel and `aten._weight_int8pack_mm` (CPU and CUDA)."""
 
     scheme = "int8"
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__(q.shape[1], q.shape[0], bias)
-        if (why := int8_unfit(q.shape[1], q.device, scales.dtype)) is not None:
+        """q: (N, K) codes -127..127; scales: (N,) per output channel or (N, K/32) per block, w = q · scale."""
+        n, k = q.shape
+        here = native_here(q.device, n, k, native.INT8_Q16)
+        super().__init__(k, n, bias, 32 if here else 0)
+        self.native = here
+        if here:
+            blocks = scales[:, None].expand(n, k // 32) if scales.dim() == 1 else scales
+            self.register_buffer("q8", swap_halves64(q.to(torch.int8)))  # as the int16 activations lie
+            self.register_buffer("block_scales", blocks.t().half().contiguous())  # (K/32, N)
+            return
+        if scales.dim() == 2:  # Q8_0 blocks where the native kernels do not run: per channel again
+            w = q.float() * scales.float().repeat_interleave(32, 1)
+            q, scales = int8_weights(w, int_kernel_dtype(q.device, torch.float32))
+        if (why := int8_unfit(k, q.device, scales.dtype)) is not None:
             raise ValueError(why)
         # Own, freshly allocated copies: the bfloat16 kernel crashes (segmentation fault) on weights that are not
         # aligned, as tensors read from a safetensors file can be.
@@ -48,42 +73,69 @@ class Int8Linear(QuantizedLinear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 0, dtype: torch.dtype | None = None) -> Int8Linear:
-        """dtype: of the scales and so of the activations (default `int_kernel_dtype`)."""
+        """dtype: of the per-channel scales and so of the activations (default `int_kernel_dtype`); natively
+        float16 block scales and float32 activations."""
         w = linear.weight
         check_device(w.device)
+        if native_here(w.device, *w.shape, native.INT8_Q16) and dtype in (None, torch.float32):
+            return cls(*q8_0_weights(w), linear.bias)
         q, scales = int8_weights(w, dtype or int_kernel_dtype(w.device, w.dtype))
         return cls(q, scales, linear.bias)
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        return self.scales.dtype
+        return torch.float32 if self.native else self.scales.dtype
+
+    def native_tensors(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return native.INT8_Q16, self.q8, self.block_scales
+
+    def linear2d(self, x: torch.Tensor) -> torch.Tensor:
+        return self.native_linear2d(x) if self.native else super().linear2d(x)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        return INT8_MM(x, self.weight_int8, self.scales)
+        return self.native_mm(x) if self.native else INT8_MM(x, self.weight_int8, self.scales)
+
+    def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes (N, K) int8, scales: (N, K/32) float16 natively, else (N,))."""
+        if self.native:
+            return swap_halves64(self.q8), self.block_scales.t().contiguous()
+        return self.weight_int8, self.scales
+
+    def rows(self, index: torch.Tensor) -> Int8Linear:
+        """A layer of these output rows (e.g. the LM head's shortlist), their codes and scales as they are here."""
+        if self.native:
+            return Int8Linear(swap_halves64(self.q8[index]), self.block_scales.t()[index])
+        return Int8Linear(self.weight_int8[index], self.scales[index])
 
     def dequantize(self) -> torch.Tensor:
+        if self.native:
+            return self.codes()[0].float() * self.block_scales.t().float().repeat_interleave(32, 1)
         return self.weight_int8.to(self.scales.dtype) * self.scales[:, None]
 
     def portable(self) -> dict[str, torch.Tensor]:
-        out = {"q": self.weight_int8.cpu(), "scales": self.scales.cpu()}
+        q, scales = self.codes()
+        out = {"q": q.cpu(), "block_scales" if self.native else "scales": scales.cpu()}
         if self.bias is not None:
             out["bias"] = self.bias.detach().cpu()
         return out
 
     @classmethod
     def from_portable(cls, t: dict[str, torch.Tensor], device: torch.device, group_size: int = 0) -> Int8Linear:
-        return cls(t["q"].to(device), t["scales"].to(device), t["bias"].to(device) if "bias" in t else None)
+        scales = t["block_scales"] if "block_scales" in t else t["scales"]
+        return cls(t["q"].to(device), scales.to(device), t["bias"].to(device) if "bias" in t else None)
 
     @classmethod
     def concat(cls, parts: list[Int8Linear]) -> Int8Linear:
-        return cls(torch.cat([p.weight_int8 for p in parts]), torch.cat([p.scales for p in parts]), cat_bias(parts))
+        codes = [p.codes() for p in parts]
+        return cls(torch.cat([c[0] for c in codes]), torch.cat([c[1] for c in codes]), cat_bias(parts))
 
 
-class Int4Linear(QuantizedLinear):
-    """Asymmetric group-wise 4-bit weights (Q4_1 layout): the native kernels on CPU where they run, else the
-    packed int4 kernels of CPU or CUDA (bfloat16 activations on CPU). Natively, inputs a multiple of 64 long are
-    quantized to int16 in blocks of 32 (`native.INT4_Q16`: 2x faster, each product about 3e-5 off its float
-    value), other inputs multiply in float32 (`native.INT4`)."""
+class Int4Linear(NativeCodes, QuantizedLinear):
+    """Asymmetric group-wise 4-bit weights (GGUF's Q4_1 layout, w = q · scale + min). Natively (CPU, where the
+    native kernels run) with float16 scales and mins, inputs a multiple of 64 long quantized to int16 in blocks of
+    32 (`native.INT4_Q16`: 2x faster, each product about 3e-5 off its float value), other inputs multiplied in
+    float32 (`native.INT4`); else PyTorch's packed int4 kernels of CPU or CUDA (scale and zero in bfloat16 on
+    CPU)."""
 
     scheme = "int4"
 
@@ -95,16 +147,17 @@ class Int4Linear(QuantizedLinear):
         device = q.device
         check_device(device)
         self.packed_for = device.type
-        zeros = mins + 8 * scales  # in the stored dtype, as quantized against
-        self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1).contiguous())
-        self.native = (device.type == "cpu" and scales.dtype == torch.bfloat16 and native.available()
-                       and native.fits(n, k, native.INT4, group_size) is None)
+        self.native = native_here(device, n, k, native.INT4, group_size)
         self.kind = native.INT4_Q16 if native.fits(n, k, native.INT4_Q16, group_size) is None else native.INT4
         if self.native:  # the native kernels' layout: each 32 codes in 16 bytes, the first 16 in the low nibbles
             blocks = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
             self.register_buffer("q4", (blocks[:, :, 0] | blocks[:, :, 1] << 4).reshape(n, k // 2).contiguous())
-            self._desc = None
+            self.register_buffer("scales_and_mins", torch.stack([scales.t(), mins.t()], -1).half().contiguous())
             return
+        if device.type == "cpu" and scales.dtype == torch.float16:  # native blocks read here: the CPU kernel's dtype
+            scales, mins = scales.to(torch.bfloat16), mins.to(torch.bfloat16)
+        zeros = mins + 8 * scales  # in the stored dtype, as quantized against
+        self.register_buffer("scales_and_zeros", torch.stack([scales.t(), zeros.t()], -1).contiguous())
         if device.type == "cuda":
             if scales.dtype != torch.bfloat16:
                 raise ValueError(f"the CUDA int4 kernel runs in bfloat16 only, not {scales.dtype}: load the model "
@@ -116,22 +169,17 @@ class Int4Linear(QuantizedLinear):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
         self.register_buffer("weight_int4pack", packed)
 
-    def native_desc(self) -> native.Weights:
-        """The native kernels' description of these weights (made again if the buffers moved)."""
-        bias = None if self.bias is None else self.bias.data_ptr()
-        ptrs = (self.q4.data_ptr(), self.scales_and_zeros.data_ptr(), bias)
-        if self._desc is None or self._desc[0] != ptrs:
-            if self.bias is not None and self.bias.dtype != torch.float32:
-                raise ValueError("native int4 layers take a float32 bias")
-            self._desc = (ptrs, native.weights(self.kind, self.q4, self.out_features, self.in_features,
-                                               self.scales_and_zeros, self.group_size, self.bias))
-        return self._desc[1]
+    def native_tensors(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+        return self.kind, self.q4, self.scales_and_mins
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int, dtype: torch.dtype | None = None) -> Int4Linear:
         """dtype: of the scales and zeros and so of the activations (default `int_kernel_dtype`); codes are
-        computed against the scales rounded to it."""
+        computed against the scales rounded to it. Natively GGUF's Q4_1 (`q4_1_weights`: float16 scales and
+        mins) and float32 activations."""
         w = linear.weight
+        if native_here(w.device, *w.shape, native.INT4, group_size) and dtype in (None, torch.float32):
+            return cls(*q4_1_weights(w, group_size), group_size, linear.bias)
         q, scales, mins = int4_weights(w, group_size, dtype or int_kernel_dtype(w.device, w.dtype))
         return cls(q, scales, mins, group_size, linear.bias)
 
@@ -140,11 +188,7 @@ class Int4Linear(QuantizedLinear):
         return torch.float32 if self.native else self.scales_and_zeros.dtype
 
     def linear2d(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.native:
-            return super().linear2d(x)
-        if (y := self._wide(x)) is not None:
-            return y
-        return native.linear(x.float().contiguous(), self.native_desc()).to(x.dtype)  # the bias inside
+        return self.native_linear2d(x) if self.native else super().linear2d(x)
 
     def _kernel(self, x: torch.Tensor, scales_and_zeros: torch.Tensor) -> torch.Tensor:
         if x.device.type != self.packed_for:
@@ -155,10 +199,7 @@ class Int4Linear(QuantizedLinear):
         return INT4_MM_CPU(x, self.weight_int4pack, self.group_size, scales_and_zeros)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        if self.native:  # without the bias (`linear2d` adds it)
-            desc = self.native_desc()
-            return native.linear(x, native.Weights(desc.kind, 0, desc.n, desc.k, desc.group, desc.w, desc.sz, None))
-        return self._kernel(x, self.scales_and_zeros)
+        return self.native_mm(x) if self.native else self._kernel(x, self.scales_and_zeros)
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(codes (N, K) uint8, scales (N, K/g), mins (N, K/g)), read back from the packed weights.
@@ -166,14 +207,14 @@ class Int4Linear(QuantizedLinear):
         PyTorch's packing: layout-agnostic, the kernel itself multiplies an identity with scale 1 and zero 8, so it
         returns (q - 8) + 8 = q for every weight, exactly.
         """
-        sz = self.scales_and_zeros
-        scales, zeros = sz[..., 0].t(), sz[..., 1].t()
         if self.native:
+            sm = self.scales_and_mins
             low, high = self.q4.reshape(self.out_features, -1, 16) & 15, self.q4.reshape(self.out_features, -1, 16) >> 4
             q = torch.stack([low, high], 2).reshape(self.out_features, self.in_features)
-            return q, scales.contiguous(), (zeros - 8 * scales).contiguous()
-        dtype = torch.bfloat16  # codes 0..15 times an identity: exact, and the kernels' fast path on CPU and CUDA
+            return q, sm[..., 0].t().contiguous(), sm[..., 1].t().contiguous()
         sz = self.scales_and_zeros
+        scales, zeros = sz[..., 0].t(), sz[..., 1].t()
+        dtype = torch.bfloat16  # codes 0..15 times an identity: exact, and the kernels' fast path on CPU and CUDA
         probe = torch.stack([torch.ones_like(sz[..., 0]), torch.full_like(sz[..., 0], 8)], -1).to(dtype)
         eye = torch.eye(self.in_features, dtype=dtype, device=sz.device)
         q = self._kernel(eye, probe).t().round().to(torch.uint8)
@@ -181,34 +222,43 @@ class Int4Linear(QuantizedLinear):
 
     def dequantize(self) -> torch.Tensor:
         """The kernel's own weights: an identity through the kernel (exactly what any input is multiplied with)."""
-        if self.native:  # q · scale + (zero - 8 · scale) in float32, one rounding as the kernel's fused multiply-add
-            sz = self.scales_and_zeros.float()
-            scales, zeros = (sz[..., i].t().repeat_interleave(self.group_size, 1) for i in (0, 1))
-            return self.unpack()[0].float() * scales + (zeros - 8 * scales)
+        if self.native:  # q · scale + min in float32
+            q, scales, mins = self.unpack()
+            return q.float() * scales.float().repeat_interleave(self.group_size, 1) + mins.float().repeat_interleave(
+                self.group_size, 1)
         eye = torch.eye(self.in_features, dtype=self.compute_dtype, device=self.scales_and_zeros.device)
         return self._mm(eye).t().contiguous()
 
     def portable(self) -> dict[str, torch.Tensor]:
-        q = self.unpack()[0]
-        out = {"q4": pack_nibbles(q).cpu(), "scales_and_zeros": self.scales_and_zeros.cpu()}
+        out = {"q4": pack_nibbles(self.unpack()[0]).cpu()}
+        if self.native:
+            out["scales_and_mins"] = self.scales_and_mins.cpu()
+        else:
+            out["scales_and_zeros"] = self.scales_and_zeros.cpu()
         if self.bias is not None:
             out["bias"] = self.bias.detach().cpu()
         return out
 
     @classmethod
     def from_portable(cls, t: dict[str, torch.Tensor], device: torch.device, group_size: int = 32) -> Int4Linear:
+        q = unpack_nibbles(t["q4"]).to(device)
+        bias = t["bias"].to(device) if "bias" in t else None
+        if "scales_and_mins" in t:
+            sm = t["scales_and_mins"].to(device)
+            return cls(q, sm[..., 0].t(), sm[..., 1].t(), group_size, bias)
         sz = t["scales_and_zeros"].to(device)
         scales, zeros = sz[..., 0].t(), sz[..., 1].t()
-        q = unpack_nibbles(t["q4"]).to(device)
-        module = cls(q, scales, zeros - 8 * scales, group_size, t["bias"].to(device) if "bias" in t else None)
-        module.scales_and_zeros.copy_(sz)  # exactly the stored (scale, zero), not re-derived through the min
+        module = cls(q, scales, zeros - 8 * scales, group_size, bias)
+        if not module.native:
+            module.scales_and_zeros.copy_(sz)  # exactly the stored (scale, zero), not re-derived through the min
         return module
 
     @classmethod
     def concat(cls, parts: list[Int4Linear]) -> Int4Linear:
         unpacked = [p.unpack() for p in parts]
         module = cls(*(torch.cat([u[i] for u in unpacked]) for i in range(3)), parts[0].group_size, cat_bias(parts))
-        module.scales_and_zeros.copy_(torch.cat([p.scales_and_zeros for p in parts], 1))  # exactly the parts'
+        if not module.native:  # exactly the parts' (scale, zero)
+            module.scales_and_zeros.copy_(torch.cat([p.scales_and_zeros for p in parts], 1))
         return module
 
 

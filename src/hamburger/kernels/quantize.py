@@ -9,17 +9,19 @@ head) is swapped for a module with the same forward signature that multiplies wi
   FBGEMM's float16 GEMM (`quantized::linear_prepack_fp16` + `quantized::linear_dynamic_fp16`). Then each
   decoder layer's q/k/v and gate/up share one call (`fused.fuse_projections`, for int8 and int4 too): fewer
   calls, the same outputs.
-* ``int8``: per-output-channel symmetric int8, `aten._weight_int8pack_mm` (CPU and CUDA).
+* ``int8``: symmetric int8. The native kernels where they run: GGUF's Q8_0 (a float16 scale per block of 32
+  inputs, int16 activations); else per output channel, `aten._weight_int8pack_mm` (CPU and CUDA).
 * ``int4``: asymmetric group-wise 4-bit (groups of `group_size` input weights sharing a scale and a
   minimum): the native kernels where they run (int16 activations), else `aten._convert_weight_to_int4pack_for_cpu`
   + `aten._weight_int4pack_mm_for_cpu` on CPU (bfloat16 activations), and `aten._convert_weight_to_int4pack` +
   `aten._weight_int4pack_mm` on CUDA (bfloat16 only there).
 
-The int4 layout is GGUF's Q4_1 (w = q·scale + min, q in 0..15, 32 weights a block): a base whose float
-weights were dequantised from Q4_1 blocks (the embedded SmolLM2 default: every block of its 210 Q4_1
-tensors spans q = 0..15) is represented exactly, up to the rounding of the scale (min/max over a block
-give back the block's min and 15·scale). The kernels take (scale, zero) with w = (q - 8)·scale + zero,
-so zero = min + 8·scale; both are kept in the model's dtype (float32 for the default: no rounding).
+The int4 layout is GGUF's Q4_1 (w = q·scale + min, q in 0..15, 32 weights a block): min/max over a block
+give back a Q4_1 block's min and 15·scale. Natively the scale and the min are float16, as in Q4_1, so a base
+whose float weights were dequantised from Q4_1 blocks (the embedded SmolLM2 default: its 210 Q4_1 tensors) gets
+its own codes back exactly, and its Q8_0 embedding (the tied LM head) likewise under int8: `int4/int8` is the
+GGUF's own weights. PyTorch's kernels take (scale, zero) with w = (q - 8)·scale + zero, zero = min + 8·scale, in
+bfloat16 on CPU (the scale's rounding moves the codes a little).
 
 The tied LM head (SmolLM2 ties it to the input embedding) is swapped as a module: the embedding keeps its
 float Parameter, so the lookup stays float. Quantized modules expose `.weight` as a dequantised float
@@ -63,7 +65,7 @@ GROUP_SIZES = (32, 64, 128, 256)  # what the int4 kernels accept
 # Parts of a HamburgerModel left in float by default: small, and the stop head's decisions are thresholded.
 DEFAULT_SKIP = ("embedder", "stop_head", "draft_stop_head", "slot_adapters")
 CACHE_FORMAT = "hamburger-quantized"
-CACHE_VERSION = 2  # 2: int8/int4 scales in bfloat16 on CPU
+CACHE_VERSION = 3  # 2: int8/int4 scales in bfloat16 on CPU; 3: GGUF's Q8_0 / Q4_1 blocks where the native kernels run
 
 # --- planning and swapping ----------------------------------------------------------------------------------
 
@@ -273,7 +275,7 @@ def save_quantized(model: nn.Module, path: str | Path) -> int:
     tensors, layers = {}, {}
     for name, m in model.named_modules():
         if isinstance(m, QuantizedLinear):
-            layers[name] = [m.scheme, m.group_size]
+            layers[name] = [m.scheme, m.group_size if m.scheme == "int4" else 0]  # int8's blocks of 32 are fixed
             for key, t in m.portable().items():
                 tensors[f"{name}.{key}"] = t.contiguous()
     meta = {"format": CACHE_FORMAT, "version": str(CACHE_VERSION), "layers": json.dumps(layers)}
@@ -317,9 +319,13 @@ def load_quantized(model: nn.Module, path: str | Path, scheme: str, group_size: 
         t = by_layer[name]
         shape = {"fp16": lambda: tuple(t["w16"].shape), "int8": lambda: tuple(t["q"].shape),
                  "int4": lambda: (t["q4"].shape[0], t["q4"].shape[1] * 2)}[want]()
-        # fp16 stores its float16 weights for a model of any dtype; int8/int4 keep scales in the kernels' dtype
+        # fp16 stores its float16 weights for a model of any dtype; int8/int4 keep scales in the kernels' dtype, or
+        # in float16 where the native kernels made them (GGUF's blocks)
         want_dtype = int_kernel_dtype(linear.weight.device, linear.weight.dtype)
-        dtype = want_dtype if want == "fp16" else (t["scales"] if want == "int8" else t["scales_and_zeros"]).dtype
+        scales = next((t[key] for key in ("scales", "scales_and_zeros") if key in t), None)
+        if want != "fp16" and scales is None:
+            want_dtype, scales = torch.float16, t["block_scales" if want == "int8" else "scales_and_mins"]
+        dtype = want_dtype if want == "fp16" else scales.dtype
         if shape != (linear.out_features, linear.in_features) or dtype != want_dtype:
             raise ValueError(f"{path}: layer {name} is stored as {shape} {dtype}, the model wants "
                              f"({linear.out_features}, {linear.in_features}) {want_dtype}")
