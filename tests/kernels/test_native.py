@@ -245,3 +245,24 @@ def _with_weight(w: torch.Tensor) -> nn.Linear:
     with torch.no_grad():
         layer.weight.copy_(w)
     return layer
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_the_native_quantizer_is_the_reference_arithmetic_bit_for_bit(group):
+    """`native.quantize_q4_1` / `quantize_q8_0` (what the layers are made with) against `qcodes.q4_1_weights` /
+    `q8_0_weights`, on weights with constant blocks, zeros, exact ties and a wide range of scales."""
+    from hamburger.kernels.qcodes import q4_1_weights, q8_0_weights, swap_halves64
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 256, generator=gen) * torch.logspace(-4, 1, 40)[:, None]
+    w[0, :64] = 0.25  # constant blocks
+    w[1] = 0
+    w[2, :32] = torch.arange(32) / 31 * 15  # codes that land on .5 ties
+    q4, sm = native.quantize_q4_1(w, group)
+    q, scales, mins = q4_1_weights(w, group)
+    layer = Int4Linear(q, scales, mins, group)
+    assert torch.equal(q4, layer.q4) and torch.equal(sm, layer.scales_and_mins)
+    q8, sc = native.quantize_q8_0(w)
+    q, scales = q8_0_weights(w)
+    assert torch.equal(q8, swap_halves64(q)) and torch.equal(sc, scales.t().contiguous())
+    with pytest.raises(ValueError, match="float16's range"):
+        native.quantize_q8_0(torch.full((4, 64), 1e6))

@@ -294,6 +294,65 @@ int hb_linear(const float *x, const hb_weights *w, float *y, int64_t rows) {
     return 0;
 }
 
+/* --- quantizing weights to the native layouts (what `qcodes.q4_1_weights` / `q8_0_weights` compute, bit for bit,
+   written straight into the layouts above: the default's 211 layers in ~0.05 s instead of ~0.8). Return -1 if a
+   weight is beyond float16's range (its scale or min would not be finite), else 0. ------------------------------ */
+
+INL float half_round(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
+
+/* w (n, k) -> q4 (n, k/2) as kinds 2 and 3 read them, sm (k/group, n, 2) float16 (scale, min) */
+int hb_quantize_q4_1(const float *w, int64_t n, int64_t k, int64_t group, uint8_t *q4, uint16_t *sm) {
+    int bad = 0;
+    #pragma omp parallel for schedule(static) reduction(|: bad)
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t g = 0; g < k / group; g++) {
+            const float *x = w + r * k + g * group;
+            float lo = x[0], hi = x[0];
+            for (int64_t i = 1; i < group; i++) {
+                lo = x[i] < lo ? x[i] : lo;
+                hi = x[i] > hi ? x[i] : hi;
+            }
+            bad |= !(lo >= -65504.0f && hi <= 65504.0f);
+            const float scale = half_round((hi - lo) / 15.0f), low = half_round(lo);
+            const float step = scale > 0.0f ? scale : 1.0f;
+            sm[(g * n + r) * 2] = _cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT);
+            sm[(g * n + r) * 2 + 1] = _cvtss_sh(low, _MM_FROUND_TO_NEAREST_INT);
+            for (int64_t b = 0; b < group; b += 32) {
+                uint8_t *out = q4 + r * (k / 2) + (g * group + b) / 2;
+                for (int i = 0; i < 16; i++) {
+                    float c0 = scale > 0.0f ? nearbyintf((x[b + i] - low) / step) : 0.0f;
+                    float c1 = scale > 0.0f ? nearbyintf((x[b + 16 + i] - low) / step) : 0.0f;
+                    c0 = c0 < 0.0f ? 0.0f : (c0 > 15.0f ? 15.0f : c0);
+                    c1 = c1 < 0.0f ? 0.0f : (c1 > 15.0f ? 15.0f : c1);
+                    out[i] = (uint8_t)c0 | (uint8_t)((uint8_t)c1 << 4);
+                }
+            }
+        }
+    return bad ? -1 : 0;
+}
+
+/* w (n, k) -> q8 (n, k) int8 as kind 5 reads them (each 64 in the int16 activations' order), sc (k/32, n) float16 */
+int hb_quantize_q8_0(const float *w, int64_t n, int64_t k, int8_t *q8, uint16_t *sc) {
+    int bad = 0;
+    #pragma omp parallel for schedule(static) reduction(|: bad)
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0; b < k / 32; b++) {
+            const float *x = w + r * k + b * 32;
+            float top = 0.0f;
+            for (int i = 0; i < 32; i++) top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
+            bad |= !(top <= 65504.0f);
+            const float scale = half_round(top / 127.0f), step = scale > 0.0f ? scale : 1.0f;
+            sc[b * n + r] = _cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT);
+            for (int i = 0; i < 32; i++) {
+                float c = nearbyintf(x[i] / step);
+                c = c < -127.0f ? -127.0f : (c > 127.0f ? 127.0f : c);
+                /* input i of block b: pair b/2, block b%2, half i/16 -> [b0 0-15 | b1 0-15 | b0 16-31 | b1 16-31] */
+                q8[r * k + (b / 2) * 64 + (i / 16) * 32 + (b % 2) * 16 + i % 16] = (int8_t)c;
+            }
+        }
+    return bad ? -1 : 0;
+}
+
 /* --- the decoder layer ------------------------------------------------------------------------------------ */
 
 INL float dot(const float *a, const float *b, int64_t n) {

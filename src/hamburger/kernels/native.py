@@ -124,6 +124,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.hb_linear.restype = ctypes.c_int
     lib.hb_layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(Pass), ctypes.c_void_p]
     lib.hb_layers.restype = ctypes.c_int
+    lib.hb_quantize_q4_1.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+                                     ctypes.c_void_p]
+    lib.hb_quantize_q4_1.restype = ctypes.c_int
+    lib.hb_quantize_q8_0.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.hb_quantize_q8_0.restype = ctypes.c_int
     lib.hb_scratch_floats.argtypes = [ctypes.c_int64] * 6
     lib.hb_scratch_floats.restype = ctypes.c_int64
     return lib, None
@@ -183,3 +188,34 @@ def linear(x: torch.Tensor, desc: Weights) -> torch.Tensor:
     if _load()[0].hb_linear(x.data_ptr(), ctypes.byref(desc), y.data_ptr(), x.shape[0]):
         raise MemoryError("the native product could not allocate its quantized activations")
     return y
+
+
+def _float_weights(w: torch.Tensor) -> torch.Tensor:
+    w = w.detach()
+    if w.dim() != 2 or w.device.type != "cpu":
+        raise ValueError(f"native quantization takes (out, in) CPU weights, got {tuple(w.shape)} on {w.device}")
+    return w.float().contiguous()
+
+
+def quantize_q4_1(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) weights -> (codes (N, K/2) uint8, (K/group, N, 2) float16 scale and min) in the kernels' layout: what
+    `qcodes.q4_1_weights` computes (a test), in one pass."""
+    w = _float_weights(w)
+    n, k = w.shape
+    q4 = torch.empty(n, k // 2, dtype=torch.uint8)
+    sm = torch.empty(k // group, n, 2, dtype=torch.float16)
+    if _load()[0].hb_quantize_q4_1(w.data_ptr(), n, k, group, q4.data_ptr(), sm.data_ptr()):
+        raise ValueError("weights beyond float16's range cannot take 4-bit or 8-bit codes with float16 scales")
+    return q4, sm
+
+
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, K) weights -> (codes (N, K) int8 in the int16 activations' order, (K/32, N) float16 scales): what
+    `qcodes.q8_0_weights` computes (a test), in one pass."""
+    w = _float_weights(w)
+    n, k = w.shape
+    q8 = torch.empty(n, k, dtype=torch.int8)
+    sc = torch.empty(k // 32, n, dtype=torch.float16)
+    if _load()[0].hb_quantize_q8_0(w.data_ptr(), n, k, q8.data_ptr(), sc.data_ptr()):
+        raise ValueError("weights beyond float16's range cannot take 4-bit or 8-bit codes with float16 scales")
+    return q8, sc

@@ -1,5 +1,6 @@
 """The arithmetic of the int8 and int4 weight codes (pure functions): quantizing float weights to codes and scales
-(PyTorch's kernels' per-channel int8 and (scale, zero) int4; the native kernels' GGUF Q8_0 and Q4_1 blocks),
+(PyTorch's kernels' per-channel int8 and (scale, zero) int4; the native kernels' GGUF Q8_0 and Q4_1 blocks, here
+the reference that `native.quantize_q8_0` / `quantize_q4_1` compute in one pass, bit for bit: a test),
 the portable nibble packing of the disk cache, and the CUDA int4 packing's tile size. `qlinear.py` holds the layers
 that multiply with them.
 """

@@ -32,8 +32,6 @@ from hamburger.kernels.qcodes import (
     int4_weights,
     int8_weights,
     pack_nibbles,
-    q4_1_weights,
-    q8_0_weights,
     swap_halves64,
     unpack_nibbles,
 )
@@ -58,8 +56,7 @@ class Int8Linear(NativeCodes, QuantizedLinear):
         self.native = here
         if here:
             blocks = scales[:, None].expand(n, k // 32) if scales.dim() == 1 else scales
-            self.register_buffer("q8", swap_halves64(q.to(torch.int8)))  # as the int16 activations lie
-            self.register_buffer("block_scales", blocks.t().half().contiguous())  # (K/32, N)
+            self.set_native(swap_halves64(q.to(torch.int8)), blocks.t().half().contiguous())
             return
         if scales.dim() == 2:  # Q8_0 blocks where the native kernels do not run: per channel again
             w = q.float() * scales.float().repeat_interleave(32, 1)
@@ -71,14 +68,23 @@ class Int8Linear(NativeCodes, QuantizedLinear):
         self.register_buffer("weight_int8", q.to(torch.int8).clone(memory_format=torch.contiguous_format))
         self.register_buffer("scales", scales.clone(memory_format=torch.contiguous_format))
 
+    def set_native(self, q8: torch.Tensor, block_scales: torch.Tensor) -> None:
+        """The native layout's buffers: codes (N, K) in the int16 activations' order, float16 scales (K/32, N)."""
+        self.register_buffer("q8", q8)
+        self.register_buffer("block_scales", block_scales)
+
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 0, dtype: torch.dtype | None = None) -> Int8Linear:
         """dtype: of the per-channel scales and so of the activations (default `int_kernel_dtype`); natively
-        float16 block scales and float32 activations."""
+        float16 block scales (`qcodes.q8_0_weights`, computed in one native pass) and float32 activations."""
         w = linear.weight
         check_device(w.device)
         if native_here(w.device, *w.shape, native.INT8_Q16) and dtype in (None, torch.float32):
-            return cls(*q8_0_weights(w), linear.bias)
+            layer = cls.__new__(cls)
+            QuantizedLinear.__init__(layer, w.shape[1], w.shape[0], linear.bias, 32)
+            layer.native = True
+            layer.set_native(*native.quantize_q8_0(w))
+            return layer
         q, scales = int8_weights(w, dtype or int_kernel_dtype(w.device, w.dtype))
         return cls(q, scales, linear.bias)
 
@@ -151,8 +157,8 @@ class Int4Linear(NativeCodes, QuantizedLinear):
         self.kind = native.INT4_Q16 if native.fits(n, k, native.INT4_Q16, group_size) is None else native.INT4
         if self.native:  # the native kernels' layout: each 32 codes in 16 bytes, the first 16 in the low nibbles
             blocks = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
-            self.register_buffer("q4", (blocks[:, :, 0] | blocks[:, :, 1] << 4).reshape(n, k // 2).contiguous())
-            self.register_buffer("scales_and_mins", torch.stack([scales.t(), mins.t()], -1).half().contiguous())
+            self.set_native((blocks[:, :, 0] | blocks[:, :, 1] << 4).reshape(n, k // 2).contiguous(),
+                            torch.stack([scales.t(), mins.t()], -1).half().contiguous())
             return
         if device.type == "cpu" and scales.dtype == torch.float16:  # native blocks read here: the CPU kernel's dtype
             scales, mins = scales.to(torch.bfloat16), mins.to(torch.bfloat16)
@@ -169,17 +175,28 @@ class Int4Linear(NativeCodes, QuantizedLinear):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
         self.register_buffer("weight_int4pack", packed)
 
+    def set_native(self, q4: torch.Tensor, scales_and_mins: torch.Tensor) -> None:
+        """The native layout's buffers: codes (N, K/2), float16 (K/g, N, 2) scale and min."""
+        self.register_buffer("q4", q4)
+        self.register_buffer("scales_and_mins", scales_and_mins)
+
     def native_tensors(self) -> tuple[int, torch.Tensor, torch.Tensor]:
         return self.kind, self.q4, self.scales_and_mins
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int, dtype: torch.dtype | None = None) -> Int4Linear:
         """dtype: of the scales and zeros and so of the activations (default `int_kernel_dtype`); codes are
-        computed against the scales rounded to it. Natively GGUF's Q4_1 (`q4_1_weights`: float16 scales and
-        mins) and float32 activations."""
+        computed against the scales rounded to it. Natively GGUF's Q4_1 (`qcodes.q4_1_weights`: float16 scales and
+        mins, computed in one native pass) and float32 activations."""
         w = linear.weight
         if native_here(w.device, *w.shape, native.INT4, group_size) and dtype in (None, torch.float32):
-            return cls(*q4_1_weights(w, group_size), group_size, linear.bias)
+            n, k = w.shape
+            layer = cls.__new__(cls)
+            QuantizedLinear.__init__(layer, k, n, linear.bias, group_size)
+            layer.packed_for, layer.native = "cpu", True
+            layer.kind = native.INT4_Q16 if native.fits(n, k, native.INT4_Q16, group_size) is None else native.INT4
+            layer.set_native(*native.quantize_q4_1(w, group_size))
+            return layer
         q, scales, mins = int4_weights(w, group_size, dtype or int_kernel_dtype(w.device, w.dtype))
         return cls(q, scales, mins, group_size, linear.bias)
 
