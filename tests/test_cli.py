@@ -7,8 +7,6 @@ import json
 import subprocess
 import sys
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -295,40 +293,6 @@ def test_quantize_auto_resolves_by_device_and_dtype():
     assert resolve_quantize("auto", "meta") == "none"
     assert resolve_quantize("int8", "meta") == "int8"  # an explicit scheme is never changed
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def test_quantize_auto_takes_the_gguf_own_blocks_for_the_embedded_default(checkpoint, tmp_path):
-    """Where the native kernels run, the embedded default (its name, the shipped checkpoint, a checkpoint trained on
-    it) gets `int4/int8`: its GGUF's own Q4_1 and Q8_0 blocks. Any other model, another group size, another dtype
-    or PyTorch's kernels: fp16 as before."""
-    import json
-
-    from hamburger.kernels import native
-    from hamburger.kernels.qlinear import fp16_unavailable
-    from hamburger.loading import gguf_own_weights, resolve_quantize
-
-    assert gguf_own_weights("default") and gguf_own_weights("SmolLM2-135M-Instruct")
-    assert not gguf_own_weights(None) and not gguf_own_weights(checkpoint)  # a tiny random base
-    assert not gguf_own_weights("default", base=str(tmp_path))  # another base in place of the default's
-    on_default = tmp_path / "on-default"
-    on_default.mkdir()
-    config = json.loads((Path(checkpoint) / "config.json").read_text())["hamburger"]
-    for changes, own in (({}, True), ({"lora_rank": 8}, False), ({"base_in_checkpoint": True}, False)):
-        config.update({"base_model": "SmolLM2-135M-Instruct", "lora_rank": 0, "base_in_checkpoint": False, **changes})
-        (on_default / "config.json").write_text(json.dumps({"hamburger": config}))
-        assert gguf_own_weights(str(on_default)) == own, changes
-    config.update(lora_rank=0, base_in_checkpoint=False)
-    (on_default / "config.json").write_text(json.dumps({"hamburger": config}))
-    if fp16_unavailable("cpu") is not None:
-        return
-    own = "int4/int8" if native.available() else "fp16"
-    assert resolve_quantize("auto", "cpu", model="default") == own
-    assert resolve_quantize("auto", "cpu", model=str(on_default)) == own
-    assert resolve_quantize("auto", "cpu", model=checkpoint) == "fp16"
-    assert resolve_quantize("auto", "cpu", model="default", group_size=64) == "fp16"
-    assert resolve_quantize("auto", "cpu", "bfloat16", model="default") == "none"
-    with native.turned_off():
-        assert resolve_quantize("auto", "cpu", model="default") == "fp16"
 
 
 def test_decoding_defaults_are_auto_and_one_line_says_what_runs(capsys, checkpoint, tiny_model_dir):

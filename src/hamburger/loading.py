@@ -1,8 +1,7 @@
 """Loading a model to decode with: the device, the weights' quantization, and the line that says what runs.
 
 Every command that loads a model goes through `load`, and so can a program: names in, a ready `HamburgerModel`
-out. "auto" picks what delivers on the machine at hand (a GPU if there is one; on an x86 CPU the embedded default's
-own GGUF blocks where the native kernels run, else fp16 weights), so
+out. "auto" picks what delivers on the machine at hand (a GPU if there is one; fp16 weights on an x86 CPU), so
 that the defaults are the fast configuration, and `describe_run` says in one line what that choice means for
 the output. Light to import: torch and transformers load inside the functions.
 """
@@ -15,8 +14,6 @@ from typing import TYPE_CHECKING
 from hamburger.errors import HamburgerError
 
 if TYPE_CHECKING:
-    from pathlib import Path
-
     import torch
 
     from hamburger.model.hamburger_model import HamburgerModel
@@ -39,49 +36,17 @@ def resolve_device(device: str = AUTO) -> torch.device:
     return resolved
 
 
-def resolve_quantize(spec: str, device: torch.device | str, dtype: str = "float32", model: str | None = None,
-                     base: str | None = None, group_size: int = 32) -> str:
-    """"auto": `int4/int8` for the embedded default where the native kernels run (its GGUF's own Q4_1 projections
-    and Q8_0 head, held exactly: the float model's predictions at 1.5-2x fp16's speed; docs/quantize.md); else fp16
-    where float16 weights run float32 models (x86 CPUs: 2.3-2.7x float32's decode speed, and the weights with which
-    verify mode's drafts pay on a CPU), else none (a GPU decodes fast in --dtype). `model`, `base`: the references
-    being loaded (None: unknown, not the default). Any other spec is returned as it is."""
+def resolve_quantize(spec: str, device: torch.device | str, dtype: str = "float32") -> str:
+    """"auto": fp16 where FBGEMM's packed float16 GEMM runs float32 models (x86 CPUs: 2.3-2.7x float32's decode
+    speed, and the weights with which verify mode's drafts pay on a CPU; docs/quantize.md), else none (a GPU
+    decodes fast in --dtype). Not int4/int8, though for the embedded default that is its float weights exactly and
+    1.5x faster: verify mode's drafts do not pay over that base yet (docs/quantize.md). Any other spec is returned
+    as it is."""
     if spec != AUTO:
         return spec
     from hamburger.kernels.qlinear import fp16_unavailable
 
-    if dtype != "float32" or fp16_unavailable(device) is not None:
-        return "none"
-    return GGUF_OWN if group_size == 32 and gguf_own_weights(model, base) and _native_here() else "fp16"
-
-
-GGUF_OWN = "int4/int8"  # the embedded default's GGUF: Q4_1 projections, the Q8_0 embedding as the tied LM head
-
-
-def gguf_own_weights(model: str | Path | None, base: str | Path | None = None) -> bool:
-    """Whether `model` (with `base` overriding a checkpoint's) loads the embedded default's base, whose weights
-    are its GGUF's Q4_1 and Q8_0 blocks: the default's name, or a HAMburger checkpoint on that base untouched (no
-    base weights of its own, no LoRA to merge into them)."""
-    from hamburger.model.base import is_default
-    from hamburger.model.config import HamburgerConfig
-
-    if model is None:
-        return False
-    model, base = str(model), None if base is None else str(base)
-    if model == "default" or (is_default(model) and not HamburgerConfig.is_checkpoint(model)):
-        return base is None or is_default(base)
-    if not HamburgerConfig.is_checkpoint(model):
-        return False
-    config = HamburgerConfig.load(model)
-    if config.base_in_checkpoint or config.lora_rank:  # its own base weights, or a LoRA merged into them
-        return False
-    return is_default(base) if base is not None else is_default(config.base_model)
-
-
-def _native_here() -> bool:
-    from hamburger.kernels import native
-
-    return native.available()
+    return "fp16" if dtype == "float32" and fp16_unavailable(device) is None else "none"
 
 
 def split_scheme(spec: str) -> tuple[str, str | None]:
@@ -224,17 +189,17 @@ def describe_quantization(summary: dict) -> str:
     return line
 
 
-def resolve(device: str = AUTO, quantize: str = AUTO, dtype: str = "float32", group_size: int = 32,
-            model: str | None = None, base: str | None = None) -> tuple[torch.device, str]:
-    """The device and the quantization scheme a load of `model` (`base`) will use, "auto" resolved
-    (`resolve_device`, `resolve_quantize`), checked against each other before any loading: what `load` runs first,
-    and what a command that says what it runs before loading calls itself."""
+def resolve(device: str = AUTO, quantize: str = AUTO, dtype: str = "float32",
+            group_size: int = 32) -> tuple[torch.device, str]:
+    """The device and the quantization scheme a load will use, "auto" resolved (`resolve_device`,
+    `resolve_quantize`), checked against each other before any loading: what `load` runs first, and what a command
+    that says what it runs before loading calls itself."""
     import torch
 
     if dtype not in DTYPES:
         raise HamburgerError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     resolved = resolve_device(device)
-    scheme = resolve_quantize(parse_schemes(quantize)[0], resolved, dtype, model, base, group_size)
+    scheme = resolve_quantize(parse_schemes(quantize)[0], resolved, dtype)
     check_quantize(scheme, group_size, resolved, getattr(torch, dtype))
     return resolved, scheme
 
@@ -252,7 +217,7 @@ def load(model: str = "default", base: str | None = None, dtype: str = "float32"
 
     from hamburger.model.hamburger_model import load_model
 
-    resolved, scheme = resolve(device, quantize, dtype, group_size, model, base)
+    resolved, scheme = resolve(device, quantize, dtype, group_size)
     loaded, trained = load_model(model, base, dtype=getattr(torch, dtype), device=str(resolved))
     quantize_loaded(loaded, scheme, group_size, quiet=quiet)
     return loaded, trained
@@ -297,8 +262,7 @@ def describe_run(model: HamburgerModel, trained: bool, quantize: str = "none", a
     else:
         where = str(device)
     weights = str(param.dtype).removeprefix("torch.") if split_scheme(quantize) == ("none", None) else quantize
-    chosen = "auto: the GGUF's own Q4_1 and Q8_0 blocks" if quantize == GGUF_OWN else "auto"
-    notes = ([chosen] if auto else []) + ([kernels] if (kernels := kernels_note(quantize, device)) else [])
+    notes = (["auto"] if auto else []) + ([kernels] if (kernels := kernels_note(quantize, device)) else [])
     line = f"{where}, {weights} weights" + (f" ({'; '.join(notes)})" if notes else "")
     if not trained:
         return f"{line}, a base model (one token per step): the output of the {weights} base"

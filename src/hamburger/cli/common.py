@@ -183,8 +183,7 @@ def load_model(args: argparse.Namespace, quantize: bool = True) -> tuple[Hamburg
     if getattr(args, "lookup", None) is not None:
         check_lookup(args.lookup)
     group_size = getattr(args, "group_size", 32)
-    device, scheme = resolve(args.device, getattr(args, "quantize", "none"), args.dtype, group_size, args.model,
-                             args.base)
+    device, scheme = resolve(args.device, getattr(args, "quantize", "none"), args.dtype, group_size)
     if getattr(args, "quiet", False) or not sys.stderr.isatty():
         hide_progress_bars()
     model, trained = load(args.model, args.base, args.dtype, str(device), scheme if quantize else "none", group_size,
