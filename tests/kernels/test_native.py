@@ -55,18 +55,34 @@ def q16_products(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     (rounded to nearest even, as the kernel converts), the codes' dot product scaled by scale * dx, plus
     min times the block's float sum; and the bias."""
     n, k, g = layer.out_features, layer.in_features, layer.group_size
-    xb = x.reshape(-1, k // 32, 32)
-    top = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, torch.tensor(32767.0) / top, torch.zeros(()))
-    x8 = torch.round(xb * inv).clamp(-32768, 32767).double()
-    dx = (top / 32767).double()
-    codes = layer.unpack()[0].double().reshape(n, k // 32, 32)
+    xb, x16, dx = int16_blocks(x)
     sm = layer.scales_and_mins.double()  # (k/g, n, 2)
     scale, low = (sm[..., i].t().repeat_interleave(g // 32, 1) for i in (0, 1))  # (n, k/32)
-    dots = torch.einsum("rbi,nbi->rnb", x8, codes)
-    out = (dots * scale[None] * dx.squeeze(-1)[:, None]).sum(-1)
-    out += (low[None] * xb.double().sum(-1)[:, None]).sum(-1)
+    dots = torch.einsum("rbi,nbi->rnb", x16, layer.unpack()[0].double().reshape(n, k // 32, 32))
+    out = (dots * scale[None] * dx[:, None]).sum(-1) + (low[None] * xb.double().sum(-1)[:, None]).sum(-1)
     return (out + (layer.bias.double() if layer.bias is not None else 0)).float()
+
+
+def int16_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x in blocks of 32, their int16 codes as the kernels round them, float64, and each block's max|x| / 32767)."""
+    xb = x.reshape(x.shape[0], -1, 32)
+    top = xb.abs().amax(-1, keepdim=True)
+    inv = torch.where(top > 0, torch.tensor(32767.0) / top, torch.zeros(()))
+    return xb, torch.round(xb * inv).clamp(-32768, 32767).double(), (top / 32767).double().squeeze(-1)
+
+
+def check_int16_products(layer, weights: torch.Tensor, emulated, scales: torch.Tensor, rows: int) -> None:
+    """The layer's products are `emulated`'s arithmetic (a block of zeros included), the float product to about
+    3e-5 (an int8 rounding would be 1e-2 off), and a mutation that takes each block's scale from its neighbour (what
+    a wrong lane layout does) is far from it."""
+    x = torch.randn(rows, layer.in_features)
+    x[0, 32:64] = 0
+    got, want = layer(x), emulated(layer, x)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    exact = F.linear(x, weights, layer.bias)
+    assert (got - exact).norm() <= 3e-4 * exact.norm()
+    scales.copy_(scales.clone().roll(1, 0))
+    assert (layer(x) - want).abs().max() > 1e-3 * want.abs().max()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 7])
@@ -86,17 +102,7 @@ def test_int4_products_with_float_activations_are_the_layers_weights(rows):
 def test_int4_products_with_int16_activations_are_that_arithmetic(rows, group):
     layer, weights = q4_layer(k=256, group=group)
     assert layer.native and layer.kind == native.INT4_Q16 and torch.equal(layer.dequantize(), weights)
-    x = torch.randn(rows, 256)
-    x[0, 32:64] = 0  # a block of zeros
-    got, want = layer(x), q16_products(layer, x)
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
-    # ... which is the float product to about 3e-5 (an int8 rounding would be 1e-2 off), and a mutation that takes a
-    # block's scale from its neighbour (what a wrong lane layout does) is far from it
-    exact = F.linear(x, weights, layer.bias)
-    assert (got - exact).norm() <= 3e-4 * exact.norm()
-    swapped = layer.scales_and_mins.clone()
-    layer.scales_and_mins.copy_(swapped.roll(1, 0))
-    assert (layer(x) - want).abs().max() > 1e-3 * want.abs().max()
+    check_int16_products(layer, weights, q16_products, layer.scales_and_mins, rows)
 
 
 @pytest.mark.parametrize("kind", ["fp16", "int4", "int4 int16", "int8"])
@@ -173,13 +179,10 @@ def q8_products(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
     """What `native.INT8_Q16` computes, in float64: each block of 32 inputs as int16 codes times max|x| / 32767,
     the codes' dot product with the weights' codes scaled by scale * dx; and the bias."""
     n, k = layer.out_features, layer.in_features
-    xb = x.reshape(-1, k // 32, 32)
-    top = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, torch.tensor(32767.0) / top, torch.zeros(()))
-    x16 = torch.round(xb * inv).clamp(-32768, 32767).double()
+    _, x16, dx = int16_blocks(x)
     codes, scales = layer.codes()
     dots = torch.einsum("rbi,nbi->rnb", x16, codes.double().reshape(n, k // 32, 32))
-    out = (dots * scales.double()[None] * (top / 32767).double().squeeze(-1)[:, None]).sum(-1)
+    out = (dots * scales.double()[None] * dx[:, None]).sum(-1)
     return (out + (layer.bias.double() if layer.bias is not None else 0)).float()
 
 
@@ -188,15 +191,7 @@ def test_int8_products_with_int16_activations_are_that_arithmetic(rows):
     layer, weights = q8_layer()
     assert layer.native and layer.group_size == 32 and not hasattr(layer, "weight_int8")
     assert torch.equal(layer.dequantize(), weights)
-    x = torch.randn(rows, 192)
-    x[0, 64:96] = 0  # a block of zeros
-    got, want = layer(x), q8_products(layer, x)
-    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
-    exact = F.linear(x, weights, layer.bias)
-    assert (got - exact).norm() <= 3e-4 * exact.norm()
-    # a mutation that takes each block's scale from the next block (a wrong lane layout) is far from it
-    layer.block_scales.copy_(layer.block_scales.roll(1, 0))
-    assert (layer(x) - want).abs().max() > 1e-3 * want.abs().max()
+    check_int16_products(layer, weights, q8_products, layer.block_scales, rows)
 
 
 def test_int8_codes_read_back_and_survive_the_disk_format_and_concatenation():
