@@ -65,7 +65,7 @@ class NativeLayers:
     def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, start: int | RowSlots,
             mask: torch.Tensor, stops: list[int], first: int = 0) -> dict[int, torch.Tensor]:
         """Layers first.. up to each of `stops` in turn (ascending) over x, in place: {stop: x after layer stop-1}
-        (x itself for the last stop, a copy for the others); the pass's tables are made once for all."""
+        (x itself for the last stop, a copy for the others, made inside the one native call)."""
         b, t, d = x.shape
         cos, sin = (table.reshape(b * t, self.head_dim).contiguous() for table in rope_tables(rope))
         k, v = cache.k, cache.v
@@ -80,15 +80,19 @@ class NativeLayers:
         allowed = mask.expand(b, 1, t, end).contiguous()
         lib = native.library()
         scratch = torch.empty(lib.hb_scratch_floats(b * t, d, self.heads, self.kv_heads, self.head_dim, self.inner))
+        if any(later <= earlier for earlier, later in zip([first, *stops], stops)):
+            raise ValueError(f"stops must ascend past layer {first}, got {stops}")
+        out = {stop: torch.empty_like(x) for stop in stops[:-1]}  # copies of x after the earlier stops, in the call
+        after = torch.tensor([stop - first for stop in out], dtype=torch.int64)
+        to = (ctypes.c_void_p * max(1, len(out)))(*[copy.data_ptr() for copy in out.values()])
         p = native.Pass(b, t, d, self.heads, self.kv_heads, self.head_dim, self.inner, end, self.eps, self.scaling,
                         cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), *k.stride()[:4],
-                        slots.data_ptr(), allowed.data_ptr(), scratch.data_ptr())
-        out = {}
-        for stop in stops:
-            if lib.hb_layers(ctypes.byref(self.layers, first * ctypes.sizeof(native.Layer)), stop - first,
-                             ctypes.byref(p), x.data_ptr()):
-                raise MemoryError("the native layers could not allocate their attention scores")
-            out[stop], first = (x if stop == stops[-1] else x.clone()), stop
+                        slots.data_ptr(), allowed.data_ptr(), scratch.data_ptr(), len(out), after.data_ptr(),
+                        ctypes.addressof(to))
+        if lib.hb_layers(ctypes.byref(self.layers, first * ctypes.sizeof(native.Layer)), stops[-1] - first,
+                         ctypes.byref(p), x.data_ptr()):
+            raise MemoryError("the native layers could not allocate their attention scores")
+        out[stops[-1]] = x
         return out
 
     def takes(self, x: torch.Tensor, cache: KVCache, start, mask) -> bool:

@@ -62,6 +62,9 @@ typedef struct {
     const int64_t *slots;            /* (b*t): the cache slot of each row's position */
     const uint8_t *mask;             /* (b, t, slots_len): 1 where a position may attend */
     float *scratch;                  /* hb_scratch_floats(...) floats */
+    int64_t copies;                  /* x after layer copy_after[j] (counted from the call's first) into copy_to[j] */
+    const int64_t *copy_after;
+    float *const *copy_to;
 } hb_pass;
 
 INL float f16(uint16_t v) { return _cvtsh_ss(v); }
@@ -493,7 +496,14 @@ int hb_layers(const hb_layer *layers, int64_t count, const hb_pass *p, float *x)
         failed += !ok;
         #pragma omp barrier
         if (!failed)
-            for (int64_t i = 0; i < count; i++) layer(&layers[i], p, x, h, qkv, att, tmp, gu, act, scores, xq);
+            for (int64_t i = 0; i < count; i++) {
+                layer(&layers[i], p, x, h, qkv, att, tmp, gu, act, scores, xq);
+                for (int64_t j = 0; j < p->copies; j++)  /* the features a pass keeps, without a call per stop */
+                    if (p->copy_after[j] == i + 1) {
+                        #pragma omp for schedule(static)
+                        for (int64_t r = 0; r < rows; r++) memcpy(p->copy_to[j] + r * d, x + r * d, d * sizeof(float));
+                    }
+            }
         free(scores);
     }
     free(xq);

@@ -59,6 +59,7 @@ class Pass(ctypes.Structure):
                  ("sin", ctypes.c_void_p), ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
     _fields_ += [(name, ctypes.c_int64) for name in ("s_layer", "s_row", "s_head", "s_slot")]
     _fields_ += [("slots", ctypes.c_void_p), ("mask", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
+    _fields_ += [("copies", ctypes.c_int64), ("copy_after", ctypes.c_void_p), ("copy_to", ctypes.c_void_p)]
 
 
 def _cpu_flags() -> str:
