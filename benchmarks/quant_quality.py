@@ -6,12 +6,14 @@ mean negative log-likelihood of the float model's tokens, and how often its top-
 Schemes (int4/fp16: 4-bit layers, the LM head in fp16), each with PyTorch's kernels (`native.turned_off`: FBGEMM's float16, the packed int4 kernel with bfloat16
 activations) and the native kernels (float16; int4 with int16 activations in blocks of 32).
 
-    python benchmarks/quant_quality.py          # 2 min on 2 cores
+    python benchmarks/quant_quality.py                       # fp16, int4, int4/fp16; 2 min on 2 cores
+    python benchmarks/quant_quality.py int4/int8 fp16        # the schemes given (SCHEME or SCHEME/HEAD)
 """
 
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +53,6 @@ def main() -> None:
     sequences = list(zip(prompts, replies))
     float_nll, _, reference = scored(model.base, sequences, None)
     rows = [("float32 (the reference)", float_nll, 1.0)]
-    import sys
     for spec in (sys.argv[1:] or ("fp16", "int4", "int4/fp16")):
         scheme, _, head = spec.partition("/")
         for kernels in ("torch", "native"):
