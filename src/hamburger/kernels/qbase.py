@@ -170,6 +170,16 @@ class NativeCodes:
     native = False
     _desc = None
 
+    @classmethod
+    def native_layer(cls, linear: nn.Linear, group_size: int, buffers: tuple[torch.Tensor, ...]):
+        """A layer of this class in place of `linear` from buffers already in the native layout (`set_native`'s):
+        what `from_linear` returns where the native quantizer made them, with no other layout made first."""
+        layer = cls.__new__(cls)
+        QuantizedLinear.__init__(layer, linear.in_features, linear.out_features, linear.bias, group_size)
+        layer.native = True
+        layer.set_native(*buffers)
+        return layer
+
     def native_tensors(self) -> tuple[int, torch.Tensor, torch.Tensor]:
         """(native kind, codes, scales) of the native layout."""
         raise NotImplementedError

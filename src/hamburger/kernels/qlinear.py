@@ -80,11 +80,7 @@ class Int8Linear(NativeCodes, QuantizedLinear):
         w = linear.weight
         check_device(w.device)
         if native_here(w.device, *w.shape, native.INT8_Q16) and dtype in (None, torch.float32):
-            layer = cls.__new__(cls)
-            QuantizedLinear.__init__(layer, w.shape[1], w.shape[0], linear.bias, 32)
-            layer.native = True
-            layer.set_native(*native.quantize_q8_0(w))
-            return layer
+            return cls.native_layer(linear, 32, native.quantize_q8_0(w))
         q, scales = int8_weights(w, dtype or int_kernel_dtype(w.device, w.dtype))
         return cls(q, scales, linear.bias)
 
@@ -115,7 +111,8 @@ class Int8Linear(NativeCodes, QuantizedLinear):
 
     def dequantize(self) -> torch.Tensor:
         if self.native:
-            return self.codes()[0].float() * self.block_scales.t().float().repeat_interleave(32, 1)
+            q, scales = self.codes()
+            return q.float() * scales.float().repeat_interleave(32, 1)
         return self.weight_int8.to(self.scales.dtype) * self.scales[:, None]
 
     def portable(self) -> dict[str, torch.Tensor]:
@@ -152,14 +149,13 @@ class Int4Linear(NativeCodes, QuantizedLinear):
         super().__init__(k, n, bias, group_size)
         device = q.device
         check_device(device)
-        self.packed_for = device.type
         self.native = native_here(device, n, k, native.INT4, group_size)
-        self.kind = native.INT4_Q16 if native.fits(n, k, native.INT4_Q16, group_size) is None else native.INT4
         if self.native:  # the native kernels' layout: each 32 codes in 16 bytes, the first 16 in the low nibbles
             blocks = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
             self.set_native((blocks[:, :, 0] | blocks[:, :, 1] << 4).reshape(n, k // 2).contiguous(),
                             torch.stack([scales.t(), mins.t()], -1).half().contiguous())
             return
+        self.packed_for = device.type
         if device.type == "cpu" and scales.dtype == torch.float16:  # native blocks read here: the CPU kernel's dtype
             scales, mins = scales.to(torch.bfloat16), mins.to(torch.bfloat16)
         zeros = mins + 8 * scales  # in the stored dtype, as quantized against
@@ -180,6 +176,12 @@ class Int4Linear(NativeCodes, QuantizedLinear):
         self.register_buffer("q4", q4)
         self.register_buffer("scales_and_mins", scales_and_mins)
 
+    @property
+    def kind(self) -> int:
+        """The native kind: int16 activations where the inputs are a multiple of 64 long, else float32 ones."""
+        fits = native.fits(self.out_features, self.in_features, native.INT4_Q16, self.group_size) is None
+        return native.INT4_Q16 if fits else native.INT4
+
     def native_tensors(self) -> tuple[int, torch.Tensor, torch.Tensor]:
         return self.kind, self.q4, self.scales_and_mins
 
@@ -190,13 +192,7 @@ class Int4Linear(NativeCodes, QuantizedLinear):
         mins, computed in one native pass) and float32 activations."""
         w = linear.weight
         if native_here(w.device, *w.shape, native.INT4, group_size) and dtype in (None, torch.float32):
-            n, k = w.shape
-            layer = cls.__new__(cls)
-            QuantizedLinear.__init__(layer, k, n, linear.bias, group_size)
-            layer.packed_for, layer.native = "cpu", True
-            layer.kind = native.INT4_Q16 if native.fits(n, k, native.INT4_Q16, group_size) is None else native.INT4
-            layer.set_native(*native.quantize_q4_1(w, group_size))
-            return layer
+            return cls.native_layer(linear, group_size, native.quantize_q4_1(w, group_size))
         q, scales, mins = int4_weights(w, group_size, dtype or int_kernel_dtype(w.device, w.dtype))
         return cls(q, scales, mins, group_size, linear.bias)
 
