@@ -60,6 +60,31 @@ def test_greedy_and_filtered_sampling():
     assert set(nucleus[:, 0].tolist()) == {1}
 
 
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.9), (0.5, 40, 0.3),
+                                                     (1.0, 1, 0.99), (2.0, 300, 0.05)])
+def test_warpers_equal_transformers_logits_warpers(temperature, top_k, top_p):
+    """Our warpers (no transformers import on the generate path) give transformers' scores bit for bit, ties and
+    rows with one dominant token included."""
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(6, 257, generator=gen) * 3
+    logits[1, :100] = logits[1, 0]  # ties at the cut
+    logits[2, 3] = 60.0  # one token holds all the mass
+    theirs = LogitsProcessorList([TemperatureLogitsWarper(temperature)])
+    if top_k:
+        theirs.append(TopKLogitsWarper(top_k))
+    if top_p < 1.0:
+        theirs.append(TopPLogitsWarper(top_p))
+    ours = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p).warpers()
+    assert torch.equal(ours(logits), theirs(None, logits))
+
+
 def test_embedder_single_token_step_is_the_plain_embedding():
     emb = CompositionalEmbedder(16, 2, 4, 8)
     torch.nn.init.normal_(emb.o_proj.weight)

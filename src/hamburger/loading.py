@@ -205,32 +205,42 @@ def resolve(device: str = AUTO, quantize: str = AUTO, dtype: str = "float32",
 
 
 def load(model: str = "default", base: str | None = None, dtype: str = "float32", device: str = AUTO,
-         quantize: str = AUTO, group_size: int = 32, quiet: bool = True) -> tuple[HamburgerModel, bool]:
+         quantize: str = AUTO, group_size: int = 32, quiet: bool = True, light: bool = False,
+         ) -> tuple[HamburgerModel, bool]:
     """The model named `model` (a HAMburger checkpoint folder, or a base: hub id, folder, .gguf; "default": the
     shipped checkpoint) on `device`, its linear layers quantized by `quantize`: (model, is_trained_checkpoint).
 
     The device, dtype and scheme are checked before any loading, so a bad one costs no seconds. `base` loads a
     checkpoint's base from there instead of the reference it records. `quiet=False`: a "quantize: ..." line on
-    stderr.
+    stderr. `light`: the model is for decoding with the fast engine only, so a local Llama-style base loads without
+    transformers (`base.load_base`); training and the reference engine need transformers' classes.
     """
     import torch
 
     from hamburger.model.hamburger_model import load_model
 
     resolved, scheme = resolve(device, quantize, dtype, group_size)
-    loaded, trained = load_model(model, base, dtype=getattr(torch, dtype), device=str(resolved))
+    loaded, trained = load_model(model, base, dtype=getattr(torch, dtype), device=str(resolved), light=light)
     quantize_loaded(loaded, scheme, group_size, quiet=quiet)
     return loaded, trained
 
 
 def hide_progress_bars() -> None:
     """No progress bars while loading (transformers' and the hub's): for `--quiet`, and where stderr is a log file
-    that would fill with their redraws."""
-    from huggingface_hub.utils import disable_progress_bars
-    from transformers.utils import logging
+    that would fill with their redraws. Neither is imported for it (transformers alone takes seconds): both read
+    HF_HUB_DISABLE_PROGRESS_BARS when they are; one already imported is told directly."""
+    import os
+    import sys
 
-    logging.disable_progress_bar()
-    disable_progress_bars()
+    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging
+
+        logging.disable_progress_bar()
 
 
 def kernels_note(quantize: str, device) -> str | None:

@@ -173,11 +173,13 @@ def add_dataclass_args(parser: argparse.ArgumentParser, settings: type, skip: tu
 # --- running a command ---------------------------------------------------------------------------------------------
 
 
-def load_model(args: argparse.Namespace, quantize: bool = True) -> tuple[HamburgerModel, bool, str]:
+def load_model(args: argparse.Namespace, quantize: bool = True, light: bool = False) -> tuple[HamburgerModel, bool, str]:
     """The model the options name (`loading.load`): (model, is_trained_checkpoint, the scheme of --quantize with
     "auto" resolved; "none" where the command has no --quantize). What needs no model is checked first (--lookup,
     the scheme against the device), so it costs no loading. `quantize` False: the weights stay float, for the
-    caller to quantize. Progress bars only where stderr is a terminal, and never with --quiet."""
+    caller to quantize. Progress bars only where stderr is a terminal, and never with --quiet. `light`: the command
+    only decodes with the fast engine (no training, no transformers generate), so the base may load without
+    transformers (`loading.load`)."""
     from hamburger.loading import hide_progress_bars, load, resolve
 
     if getattr(args, "lookup", None) is not None:
@@ -187,7 +189,7 @@ def load_model(args: argparse.Namespace, quantize: bool = True) -> tuple[Hamburg
     if getattr(args, "quiet", False) or not sys.stderr.isatty():
         hide_progress_bars()
     model, trained = load(args.model, args.base, args.dtype, str(device), scheme if quantize else "none", group_size,
-                          quiet=not getattr(args, "verbose", False))
+                          quiet=not getattr(args, "verbose", False), light=light)
     return model, trained, scheme
 
 

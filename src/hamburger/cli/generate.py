@@ -73,7 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise HamburgerError("--stop needs a text")
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
 
-    model, trained, scheme = load_model(args)
+    model, trained, scheme = load_model(args, light=args.engine != "reference")
     tokenizer = model.tokenizer
     prompt = _prompt_ids(tokenizer, args.text, args.raw, args.system)
     engine = make_engine(model, args.engine, args.compile, lookup=args.lookup)
@@ -112,7 +112,8 @@ def cmd_info(args: argparse.Namespace) -> int:
     from hamburger.kernels.quantize import model_bytes
     from hamburger.loading import quantize_loaded
 
-    model, trained, scheme = load_model(args, quantize=False)  # the parameter counts are those of the float model
+    # the parameter counts are those of the float model
+    model, trained, scheme = load_model(args, quantize=False, light=True)
     counts = model.parameter_counts() if trained else {"base": model.parameter_counts()["base"]}
     weights = model_bytes(model) if trained else model_bytes(model.base)
     summary = quantize_loaded(model, scheme, args.group_size, quiet=not args.verbose)
@@ -122,7 +123,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         "hamburger_checkpoint": trained,
         "base_model": cfg.base_model,
         "base_fingerprint": cfg.base_fingerprint,
-        "architecture": (bcfg.architectures or [type(model.base).__name__])[0],
+        "architecture": (getattr(bcfg, "architectures", None) or [type(model.base).__name__])[0],
         "layers": bcfg.num_hidden_layers,
         "hidden_size": bcfg.hidden_size,
         "vocab_size": bcfg.vocab_size,

@@ -78,7 +78,7 @@ def accept(runner: ModelRunner, rows: RowBatch, n: int, checked: torch.Tensor, f
             continue
         # Only the row's own drafts: the random numbers it draws must not depend on its neighbours' drafts.
         nd = int(rows.n_drafts[i])
-        probs = torch.softmax(req.warpers(None, logits[j, : nd + 1].float()), -1)[None]  # (1, nd + 1, V)
+        probs = torch.softmax(req.warpers(logits[j, : nd + 1].float()), -1)[None]  # (1, nd + 1, V)
         q = rows.q[i : i + 1, :nd] if rows.q is not None else probs.new_zeros(1, nd, probs.shape[-1])
         kept_i, t0 = accept_sampled(rows.step_tok[i : i + 1, 1 : 1 + nd], rows.n_drafts[i : i + 1], q, probs,
                                     req.rng)

@@ -14,11 +14,9 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
-from transformers.generation.logits_process import LogitsProcessorList
 
 from hamburger.errors import HamburgerError
-from hamburger.inference.sampling import SamplingParams, continues, sample
+from hamburger.inference.sampling import SamplingParams, Warpers, continues, sample
 from hamburger.inference.stats import GenerationStats
 from hamburger.model.base import eos_ids
 from hamburger.model.config import check_confidence
@@ -61,7 +59,7 @@ class Generation:
     logits: list[list[torch.Tensor]] = field(init=False)
     _start: float = field(init=False, default=0.0)
     _context: tuple = field(init=False, default=())  # (base cache, entries in use (B, T), the state's position (B,))
-    _warpers: LogitsProcessorList = field(init=False, default_factory=LogitsProcessorList)
+    _warpers: Warpers = field(init=False, default_factory=Warpers)
     _generator: torch.Generator | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
@@ -90,6 +88,8 @@ class Generation:
         ids, mask = left_pad(self.prompts, pad, device)
         self._warpers, self._generator = self.sampling.warpers(), self.sampling.generator(device)
         done = [False] * bsz
+
+        from transformers import DynamicCache  # the reference engine only: transformers' classes
 
         self._start = time.perf_counter()
         cache = DynamicCache(config=model.base.config)
@@ -135,6 +135,8 @@ class Generation:
         go_on = self._record(tok, logits, model.stop_head(h0), live, step, new)
         if step == 0:
             self.stats.prefill_s = time.perf_counter() - self._start  # time to first token
+        from transformers import DynamicCache
+
         micro_cache = DynamicCache()
         x = torch.cat([model.micro.features(hidden, (slice(None), -1)), model.embed(tok)[:, None]], dim=1)
         inputs = x[:, :0]  # the step's inputs so far, for a decoder with context

@@ -2,17 +2,46 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers.generation.logits_process import (
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from hamburger.errors import HamburgerError
+
+Warper = Callable[[torch.Tensor], torch.Tensor]
+
+
+def temperature_warper(temperature: float) -> Warper:
+    return lambda scores: scores / temperature
+
+
+def top_k_warper(top_k: int) -> Warper:
+    """Keep the scores at least the k-th largest (ties kept), as transformers' `TopKLogitsWarper`."""
+    def warp(scores: torch.Tensor) -> torch.Tensor:
+        kth = torch.topk(scores, min(top_k, scores.size(-1)))[0][..., -1, None]
+        return scores.masked_fill(scores < kth, -float("inf"))
+    return warp
+
+
+def top_p_warper(top_p: float) -> Warper:
+    """Keep the smallest set of most likely tokens whose probabilities add up to more than top_p (at least one),
+    as transformers' `TopPLogitsWarper`: the same sort, cumulative sum and comparison."""
+    def warp(scores: torch.Tensor) -> torch.Tensor:
+        sorted_logits, sorted_indices = torch.sort(scores, descending=False)
+        remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)
+        remove[..., -1:] = False
+        return scores.masked_fill(remove.scatter(-1, sorted_indices, remove), -float("inf"))
+    return warp
+
+
+class Warpers(list):
+    """The logit warpers of a request, applied in order: `warpers(scores)`."""
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        for warp in self:
+            scores = warp(scores)
+        return scores
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -43,14 +72,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
-    def warpers(self) -> LogitsProcessorList:
-        warpers = LogitsProcessorList()
+    def warpers(self) -> Warpers:
+        """Temperature, then top-k, then top-p (transformers' order and arithmetic, without importing it)."""
+        warpers = Warpers()
         if not self.greedy:
-            warpers.append(TemperatureLogitsWarper(self.temperature))
+            warpers.append(temperature_warper(self.temperature))
             if self.top_k:
-                warpers.append(TopKLogitsWarper(self.top_k))
+                warpers.append(top_k_warper(self.top_k))
             if self.top_p < 1.0:
-                warpers.append(TopPLogitsWarper(self.top_p))
+                warpers.append(top_p_warper(self.top_p))
         return warpers
 
     def generator(self, device: torch.device | str) -> torch.Generator | None:
@@ -66,12 +96,12 @@ class SamplingParams:
 
 def sample(
     logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None = None,
-    warpers: LogitsProcessorList | None = None,
+    warpers: Warpers | None = None,
 ) -> torch.Tensor:
     """logits: (B, V) -> token ids (B,)."""
     if params.greedy:
         return greedy_tokens(logits)
-    scores = (warpers if warpers is not None else params.warpers())(None, logits.float())
+    scores = (warpers if warpers is not None else params.warpers())(logits.float())
     probs = torch.softmax(scores, dim=-1)
     return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 

@@ -347,7 +347,7 @@ class Scheduler:
                 if req.mode in CHECKED and not micro and given[i] >= 0:
                     tok[i] = given[i]
                 elif req.mode in CHECKED and micro:
-                    probs = torch.softmax(req.warpers(None, logits[i : i + 1].float()), -1)
+                    probs = torch.softmax(req.warpers(logits[i : i + 1].float()), -1)
                     tok[i] = torch.multinomial(probs, 1, generator=req.rng)[0, 0]
                     self._keep_draft_distribution(i, probs[0])
                 else:

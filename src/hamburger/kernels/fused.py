@@ -85,6 +85,12 @@ class FusedPart(QuantizedLinear):
 
 # Sibling projections that read one input in the decoder layers of transformers' Llama-style models.
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# The modules whose layers call those siblings on one input: transformers' classes and the same tree without it.
+DECODER_MODULES = ("transformers.", "hamburger.model.llama")
+
+
+def is_decoder_module(module: nn.Module) -> bool:
+    return type(module).__module__.startswith(DECODER_MODULES)
 
 
 def fuse_projections(model: nn.Module) -> int:
@@ -94,7 +100,7 @@ def fuse_projections(model: nn.Module) -> int:
     products. Returns the number of groups made."""
     made = 0
     for module in model.modules():
-        if not type(module).__module__.startswith("transformers."):
+        if not is_decoder_module(module):
             continue
         for names in FUSED_SIBLINGS:
             parts = [getattr(module, n, None) for n in names]
@@ -122,7 +128,7 @@ def sibling_sets(model: nn.Module, todo: dict[str, str]) -> list[tuple[nn.Module
     names, their names in `model`, scheme) for each, to quantize as one layer (`fused_layer`)."""
     out = []
     for prefix, module in model.named_modules():
-        if not type(module).__module__.startswith("transformers."):
+        if not is_decoder_module(module):
             continue
         for names in FUSED_SIBLINGS:
             full = [f"{prefix}.{n}" if prefix else n for n in names]

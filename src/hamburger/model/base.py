@@ -11,18 +11,15 @@ import socket
 import tempfile
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 import torch
-from huggingface_hub import try_to_load_from_cache
-from transformers import (
-    AutoModelForCausalLM,
-    AutoTokenizer,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
 
 from hamburger.errors import HamburgerError
+
+if TYPE_CHECKING:  # transformers loads in the functions that need it: decoding a local Llama-style base does not
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 DEFAULT_ALIASES = {"default", DEFAULT_MODEL.lower(), "smollm2-135m-instruct"}
@@ -94,6 +91,8 @@ def _from_pretrained_args(ref: str) -> tuple[str, dict]:
         raise HamburgerError(f"model path {ref!r} does not exist")
     # A hub id: the local Hugging Face cache first, then the hub only if it answers at all, so an offline
     # machine fails in seconds instead of waiting on a minute of retries.
+    from huggingface_hub import try_to_load_from_cache  # only for hub ids
+
     try:
         cached = try_to_load_from_cache(ref, "config.json")
     except ValueError as exc:
@@ -117,10 +116,19 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def load_base(
-    ref: str | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ref: str | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+    light: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a causal LM and its tokenizer from a hub id, a local folder, a .gguf file, or the embedded default."""
+    """Load a causal LM and its tokenizer from a hub id, a local folder, a .gguf file, or the embedded default.
+
+    `light`: for decoding with the fast engine, a local Llama-style base (the embedded default once converted)
+    comes as `llama.CausalLM` with `tokenizer.Tokenizer`, without importing transformers (about 2.4 s of start-up);
+    anything else, and any model for training or the reference engine, loads with transformers."""
     name, kwargs = _from_pretrained_args(ref or "default")
+    if light and (loaded := _load_light(name, kwargs, ref, dtype, device)) is not None:
+        return loaded
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # 2.4 s: only where needed
+
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, **kwargs)
@@ -131,6 +139,32 @@ def load_base(
     if kwargs.get("gguf_file") == DEFAULT_GGUF and dtype == torch.float32 and (cached := _default_cache_path()) is not None:
         _convert_default(cached, model, tokenizer)
     model.to(device).eval()
+    model.config.hamburger_ref = DEFAULT_MODEL if is_default(ref) else str(ref)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def _load_light(name: str, kwargs: dict, ref: str | None, dtype: torch.dtype, device) -> tuple | None:
+    """`load_base`'s transformers-free path: (CausalLM, Tokenizer) of a local folder or a cached hub snapshot, or
+    None where either is not reproduced exactly (`llama.load_light`, `Tokenizer.from_folder` say which)."""
+    from hamburger.model.llama import load_light
+    from hamburger.model.tokenizer import Tokenizer
+
+    if "gguf_file" in kwargs:
+        return None
+    folder = Path(name)
+    if not folder.is_dir():
+        from huggingface_hub import try_to_load_from_cache
+
+        cached = try_to_load_from_cache(name, "config.json") if kwargs.get("local_files_only") else None
+        if not isinstance(cached, str):
+            return None
+        folder = Path(cached).parent
+    tokenizer = Tokenizer.from_folder(folder)
+    model = load_light(folder, dtype, device, name=name) if tokenizer is not None else None
+    if model is None:
+        return None
     model.config.hamburger_ref = DEFAULT_MODEL if is_default(ref) else str(ref)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -9,11 +9,11 @@ from __future__ import annotations
 import copy
 from contextlib import AbstractContextManager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file, save_model
 from torch import nn
-from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 from hamburger.errors import HamburgerError
 from hamburger.model.base import DEFAULT_MODEL, cache_kwargs, fingerprint, load_base
@@ -22,6 +22,9 @@ from hamburger.model.embedder import CompositionalEmbedder
 from hamburger.model.lora import LORA_MODES, BaseLora, inject_lora, merge_lora
 from hamburger.model.micro_decoder import MicroStepDecoder, StopHead
 from hamburger.model.slot_adapters import SlotAdapters
+
+if TYPE_CHECKING:  # not imported to decode: a base may be `llama.CausalLM` (see `base.load_base`)
+    from transformers import DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 
 WEIGHTS_NAME = "model.safetensors"
 MERGER_NAME = "merger.safetensors"  # compress mode's KV merger, when the checkpoint has one
@@ -152,11 +155,13 @@ class HamburgerModel(nn.Module):
     def from_pretrained(
         cls, directory: str | Path, base: PreTrainedModel | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+        light: bool = False,
     ) -> HamburgerModel:
-        """Load a checkpoint; its base comes from `base` or is loaded from the reference it records."""
+        """Load a checkpoint; its base comes from `base` or is loaded from the reference it records (`light`: as
+        `load_base` says)."""
         config = HamburgerConfig.load(directory)
         if base is None:
-            base, tokenizer = load_base(config.base_model, dtype=dtype, device=device)
+            base, tokenizer = load_base(config.base_model, dtype=dtype, device=device, light=light)
         if not config.base_in_checkpoint:
             found = fingerprint(base)
             if found != config.base_fingerprint:
@@ -313,7 +318,8 @@ def packaged_checkpoint() -> Path | None:
 
 
 def load_model(
-    ref: str | None = None, base_ref: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu"
+    ref: str | None = None, base_ref: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
+    light: bool = False,
 ) -> tuple[HamburgerModel, bool]:
     """Load a HAMburger checkpoint, or wrap a plain base model for one-token-per-step (exact base) decoding.
 
@@ -321,14 +327,16 @@ def load_model(
     (SmolLM2-135M-Instruct) is always the plain base.
 
     Returns the model and whether it is a trained HAMburger checkpoint. `base_ref` overrides the base
-    a checkpoint records (e.g. a local copy of it); it must be the same weights.
+    a checkpoint records (e.g. a local copy of it); it must be the same weights. `light`: a base for decoding with
+    the fast engine, without transformers where it can be (`load_base`).
     """
     if ref in (None, "default") and (shipped := packaged_checkpoint()) is not None:
         ref = str(shipped)
     if ref is not None and HamburgerConfig.is_checkpoint(ref):
-        base, tokenizer = load_base(base_ref, dtype=dtype, device=device) if base_ref else (None, None)
-        return HamburgerModel.from_pretrained(ref, base=base, tokenizer=tokenizer, dtype=dtype, device=device), True
+        base, tokenizer = load_base(base_ref, dtype=dtype, device=device, light=light) if base_ref else (None, None)
+        return HamburgerModel.from_pretrained(ref, base=base, tokenizer=tokenizer, dtype=dtype, device=device,
+                                              light=light), True
     if base_ref is not None:
         raise HamburgerError(f"--base only applies to a HAMburger checkpoint, and {ref!r} is not one")
-    base, tokenizer = load_base(ref, dtype=dtype, device=device)
+    base, tokenizer = load_base(ref, dtype=dtype, device=device, light=light)
     return HamburgerModel.plain(base, tokenizer), False

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import DynamicCache, PreTrainedModel
 
 from hamburger.model.base import cache_kwargs
 from hamburger.model.layers import attention, finish, project
+
+if TYPE_CHECKING:
+    from transformers import DynamicCache, PreTrainedModel
 
 
 class RMSNorm(nn.Module):
