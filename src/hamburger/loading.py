@@ -205,14 +205,14 @@ def resolve(device: str = AUTO, quantize: str = AUTO, dtype: str = "float32",
 
 
 def load(model: str = "default", base: str | None = None, dtype: str = "float32", device: str = AUTO,
-         quantize: str = AUTO, group_size: int = 32, quiet: bool = True, light: bool = False,
+         quantize: str = AUTO, group_size: int = 32, quiet: bool = True, decode_only: bool = False,
          ) -> tuple[HamburgerModel, bool]:
     """The model named `model` (a HAMburger checkpoint folder, or a base: hub id, folder, .gguf; "default": the
     shipped checkpoint) on `device`, its linear layers quantized by `quantize`: (model, is_trained_checkpoint).
 
     The device, dtype and scheme are checked before any loading, so a bad one costs no seconds. `base` loads a
     checkpoint's base from there instead of the reference it records. `quiet=False`: a "quantize: ..." line on
-    stderr. `light`: the model is for decoding with the fast engine only, so a local Llama-style base loads without
+    stderr. `decode_only`: the model is for decoding with the fast engine only, so a local Llama-style base loads without
     transformers (`base.load_base`); training and the reference engine need transformers' classes.
     """
     import torch
@@ -220,7 +220,8 @@ def load(model: str = "default", base: str | None = None, dtype: str = "float32"
     from hamburger.model.hamburger_model import load_model
 
     resolved, scheme = resolve(device, quantize, dtype, group_size)
-    loaded, trained = load_model(model, base, dtype=getattr(torch, dtype), device=str(resolved), light=light)
+    loaded, trained = load_model(model, base, dtype=getattr(torch, dtype), device=str(resolved),
+                                 decode_only=decode_only)
     quantize_loaded(loaded, scheme, group_size, quiet=quiet)
     return loaded, trained
 

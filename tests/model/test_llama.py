@@ -120,14 +120,14 @@ def test_none_for_foreign_weight_names_and_missing_files(tmp_path):
 
 def test_load_base_light_falls_back_to_transformers(tmp_path):
     light_folder = saved(tiny("llama"), tmp_path / "a")
-    base, tok = load_base(light_folder, light=True)
+    base, tok = load_base(light_folder, decode_only=True)
     assert isinstance(base, CausalLM) and type(tok).__module__ == "hamburger.model.tokenizer"
     assert base.config.hamburger_ref == light_folder
     other = edited(tmp_path / "b", lambda d: d.update(rope_parameters={"rope_type": "linear", "rope_theta": 1e4,
                                                                       "factor": 2.0}))
-    base, tok = load_base(other, light=True)
+    base, tok = load_base(other, decode_only=True)
     assert type(base).__module__.startswith("transformers.")
-    base, _ = load_base(light_folder)  # light is asked for, never the default
+    base, _ = load_base(light_folder)  # only when asked for
     assert type(base).__module__.startswith("transformers.")
 
 
@@ -140,7 +140,7 @@ import sys
 from hamburger.loading import load
 from hamburger.inference.engine import make_engine
 from hamburger.model.base import encode_chat
-model, trained = load({folder!r}, quantize="fp16", light=True)
+model, trained = load({folder!r}, quantize="fp16", decode_only=True)
 ids = encode_chat(model.tokenizer, [{{"role": "user", "content": "w3 w4"}}])
 out = make_engine(model).generate([ids], max_new_tokens=5, mode="verify")
 print(type(model.base).__name__, type(model.tokenizer).__name__, isinstance(model.tokenizer.decode(out.tokens[0]), str))

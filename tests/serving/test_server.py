@@ -529,7 +529,7 @@ def test_serve_interleaves_the_prefill_unless_told_not_to(flags, interleave, mon
         raise Stop
 
     monkeypatch.setattr(server, "Service", service)
-    monkeypatch.setattr("hamburger.cli.serve.load_model", lambda args: (None, True, "none"))
+    monkeypatch.setattr("hamburger.cli.serve.load_model", lambda args, **kwargs: (None, True, "none"))
     with pytest.raises(Stop):
         main(["serve", *flags])
     assert seen["interleave"] is interleave
@@ -550,7 +550,7 @@ def test_serve_passes_its_mode_lookup_and_access_log_on(monkeypatch):
 
     monkeypatch.setattr(server, "Service", lambda *args, **kwargs: seen.update(kwargs))
     monkeypatch.setattr(server, "create_app", app)
-    monkeypatch.setattr("hamburger.cli.serve.load_model", lambda args: (None, True, "none"))
+    monkeypatch.setattr("hamburger.cli.serve.load_model", lambda args, **kwargs: (None, True, "none"))
     with pytest.raises(Stop):
         main(["serve"])
     assert seen["default_mode"] is None and seen["lookup"] is None and seen["access_log"] is True

@@ -173,12 +173,13 @@ def add_dataclass_args(parser: argparse.ArgumentParser, settings: type, skip: tu
 # --- running a command ---------------------------------------------------------------------------------------------
 
 
-def load_model(args: argparse.Namespace, quantize: bool = True, light: bool = False) -> tuple[HamburgerModel, bool, str]:
+def load_model(args: argparse.Namespace, quantize: bool = True,
+               decode_only: bool = False) -> tuple[HamburgerModel, bool, str]:
     """The model the options name (`loading.load`): (model, is_trained_checkpoint, the scheme of --quantize with
     "auto" resolved; "none" where the command has no --quantize). What needs no model is checked first (--lookup,
     the scheme against the device), so it costs no loading. `quantize` False: the weights stay float, for the
-    caller to quantize. Progress bars only where stderr is a terminal, and never with --quiet. `light`: the command
-    only decodes with the fast engine (no training, no transformers generate), so the base may load without
+    caller to quantize. Progress bars only where stderr is a terminal, and never with --quiet. `decode_only`: the
+    command only decodes with the fast engine (no training, no transformers generate), so the base may load without
     transformers (`loading.load`)."""
     from hamburger.loading import hide_progress_bars, load, resolve
 
@@ -189,7 +190,7 @@ def load_model(args: argparse.Namespace, quantize: bool = True, light: bool = Fa
     if getattr(args, "quiet", False) or not sys.stderr.isatty():
         hide_progress_bars()
     model, trained = load(args.model, args.base, args.dtype, str(device), scheme if quantize else "none", group_size,
-                          quiet=not getattr(args, "verbose", False), light=light)
+                          quiet=not getattr(args, "verbose", False), decode_only=decode_only)
     return model, trained, scheme
 
 

@@ -44,7 +44,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         raise HamburgerError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.confidence is not None:
         check_confidence(args.confidence)
-    model, trained, scheme = load_model(args, light=args.engine != "reference")
+    model, trained, scheme = load_model(args, decode_only=args.engine != "reference")
     if not trained:
         raise HamburgerError(f"{args.model} is a base model: the demo compares a HAMburger checkpoint with its base "
                              "(leave --model out for the shipped default)")

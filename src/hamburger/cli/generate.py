@@ -73,7 +73,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         raise HamburgerError("--stop needs a text")
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.seed)
 
-    model, trained, scheme = load_model(args, light=args.engine != "reference")
+    model, trained, scheme = load_model(args, decode_only=args.engine != "reference")
     tokenizer = model.tokenizer
     prompt = _prompt_ids(tokenizer, args.text, args.raw, args.system)
     engine = make_engine(model, args.engine, args.compile, lookup=args.lookup)
@@ -113,7 +113,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     from hamburger.loading import quantize_loaded
 
     # the parameter counts are those of the float model
-    model, trained, scheme = load_model(args, quantize=False, light=True)
+    model, trained, scheme = load_model(args, quantize=False, decode_only=True)
     counts = model.parameter_counts() if trained else {"base": model.parameter_counts()["base"]}
     weights = model_bytes(model) if trained else model_bytes(model.base)
     summary = quantize_loaded(model, scheme, args.group_size, quiet=not args.verbose)

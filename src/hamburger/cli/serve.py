@@ -89,7 +89,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.kv_memory is not None and args.max_batch_size is not None:
         raise HamburgerError("--kv-memory sizes the batch: give it or --max-batch-size, not both")
     threads = decode_threads(args.decode_threads, resolve_device(args.device))
-    model, trained, scheme = load_model(args, light=True)  # the scheduler: the fast engine only
+    model, trained, scheme = load_model(args, decode_only=True)  # the scheduler: the fast engine only
     service = Service(model, args.model, args.max_batch_size or 8, args.max_queue, args.max_len or DEFAULT_MAX_LEN,
                       args.default_confidence, args.api_key, prefill_tokens=args.prefill_tokens,
                       interleave_prefill=args.interleave_prefill, decode_threads=threads, draft_rows=args.draft_rows,

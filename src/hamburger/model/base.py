@@ -117,15 +117,15 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
 
 def load_base(
     ref: str | None = None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-    light: bool = False,
+    decode_only: bool = False,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a hub id, a local folder, a .gguf file, or the embedded default.
 
-    `light`: for decoding with the fast engine, a local Llama-style base (the embedded default once converted)
+    `decode_only`: for decoding with the fast engine, a local Llama-style base (the embedded default once converted)
     comes as `llama.CausalLM` with `tokenizer.Tokenizer`, without importing transformers (about 2.4 s of start-up);
     anything else, and any model for training or the reference engine, loads with transformers."""
     name, kwargs = _from_pretrained_args(ref or "default")
-    if light and (loaded := _load_light(name, kwargs, ref, dtype, device)) is not None:
+    if decode_only and (loaded := _load_light(name, kwargs, ref, dtype, device)) is not None:
         return loaded
     from transformers import AutoModelForCausalLM, AutoTokenizer  # 2.4 s: only where needed
 

@@ -155,13 +155,13 @@ class HamburgerModel(nn.Module):
     def from_pretrained(
         cls, directory: str | Path, base: PreTrainedModel | None = None,
         tokenizer: PreTrainedTokenizerBase | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-        light: bool = False,
+        decode_only: bool = False,
     ) -> HamburgerModel:
-        """Load a checkpoint; its base comes from `base` or is loaded from the reference it records (`light`: as
+        """Load a checkpoint; its base comes from `base` or is loaded from the reference it records (`decode_only`: as
         `load_base` says)."""
         config = HamburgerConfig.load(directory)
         if base is None:
-            base, tokenizer = load_base(config.base_model, dtype=dtype, device=device, light=light)
+            base, tokenizer = load_base(config.base_model, dtype=dtype, device=device, decode_only=decode_only)
         if not config.base_in_checkpoint:
             found = fingerprint(base)
             if found != config.base_fingerprint:
@@ -319,7 +319,7 @@ def packaged_checkpoint() -> Path | None:
 
 def load_model(
     ref: str | None = None, base_ref: str | None = None, dtype: torch.dtype = torch.float32, device: str = "cpu",
-    light: bool = False,
+    decode_only: bool = False,
 ) -> tuple[HamburgerModel, bool]:
     """Load a HAMburger checkpoint, or wrap a plain base model for one-token-per-step (exact base) decoding.
 
@@ -327,16 +327,17 @@ def load_model(
     (SmolLM2-135M-Instruct) is always the plain base.
 
     Returns the model and whether it is a trained HAMburger checkpoint. `base_ref` overrides the base
-    a checkpoint records (e.g. a local copy of it); it must be the same weights. `light`: a base for decoding with
+    a checkpoint records (e.g. a local copy of it); it must be the same weights. `decode_only`: a base for decoding with
     the fast engine, without transformers where it can be (`load_base`).
     """
     if ref in (None, "default") and (shipped := packaged_checkpoint()) is not None:
         ref = str(shipped)
     if ref is not None and HamburgerConfig.is_checkpoint(ref):
-        base, tokenizer = load_base(base_ref, dtype=dtype, device=device, light=light) if base_ref else (None, None)
+        base, tokenizer = (load_base(base_ref, dtype=dtype, device=device, decode_only=decode_only) if base_ref
+                           else (None, None))
         return HamburgerModel.from_pretrained(ref, base=base, tokenizer=tokenizer, dtype=dtype, device=device,
-                                              light=light), True
+                                              decode_only=decode_only), True
     if base_ref is not None:
         raise HamburgerError(f"--base only applies to a HAMburger checkpoint, and {ref!r} is not one")
-    base, tokenizer = load_base(ref, dtype=dtype, device=device, light=light)
+    base, tokenizer = load_base(ref, dtype=dtype, device=device, decode_only=decode_only)
     return HamburgerModel.plain(base, tokenizer), False
