@@ -397,6 +397,72 @@ static void rotate(const float *x, const float *cos, const float *sin, float *ou
     for (int64_t i = 0; i < hd; i++) out[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * sin[i];
 }
 
+/* The sums of 16 vectors' lanes, one per lane of the result (lane i: the sum of a[i]'s 16 lanes), each summed in the
+   same order whatever its place among the 16: ((0+2)+(1+3)) within each 128-bit lane, then the lanes pairwise. */
+INL __m512 sum16(const __m512 *a) {
+    __m512 x[8], z[4];
+    for (int i = 0; i < 8; i++)
+        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int j = 0; j < 4; j++)
+        z[j] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                                    _mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* One head's attention for one query q (hd floats, rotated) over slots [0, S) of its keys and values (slot stride
+   `ss`), where `allowed`: softmax(q.k * scaling) . v into out (zeros where no slot is allowed). Scores go 16 slots
+   at a time (`sum16`; slots past S count as zeros), so a slot's score, and with it the result, does not depend on
+   S or on the slot's place in its block: a verify pass's row equals the one-position step. */
+static void attend_head(const float *q, const float *keys, const float *values, int64_t ss, const uint8_t *allowed,
+                        int64_t S, int64_t hd, float scaling, float *scores, float *out) {
+    const int64_t chunks = hd / 16;
+    __m512 qv[MAX_HEAD_DIM / 16], o[MAX_HEAD_DIM / 16];
+    for (int64_t c = 0; c < chunks; c++) {
+        qv[c] = _mm512_loadu_ps(q + 16 * c);
+        o[c] = _mm512_setzero_ps();
+    }
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t s0 = 0; s0 < S; s0 += 16) {
+        __m512 acc[16];
+        for (int64_t i = 0; i < 16; i++) {
+            acc[i] = _mm512_setzero_ps();
+            if (s0 + i < S)
+                for (int64_t c = 0; c < chunks; c++)
+                    acc[i] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(keys + (s0 + i) * ss + 16 * c), acc[i]);
+        }
+        const __m128i flags = _mm_maskz_loadu_epi8(lanes(S - s0), allowed + s0);
+        const __mmask16 m = _mm_test_epi8_mask(flags, flags);
+        const __m512 sc = _mm512_mask_blend_ps(m, _mm512_set1_ps(-INFINITY),
+                                               _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scaling)));
+        top = _mm512_max_ps(top, sc);
+        _mm512_mask_storeu_ps(scores + s0, lanes(S - s0), sc);
+    }
+    const float best = _mm512_reduce_max_ps(top);
+    float total = 0.0f;
+    if (best > -INFINITY) {
+        const __m512 shift = _mm512_set1_ps(best);
+        for (int64_t s = 0; s < S; s += 16) {  /* each exponential alike in any lane: the same for any S */
+            const __mmask16 m = lanes(S - s);
+            _mm512_mask_storeu_ps(scores + s, m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + s), shift)));
+        }
+        for (int64_t s = 0; s < S; s++) {
+            if (!allowed[s]) continue;
+            const float e = scores[s];
+            const __m512 ev = _mm512_set1_ps(e);
+            total += e;
+            for (int64_t c = 0; c < chunks; c++)
+                o[c] = _mm512_fmadd_ps(ev, _mm512_loadu_ps(values + s * ss + 16 * c), o[c]);
+        }
+    }
+    const __m512 by = _mm512_set1_ps(total > 0.0f ? total : 1.0f);  /* no slot allowed: zeros */
+    for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, _mm512_div_ps(o[c], by));
+}
+
 /* floats of scratch `hb_layers` needs for a pass of `rows` rows */
 int64_t hb_scratch_floats(int64_t rows, int64_t d, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inner) {
     return rows * (2 * d + (2 * heads + 2 * kv_heads) * head_dim + 3 * inner);
@@ -425,33 +491,10 @@ static void layer(const hb_layer *L, const hb_pass *p, float *x, float *h, float
     #pragma omp for schedule(static)
     for (int64_t i = 0; i < rows * H; i++) {
         const int64_t r = i / H, head = i % H, row = r / p->t, kh = head / group;
-        float q[MAX_HEAD_DIM], o[MAX_HEAD_DIM];
+        float q[MAX_HEAD_DIM];
         rotate(qkv + r * width + head * hd, p->cos + r * hd, p->sin + r * hd, q, hd);
-        const uint8_t *allowed = p->mask + r * S;
-        const float *keys = kc + row * p->s_row + kh * p->s_head, *values = vc + row * p->s_row + kh * p->s_head;
-        float top = -INFINITY;
-        for (int64_t s = 0; s < S; s++) {
-            scores[s] = allowed[s] ? dot(q, keys + s * p->s_slot, hd) * p->scaling : -INFINITY;
-            if (scores[s] > top) top = scores[s];
-        }
-        float total = 0.0f;
-        for (int64_t j = 0; j < hd; j++) o[j] = 0.0f;
-        if (top > -INFINITY) {
-            const __m512 shift = _mm512_set1_ps(top);
-            for (int64_t s = 0; s < S; s += 16) {  /* each exponential alike in any lane: the same for any S */
-                const __mmask16 m = lanes(S - s);
-                _mm512_mask_storeu_ps(scores + s, m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + s), shift)));
-            }
-            for (int64_t s = 0; s < S; s++) {
-                if (!allowed[s]) continue;
-                const float e = scores[s];
-                total += e;
-                const float *v = values + s * p->s_slot;
-                for (int64_t j = 0; j < hd; j++) o[j] += e * v[j];
-            }
-            for (int64_t j = 0; j < hd; j++) o[j] /= total;
-        }
-        memcpy(att + r * H * hd + head * hd, o, hd * sizeof(float));
+        attend_head(q, kc + row * p->s_row + kh * p->s_head, vc + row * p->s_row + kh * p->s_head, p->s_slot,
+                    p->mask + r * S, S, hd, p->scaling, scores, att + r * H * hd + head * hd);
     }
     gemm_for(att, &L->o, tmp, rows, xq);
     #pragma omp for schedule(static)
