@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from conftest import hamburger
+from hamburger.inference.core import MicroContext
 from hamburger.inference.engine import Engine
 from hamburger.inference.fast_layer import rope_tables
 from hamburger.inference.kv import KVCache, RowSlots
-from hamburger.inference.native_layers import NATIVE_ROWS, _close_to
+from hamburger.inference.native_layers import NATIVE_ROWS, NativeLayers, _close_to
 from hamburger.kernels import native
 from hamburger.kernels.quantize import quantize_model
 from hamburger.model.hamburger_model import HamburgerModel
@@ -152,3 +153,57 @@ def test_slots_outside_the_cache_are_refused_not_written():
         with pytest.raises(IndexError, match="outside the cache"):
             engine.native(x, rope, cache, RowSlots(torch.tensor([[3, 16]]), 17), torch.ones(1, 1, 2, 17).bool(), 0, 1)
     assert torch.equal(cache.k, before)
+
+
+def micro_packed(arch: str, scheme: str):
+    """A model whose micro-step decoder reads the base's entries (context gates open) with every layer quantized."""
+    model = hamburger(arch, k=4, micro_context=4)
+    quantize_model(model, scheme)
+    return model
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_micro_steps_in_one_native_call_are_the_module_path(arch, scheme):
+    """The micro-step decoder's layers natively, their attention to the base's entries included: the module path's
+    output and cache to the products' rounding, for rows at other positions, one that sees no base entry."""
+    engine = Engine(micro_packed(arch, scheme))
+    assert engine.micro_native is not None and engine.micro_native.gates is not None
+    micro, config = engine.model.micro, engine.base.config
+    gen = torch.Generator().manual_seed(3)
+    base_cache = random_cache(engine.base, 2, seed=4)
+    visible = torch.ones(2, 12, dtype=torch.bool)
+    visible[0, :5] = False
+    visible[1] = False  # sees no base entry: no context attention at all
+    context = MicroContext(base_cache, visible, torch.tensor([11, 6]))
+    tolerance = 1e-6 if scheme == "fp16" else 1e-3
+    for start, t in ((0, 5), (5, 1), (6, 2)):
+        x = torch.randn(2, t, config.hidden_size, generator=gen)
+        caches = [KVCache.for_layers(micro.layers, config, 2, 8, torch.float32, "cpu") for _ in range(2)]
+        with torch.inference_mode():
+            quick = engine._micro_native_pass(x, caches[0], start, context)
+            slow = engine._micro_layers(x, caches[1], start, context, native=False)
+        for a, b in ((slow, quick), (caches[1].k, caches[0].k), (caches[1].v, caches[0].v)):
+            assert (a - b).norm() <= tolerance * a.norm()
+
+
+def test_the_micro_check_catches_a_wrong_gate_or_source():
+    engine = Engine(micro_packed("llama", "int4"))
+    good = engine.micro_native
+    assert engine._micro_native_close()
+    sources = list(engine.model.micro.context_layers)
+    for wrong in (NativeLayers(good.fast, -good.gates, sources), NativeLayers(good.fast, good.gates, sources[::-1]),
+                  NativeLayers(good.fast, None, None)):
+        engine.micro_native = wrong
+        assert not engine._micro_native_close()
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "int4"])
+def test_verify_mode_with_native_micro_steps_is_its_base_exactly(scheme):
+    model = micro_packed("llama", scheme)
+    engine = Engine(model, draft_policy=False, lookup=0, draft_rows=None)
+    assert engine.micro_native is not None
+    base = Engine(HamburgerModel.plain(model.base, model.tokenizer))
+    out = engine.generate(PROMPTS, max_new_tokens=24, mode="verify", confidence=0.05)
+    assert out.stats.micro_steps > 0 and out.stats.drafted_tokens > 0
+    assert out.tokens == base.generate(PROMPTS, max_new_tokens=24).tokens

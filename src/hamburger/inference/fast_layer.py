@@ -125,6 +125,15 @@ def decode_layers(base: nn.Module) -> list[FastLayer] | None:
     return layers
 
 
+def fast_layers_of(layers, config) -> list[FastLayer] | None:
+    """`FastLayer`s for decoder layers of the base's kind that fit them (fused quantized projections), without the
+    bit-for-bit probe `decode_layers` makes (the micro-step decoder's layers: their user checks its own path)."""
+    if getattr(config, "model_type", "") not in FAST_TYPES or not all(_fits(layer) for layer in layers):
+        return None
+    fast = [FastLayer(layer, config) for layer in layers]
+    return fast if all(f.usable() for f in fast) else None
+
+
 def probe_first_layer(base: nn.Module, run) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The base's first layer module by module (`kv.layer_forward`) and through `run(x, rope, cache, start, mask)`,
     on a random two-position pass at slots 3..4 over caches holding the same random earlier entries: [(module path,

@@ -21,7 +21,7 @@ import operator
 
 import torch
 
-from hamburger.inference.fast_layer import FastLayer, probe_first_layer, rope_tables
+from hamburger.inference.fast_layer import FastLayer, fast_layers_of, probe_first_layer, rope_tables
 from hamburger.inference.kv import KVCache, RowSlots
 from hamburger.kernels import native
 from hamburger.kernels.qlinear import Fp16Linear, Int4Linear, Int8Linear
@@ -32,8 +32,12 @@ NATIVE_ROWS = 64  # passes of at most this many rows (batch x positions) run nat
 class NativeLayers:
     """The C description of a base's decoder layers (from its `FastLayer`s) and the call that runs them."""
 
-    def __init__(self, fast: list[FastLayer]) -> None:
+    def __init__(self, fast: list[FastLayer], gates: torch.Tensor | None = None,
+                 sources: list[int] | None = None) -> None:
+        """`gates` (layers, heads) and `sources`: the micro-step decoder's layers, which also attend to the base's
+        entries of base layer sources[i], weighted per head by gates[i] (tanh of its context gate)."""
         first = fast[0]
+        self.gates = None if gates is None else gates.detach().float().contiguous()
         self.heads, self.kv_heads, self.head_dim = first.heads, first.kv_heads, first.head_dim
         self.d, self.inner, self.eps, self.scaling = first.qkv.in_features, first.inner, first.eps, first.scaling
         self.fast = fast
@@ -49,7 +53,9 @@ class NativeLayers:
                     self._held.append((module._parameters, "bias", module.bias))
             norms = (f.layer.input_layernorm, f.layer.post_attention_layernorm)
             self._held += [(norm._parameters, "weight", norm.weight) for norm in norms]
-            self.layers[i] = native.Layer(f.norm1.data_ptr(), f.norm2.data_ptr(), index=i, **weights)
+            gate = (self.gates[i].data_ptr(), sources[i]) if self.gates is not None else (None, 0)
+            self.layers[i] = native.Layer(f.norm1.data_ptr(), f.norm2.data_ptr(), index=i, ctx_gate=gate[0],
+                                          ctx_index=gate[1], **weights)
         self._owners, self._keys, self._tensors = (list(column) for column in zip(*self._held))
 
     def usable(self) -> bool:
@@ -63,9 +69,11 @@ class NativeLayers:
         return self.run(x, rope, cache, start, mask, [last], first)[last]
 
     def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, start: int | RowSlots,
-            mask: torch.Tensor, stops: list[int], first: int = 0) -> dict[int, torch.Tensor]:
+            mask: torch.Tensor, stops: list[int], first: int = 0,
+            context: tuple[KVCache, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
         """Layers first.. up to each of `stops` in turn (ascending) over x, in place: {stop: x after layer stop-1}
-        (x itself for the last stop, a copy for the others, made inside the one native call)."""
+        (x itself for the last stop, a copy for the others, made inside the one native call). `context`: the
+        base's cache and the entries (B, end) bool each row may read, for layers with a context gate."""
         b, t, d = x.shape
         cos, sin = (table.reshape(b * t, self.head_dim).contiguous() for table in rope_tables(rope))
         k, v = cache.k, cache.v
@@ -89,6 +97,12 @@ class NativeLayers:
                         cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), *k.stride()[:4],
                         slots.data_ptr(), allowed.data_ptr(), scratch.data_ptr(), len(out), after.data_ptr(),
                         ctypes.addressof(to))
+        if context is not None and self.gates is not None:
+            base_cache, visible = context
+            seen = visible.to(torch.uint8).expand(b, -1).contiguous()  # kept alive until the call returns
+            p.ctx_k, p.ctx_v, p.ctx_len, p.ctx_mask = (base_cache.k.data_ptr(), base_cache.v.data_ptr(),
+                                                       seen.shape[1], seen.data_ptr())
+            p.c_s_layer, p.c_s_row, p.c_s_head, p.c_s_slot = base_cache.k.stride()[:4]
         if lib.hb_layers(ctypes.byref(self.layers, first * ctypes.sizeof(native.Layer)), stops[-1] - first,
                          ctypes.byref(p), x.data_ptr()):
             raise MemoryError("the native layers could not allocate their attention scores")
@@ -102,6 +116,21 @@ class NativeLayers:
                 and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[-1] == end
                 and cache.k.dtype == torch.float32 and cache.k.stride(-1) == 1 and cache.v.stride() == cache.k.stride()
                 and self.usable())
+
+
+def micro_native_layers(micro, config, base_native: NativeLayers | None) -> NativeLayers | None:
+    """`NativeLayers` for the micro-step decoder's layers (their attention to the base's entries included), or None:
+    the base's layers not native, the micro layers' weights not the native kernels'. Its user checks the result
+    against the module-by-module micro pass before using it. The context gates are read now (an engine is made
+    after its model is loaded)."""
+    fast = fast_layers_of(micro.layers, config) if base_native is not None else None
+    modules = [] if fast is None else [m for f in fast for m in (f.qkv, f.o, f.gate_up, f.down)]
+    if not modules or not all(isinstance(m, (Fp16Linear, Int4Linear, Int8Linear)) and m.native for m in modules):
+        return None
+    if any(m.bias is not None for f in fast for m in (f.o, f.gate_up, f.down)):
+        return None
+    gates = torch.tanh(micro.context_gate) if micro.context_gate is not None else None
+    return NativeLayers(fast, gates, list(micro.context_layers))
 
 
 def native_layers(base, fast: list[FastLayer] | None) -> NativeLayers | None:

@@ -17,9 +17,10 @@ from hamburger.inference import draft_policy as draft_policy_mod
 from hamburger.inference.core import MicroContext
 from hamburger.inference.draft_policy import StepCosts
 from hamburger.inference.fast_layer import decode_layers, fast_usable, rope_tables
-from hamburger.inference.native_layers import native_layers as make_native
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
 from hamburger.inference.lookup import reply_store
+from hamburger.inference.native_layers import micro_native_layers
+from hamburger.inference.native_layers import native_layers as make_native
 from hamburger.kernels.qlinear import Fp16Linear, Int8Linear, QuantizedLinear, fp16_unavailable
 from hamburger.model.config import DRAFT_ROWS, LOOKUP_DRAFTS, check_draft_rows, check_lookup
 from hamburger.model.hamburger_model import HamburgerModel
@@ -103,6 +104,10 @@ class ModelRunner:
         self.base = model.base.base_model
         self.fast = decode_layers(self.base) if fast_layers else None
         self.native = make_native(self.base, self.fast) if native_layers and not compile else None
+        # the micro-step decoder's layers in one native call too, where they match its module-by-module pass
+        self.micro_native = micro_native_layers(model.micro, self.base.config, self.native)
+        if self.micro_native is not None and not self._micro_native_close():
+            self.micro_native = None
         self.k = model.config.max_step_tokens
         self.compiled = False
         # What --compile compiles: every base pass (the slot adapters inline in smashed ones) and every micro-step.
@@ -197,7 +202,52 @@ class ModelRunner:
         (`MicroContext.visible` of them), and the inputs take the positions after the features' state."""
         return self._micro_fn(x, cache, start, context)
 
-    def _micro_layers(self, x: torch.Tensor, cache: KVCache, start: int, context: MicroContext | None) -> torch.Tensor:
+    def _micro_native_pass(self, x: torch.Tensor, cache: KVCache, start: int,
+                           context: MicroContext | None) -> torch.Tensor | None:
+        """The micro pass in one native call (`micro_native`), or None where that call does not take it."""
+        micro, b, t = self.model.micro, x.shape[0], x.shape[1]
+        offsets = torch.arange(start, start + t, device=x.device)[None]
+        own = torch.ones(t, start + t, dtype=torch.bool, device=x.device).tril(start)[None, None]
+        if not self.micro_native.takes(x, cache, start, own):
+            return None
+        ctx, positions = None, offsets.expand(b, -1)
+        if context is not None:
+            base_k = context.cache.k
+            if base_k.dtype != torch.float32 or base_k.stride(-1) != 1 or context.cache.v.stride() != base_k.stride():
+                return None
+            ctx, positions = (context.cache, context.visible), context.base_pos[:, None] + 1 + offsets
+        rope = micro.rotary_emb(x, positions)
+        depth = len(micro.layers)
+        xs = self.micro_native.run(x.clone(memory_format=torch.contiguous_format), rope, cache, start, own, [depth],
+                                   context=ctx)
+        return micro.norm(xs[depth][:, -1])
+
+    def _micro_native_close(self) -> bool:
+        """The native micro pass against the module-by-module one on random inputs, caches and context (three new
+        positions after two cached, some base entries hidden): output and cache within 1e-3 of their norm."""
+        micro, config, dev = self.model.micro, self.base.config, self.device
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(1, 3, config.hidden_size, generator=gen).to(dev)
+        caches = [KVCache.for_layers(micro.layers, config, 1, 8, torch.float32, dev) for _ in range(2)]
+        base_cache = KVCache.for_layers(self.base.layers, config, 1, 8, torch.float32, dev)
+        for t in (base_cache.k, base_cache.v, caches[0].k, caches[0].v):
+            t.copy_(torch.randn(t.shape, generator=gen))
+        caches[1].k.copy_(caches[0].k)
+        caches[1].v.copy_(caches[0].v)
+        visible = torch.tensor([[False, True, True, False, True, True, True, True]], device=dev)
+        context = MicroContext(base_cache, visible, torch.tensor([7], device=dev)) if micro.context else None
+        with torch.inference_mode():
+            quick = self._micro_native_pass(x, caches[1], 2, context)
+            slow = self._micro_layers(x, caches[0], 2, context, native=False)
+        pairs = [(slow, quick), (caches[0].k, caches[1].k), (caches[0].v, caches[1].v)]
+        return quick is not None and all(bool((a - b).norm() <= 1e-3 * a.norm()) for a, b in pairs)
+
+    def _micro_layers(self, x: torch.Tensor, cache: KVCache, start: int, context: MicroContext | None,
+                      native: bool = True) -> torch.Tensor:
+        if native and self.micro_native is not None and not torch.compiler.is_compiling():
+            out = self._micro_native_pass(x, cache, start, context)
+            if out is not None:
+                return out
         micro = self.model.micro
         b, t, _ = x.shape
         offsets = torch.arange(start, start + t, device=x.device)[None]

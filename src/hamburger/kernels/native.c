@@ -51,6 +51,9 @@ typedef struct {
     const float *norm1, *norm2;
     hb_weights qkv, o, gate_up, down;
     int64_t index;       /* the layer's index in the cache */
+    const float *ctx_gate;  /* the micro-step decoder's layers: tanh(gate) per head of the attention to the base's
+                               entries of layer ctx_index (`hb_pass.ctx_*`), added to the layer's own; or NULL */
+    int64_t ctx_index;
 } hb_layer;
 
 typedef struct {
@@ -65,6 +68,9 @@ typedef struct {
     int64_t copies;                  /* x after layer copy_after[j] (counted from the call's first) into copy_to[j] */
     const int64_t *copy_after;
     float *const *copy_to;
+    const float *ctx_k, *ctx_v;      /* the base's cache the layers with a ctx_gate also attend to (NULL: none) */
+    int64_t c_s_layer, c_s_row, c_s_head, c_s_slot, ctx_len;
+    const uint8_t *ctx_mask;         /* (b, ctx_len): 1 where a row may read the base's entry */
 } hb_pass;
 
 INL float f16(uint16_t v) { return _cvtsh_ss(v); }
@@ -493,8 +499,18 @@ static void layer(const hb_layer *L, const hb_pass *p, float *x, float *h, float
         const int64_t r = i / H, head = i % H, row = r / p->t, kh = head / group;
         float q[MAX_HEAD_DIM];
         rotate(qkv + r * width + head * hd, p->cos + r * hd, p->sin + r * hd, q, hd);
+        float *out = att + r * H * hd + head * hd;
         attend_head(q, kc + row * p->s_row + kh * p->s_head, vc + row * p->s_row + kh * p->s_head, p->s_slot,
-                    p->mask + r * S, S, hd, p->scaling, scores, att + r * H * hd + head * hd);
+                    p->mask + r * S, S, hd, p->scaling, scores, out);
+        if (L->ctx_gate != NULL && p->ctx_k != NULL && p->ctx_len > 0) {  /* o + tanh(g) * (o over the base's) */
+            float oc[MAX_HEAD_DIM];
+            const int64_t at = L->ctx_index * p->c_s_layer + row * p->c_s_row + kh * p->c_s_head;
+            attend_head(q, p->ctx_k + at, p->ctx_v + at, p->c_s_slot, p->ctx_mask + row * p->ctx_len, p->ctx_len, hd,
+                        p->scaling, scores, oc);
+            const __m512 g = _mm512_set1_ps(L->ctx_gate[head]);
+            for (int64_t c = 0; c < hd; c += 16)
+                _mm512_storeu_ps(out + c, _mm512_fmadd_ps(g, _mm512_loadu_ps(oc + c), _mm512_loadu_ps(out + c)));
+        }
     }
     gemm_for(att, &L->o, tmp, rows, xq);
     #pragma omp for schedule(static)
@@ -533,7 +549,8 @@ int hb_layers(const hb_layer *layers, int64_t count, const hb_pass *p, float *x)
     int failed = 0;
     #pragma omp parallel
     {
-        float *scores = malloc((size_t)(p->slots_len > 0 ? p->slots_len : 1) * sizeof(float));
+        const int64_t most = p->ctx_k != NULL && p->ctx_len > p->slots_len ? p->ctx_len : p->slots_len;
+        float *scores = malloc((size_t)(most + 16) * sizeof(float));
         int ok = scores != NULL;
         #pragma omp atomic
         failed += !ok;

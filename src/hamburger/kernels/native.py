@@ -49,7 +49,8 @@ class Weights(ctypes.Structure):
 
 class Layer(ctypes.Structure):
     _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("qkv", Weights), ("o", Weights),
-                ("gate_up", Weights), ("down", Weights), ("index", ctypes.c_int64)]
+                ("gate_up", Weights), ("down", Weights), ("index", ctypes.c_int64), ("ctx_gate", ctypes.c_void_p),
+                ("ctx_index", ctypes.c_int64)]
 
 
 class Pass(ctypes.Structure):
@@ -60,6 +61,9 @@ class Pass(ctypes.Structure):
     _fields_ += [(name, ctypes.c_int64) for name in ("s_layer", "s_row", "s_head", "s_slot")]
     _fields_ += [("slots", ctypes.c_void_p), ("mask", ctypes.c_void_p), ("scratch", ctypes.c_void_p)]
     _fields_ += [("copies", ctypes.c_int64), ("copy_after", ctypes.c_void_p), ("copy_to", ctypes.c_void_p)]
+    _fields_ += [("ctx_k", ctypes.c_void_p), ("ctx_v", ctypes.c_void_p)]
+    _fields_ += [(name, ctypes.c_int64) for name in ("c_s_layer", "c_s_row", "c_s_head", "c_s_slot", "ctx_len")]
+    _fields_ += [("ctx_mask", ctypes.c_void_p)]
 
 
 def _cpu_flags() -> str:
