@@ -434,6 +434,12 @@ static void attend_head(const float *q, const float *keys, const float *values, 
     }
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t s0 = 0; s0 < S; s0 += 16) {
+        const __m128i flags = _mm_maskz_loadu_epi8(lanes(S - s0), allowed + s0);
+        const __mmask16 m = _mm_test_epi8_mask(flags, flags);
+        if (m == 0) {  /* no slot of the block allowed (the micro-step decoder's window of the base's entries) */
+            _mm512_mask_storeu_ps(scores + s0, lanes(S - s0), _mm512_set1_ps(-INFINITY));
+            continue;
+        }
         __m512 acc[16];
         for (int64_t i = 0; i < 16; i++) {
             acc[i] = _mm512_setzero_ps();
@@ -441,8 +447,6 @@ static void attend_head(const float *q, const float *keys, const float *values, 
                 for (int64_t c = 0; c < chunks; c++)
                     acc[i] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(keys + (s0 + i) * ss + 16 * c), acc[i]);
         }
-        const __m128i flags = _mm_maskz_loadu_epi8(lanes(S - s0), allowed + s0);
-        const __mmask16 m = _mm_test_epi8_mask(flags, flags);
         const __m512 sc = _mm512_mask_blend_ps(m, _mm512_set1_ps(-INFINITY),
                                                _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scaling)));
         top = _mm512_max_ps(top, sc);
