@@ -9,12 +9,13 @@ import ctypes
 import pytest
 import torch
 
-from conftest import hamburger
+from conftest import hamburger, random_merger
 from hamburger.inference.core import MicroContext
 from hamburger.inference.engine import Engine
 from hamburger.inference.fast_layer import rope_tables
 from hamburger.inference.kv import KVCache, RowSlots
 from hamburger.inference.native_layers import NATIVE_ROWS, NativeLayers, _close_to
+from hamburger.inference.verify import merged_mask
 from hamburger.kernels import native
 from hamburger.kernels.quantize import quantize_model
 from hamburger.model.hamburger_model import HamburgerModel
@@ -207,3 +208,37 @@ def test_verify_mode_with_native_micro_steps_is_its_base_exactly(scheme):
     out = engine.generate(PROMPTS, max_new_tokens=24, mode="verify", confidence=0.05)
     assert out.stats.micro_steps > 0 and out.stats.drafted_tokens > 0
     assert out.tokens == base.generate(PROMPTS, max_new_tokens=24).tokens
+
+
+@pytest.mark.parametrize("scheme", ["fp16", "int4"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_compress_passes_run_natively_and_decode_as_the_fast_layers(arch, scheme):
+    """Compress mode's check passes (their mask a function of the layer: the merger's bias on merged entries) in
+    the native call: each pass to the products' rounding of the fast layers' (the bias's exact arithmetic is
+    checked by a pass with large gates), and the same replies."""
+    model = packed(arch, scheme)
+    model.attach_merger(random_merger(model.base, channels=arch == "qwen2"))
+    model.config.merge_window = 0  # every decided step merged at once
+    native_engine = Engine(model, draft_rows=None, lookup=1)
+    fast_engine = Engine(model, draft_rows=None, lookup=1, native_layers=False)
+    assert native_engine.native is not None and fast_engine.native is None
+    base = native_engine.base
+    merged_len = torch.tensor([[0, 3, 1, 0, 2, 0, 0, 0], [2, 0, 0, 4, 0, 0, 0, 0]])
+    visible = torch.ones(2, 1, 3, 8, dtype=torch.bool).tril(5)
+    visible[1, ..., :2] = False
+    with torch.no_grad():
+        model.merger.c.mul_(0).add_(3.0)  # a bias large enough that a wrong one shows
+        mask = merged_mask(model.merger, visible, merged_len, torch.float32)
+    x = torch.randn(2, 3, base.config.hidden_size)
+    positions = torch.arange(5, 8)[None].expand(2, -1)
+    caches = [random_cache(base, 2, seed=5) for _ in range(2)]
+    with torch.inference_mode():
+        quick = native_engine.base_pass(x, positions, caches[0], 5, mask, last=False)
+        slow = fast_engine.base_pass(x, positions, caches[1], 5, mask, last=False)
+    tolerance = 1e-5 if scheme == "fp16" else 1e-3
+    for a, b in [*zip(slow, quick), (caches[1].k, caches[0].k)]:
+        assert (a - b).norm() <= tolerance * a.norm()
+    kw = {"max_new_tokens": 32, "mode": "compress", "confidence": 0.2, "eos_token_ids": set()}
+    ours, theirs = native_engine.generate(PROMPTS, **kw), fast_engine.generate(PROMPTS, **kw)
+    assert ours.stats.kv_entries < ours.stats.kv_entries_base  # steps were merged
+    assert ours.tokens == theirs.tokens

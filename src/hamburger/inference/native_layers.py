@@ -70,10 +70,13 @@ class NativeLayers:
 
     def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, start: int | RowSlots,
             mask: torch.Tensor, stops: list[int], first: int = 0,
-            context: tuple[KVCache, torch.Tensor] | None = None) -> dict[int, torch.Tensor]:
+            context: tuple[KVCache, torch.Tensor] | None = None,
+            bias: tuple[torch.Tensor, ...] | None = None) -> dict[int, torch.Tensor]:
         """Layers first.. up to each of `stops` in turn (ascending) over x, in place: {stop: x after layer stop-1}
         (x itself for the last stop, a copy for the others, made inside the one native call). `context`: the
-        base's cache and the entries (B, end) bool each row may read, for layers with a context gate."""
+        base's cache and the entries (B, end) bool each row may read, for layers with a context gate. `bias`:
+        compress mode's merged entries, (log k (B, end), merged (B, end), a, c (layers, heads)): a score on an entry
+        that merges k tokens gains a * log k + c (`verify.MergedMask`)."""
         b, t, d = x.shape
         cos, sin = (table.reshape(b * t, self.head_dim).contiguous() for table in rope_tables(rope))
         k, v = cache.k, cache.v
@@ -97,6 +100,13 @@ class NativeLayers:
                         cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), *k.stride()[:4],
                         slots.data_ptr(), allowed.data_ptr(), scratch.data_ptr(), len(out), after.data_ptr(),
                         ctypes.addressof(to))
+        if bias is not None:
+            parts = [t.detach().float().expand(b, -1).contiguous() for t in bias[:2]]  # alive until the call returns
+            parts += [t.detach().float().contiguous() for t in bias[2:]]
+            if parts[0].shape[1] != end or parts[2].shape[0] < len(self.layers) or parts[2].shape[1] != self.heads:
+                raise ValueError(f"merged-entry bias of shape {tuple(parts[0].shape)} / {tuple(parts[2].shape)} for a "
+                                 f"pass attending to {end} slots over {len(self.layers)} layers of {self.heads} heads")
+            p.log_k, p.merged, p.bias_a, p.bias_c = (t.data_ptr() for t in parts)
         if context is not None and self.gates is not None:
             base_cache, visible = context
             seen = visible.to(torch.uint8).expand(b, -1).contiguous()  # kept alive until the call returns

@@ -177,9 +177,12 @@ class ModelRunner:
         fast = (self.fast if adapters is None and self.fast is not None and not torch.compiler.is_compiling()
                 and fast_usable(self.fast) else None)
         feats: dict[int, torch.Tensor] = {}
-        if fast and self.native is not None and self.native.takes(embeds, cache, start, mask):
+        # compress mode's mask is a function of the layer (`verify.MergedMask`): the native call takes its parts
+        native_mask, bias = mask.native_parts() if hasattr(mask, "native_parts") else (mask, None)
+        if fast and self.native is not None and self.native.takes(embeds, cache, start, native_mask):
             stops = sorted({i for i in wanted if 0 < i < depth} | {depth})  # the native layers write in place
-            xs = self.native.run(embeds.clone(memory_format=torch.contiguous_format), rope, cache, start, mask, stops)
+            xs = self.native.run(embeds.clone(memory_format=torch.contiguous_format), rope, cache, start, native_mask,
+                                 stops, bias=bias)
             final = base.norm(xs[depth][:, -1] if last else xs[depth])
             return [final] + [(xs[i][:, -1] if last else xs[i]) if i < depth else final for i in wanted]
         tables = rope_tables(rope) if fast else None

@@ -152,19 +152,30 @@ class Window:
         return sum(m - 1 for steps in self.steps for _, m, _ in steps)
 
 
-def merged_mask(merger: KVMerger, visible: torch.Tensor, merged_len: torch.Tensor, dtype):
-    """The attention mask of layer i as a function of i: visible (B, 1, T, S) -> (B, H, T, S) floats, -inf where
-    hidden and a*log k + c on entries that merge k tokens (`merged_len` (B, S), 0: an ordinary entry). Built one
-    layer at a time: all layers at once would be layers x heads x T x S floats per row."""
-    floor = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
-    logk = torch.log(merged_len.clamp(min=1).to(merger.a.dtype))[:, None]  # (B, 1, S)
-    on = (merged_len > 0)[:, None].to(merger.a.dtype)
+class MergedMask:
+    """The attention mask of layer i as a function of i (`mask(i)`): visible (B, 1, T, S) -> (B, H, T, S) floats,
+    -inf where hidden and a*log k + c on entries that merge k tokens (`merged_len` (B, S), 0: an ordinary entry).
+    Built one layer at a time: all layers at once would be layers x heads x T x S floats per row. The native layers
+    take its parts instead (`visible`; `log_k` and `merged` (B, S), the merger's `a`, `c` (layers, heads))."""
 
-    def layer(i: int) -> torch.Tensor:
-        bias = (merger.a[i][None, :, None] * logk + merger.c[i][None, :, None]) * on  # (B, H, S)
-        return floor + bias.to(dtype)[:, :, None]
+    def __init__(self, merger: KVMerger, visible: torch.Tensor, merged_len: torch.Tensor, dtype) -> None:
+        self.visible, self.dtype, self.a, self.c = visible, dtype, merger.a.detach(), merger.c.detach()
+        self.floor = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
+        self.log_k = torch.log(merged_len.clamp(min=1).to(self.a.dtype))  # (B, S)
+        self.merged = (merged_len > 0).to(self.a.dtype)
 
-    return layer
+    def native_parts(self) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """(visible, (log_k, merged, a, c)): what `NativeLayers.run` takes for this mask."""
+        return self.visible, (self.log_k, self.merged, self.a, self.c)
+
+    def __call__(self, i: int) -> torch.Tensor:
+        bias = (self.a[i][None, :, None] * self.log_k[:, None] + self.c[i][None, :, None]) * self.merged[:, None]
+        return self.floor + bias.to(self.dtype)[:, :, None]
+
+
+def merged_mask(merger: KVMerger, visible: torch.Tensor, merged_len: torch.Tensor, dtype) -> MergedMask:
+    """`MergedMask` of these entries (what a compress row's pass attends under)."""
+    return MergedMask(merger, visible, merged_len, dtype)
 
 
 def merge_step(merger: KVMerger, cache: KVCache, start: torch.Tensor, lengths: torch.Tensor,

@@ -71,6 +71,9 @@ typedef struct {
     const float *ctx_k, *ctx_v;      /* the base's cache the layers with a ctx_gate also attend to (NULL: none) */
     int64_t c_s_layer, c_s_row, c_s_head, c_s_slot, ctx_len;
     const uint8_t *ctx_mask;         /* (b, ctx_len): 1 where a row may read the base's entry */
+    const float *log_k, *merged;     /* compress mode (or NULL): (b, slots_len) log of the tokens an entry merges,
+                                        1 where it merges; a score gains merged * (a * log_k + c) */
+    const float *bias_a, *bias_c;    /* (layers, heads): the KV merger's a and c of each layer's heads */
 } hb_pass;
 
 INL float f16(uint16_t v) { return _cvtsh_ss(v); }
@@ -425,7 +428,8 @@ INL __m512 sum16(const __m512 *a) {
    at a time (`sum16`; slots past S count as zeros), so a slot's score, and with it the result, does not depend on
    S or on the slot's place in its block: a verify pass's row equals the one-position step. */
 static void attend_head(const float *q, const float *keys, const float *values, int64_t ss, const uint8_t *allowed,
-                        int64_t S, int64_t hd, float scaling, float *scores, float *out) {
+                        int64_t S, int64_t hd, float scaling, const float *log_k, const float *merged, float a,
+                        float c, float *scores, float *out) {
     const int64_t chunks = hd / 16;
     __m512 qv[MAX_HEAD_DIM / 16], o[MAX_HEAD_DIM / 16];
     for (int64_t c = 0; c < chunks; c++) {
@@ -447,8 +451,13 @@ static void attend_head(const float *q, const float *keys, const float *values, 
                 for (int64_t c = 0; c < chunks; c++)
                     acc[i] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(keys + (s0 + i) * ss + 16 * c), acc[i]);
         }
-        const __m512 sc = _mm512_mask_blend_ps(m, _mm512_set1_ps(-INFINITY),
-                                               _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scaling)));
+        __m512 raw = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scaling));
+        if (log_k != NULL) {  /* compress mode: the merger's bias on merged entries */
+            const __m512 lk = _mm512_maskz_loadu_ps(lanes(S - s0), log_k + s0);
+            const __m512 on = _mm512_maskz_loadu_ps(lanes(S - s0), merged + s0);
+            raw = _mm512_add_ps(raw, _mm512_mul_ps(_mm512_fmadd_ps(_mm512_set1_ps(a), lk, _mm512_set1_ps(c)), on));
+        }
+        const __m512 sc = _mm512_mask_blend_ps(m, _mm512_set1_ps(-INFINITY), raw);
         top = _mm512_max_ps(top, sc);
         _mm512_mask_storeu_ps(scores + s0, lanes(S - s0), sc);
     }
@@ -504,13 +513,16 @@ static void layer(const hb_layer *L, const hb_pass *p, float *x, float *h, float
         float q[MAX_HEAD_DIM];
         rotate(qkv + r * width + head * hd, p->cos + r * hd, p->sin + r * hd, q, hd);
         float *out = att + r * H * hd + head * hd;
+        const int64_t coef = L->index * H + head;
         attend_head(q, kc + row * p->s_row + kh * p->s_head, vc + row * p->s_row + kh * p->s_head, p->s_slot,
-                    p->mask + r * S, S, hd, p->scaling, scores, out);
+                    p->mask + r * S, S, hd, p->scaling, p->log_k == NULL ? NULL : p->log_k + row * S,
+                    p->log_k == NULL ? NULL : p->merged + row * S, p->log_k == NULL ? 0.0f : p->bias_a[coef],
+                    p->log_k == NULL ? 0.0f : p->bias_c[coef], scores, out);
         if (L->ctx_gate != NULL && p->ctx_k != NULL && p->ctx_len > 0) {  /* o + tanh(g) * (o over the base's) */
             float oc[MAX_HEAD_DIM];
             const int64_t at = L->ctx_index * p->c_s_layer + row * p->c_s_row + kh * p->c_s_head;
             attend_head(q, p->ctx_k + at, p->ctx_v + at, p->c_s_slot, p->ctx_mask + row * p->ctx_len, p->ctx_len, hd,
-                        p->scaling, scores, oc);
+                        p->scaling, NULL, NULL, 0.0f, 0.0f, scores, oc);
             const __m512 g = _mm512_set1_ps(L->ctx_gate[head]);
             for (int64_t c = 0; c < hd; c += 16)
                 _mm512_storeu_ps(out + c, _mm512_fmadd_ps(g, _mm512_loadu_ps(oc + c), _mm512_loadu_ps(out + c)));

@@ -63,7 +63,8 @@ class Pass(ctypes.Structure):
     _fields_ += [("copies", ctypes.c_int64), ("copy_after", ctypes.c_void_p), ("copy_to", ctypes.c_void_p)]
     _fields_ += [("ctx_k", ctypes.c_void_p), ("ctx_v", ctypes.c_void_p)]
     _fields_ += [(name, ctypes.c_int64) for name in ("c_s_layer", "c_s_row", "c_s_head", "c_s_slot", "ctx_len")]
-    _fields_ += [("ctx_mask", ctypes.c_void_p)]
+    _fields_ += [("ctx_mask", ctypes.c_void_p), ("log_k", ctypes.c_void_p), ("merged", ctypes.c_void_p),
+                 ("bias_a", ctypes.c_void_p), ("bias_c", ctypes.c_void_p)]
 
 
 def _cpu_flags() -> str:
