@@ -130,7 +130,7 @@ INL void int4_tile(const float *x, const uint8_t *q, const uint16_t *sz, float *
 
 /* kind 3: the activations quantized per block of 32 to int16 (x ~ x16 * dx, dx = max|x| / 32767), multiplied
    with the codes in int32 (vpmaddwd, AVX512-VNNI's vpdpwssd), each block's sum scaled by scale * dx, plus
-   min * sum(x) in float. About 3e-5 of a product off its float value (llama.cpp's int8 blocks: 1e-2),
+   min * sum(x) in float (summed apart: one product per row and pair of blocks for a tile's four outputs). About 3e-5 of a product off its float value (llama.cpp's int8 blocks: 1e-2),
    at twice the float32-activation kernel's speed: unpacking codes to floats is what bounds that one. Per 64
    inputs a row's activations are laid out as the codes unpack: [block 0 inputs 0-15 | block 1 0-15] and [block 0
    16-31 | block 1 16-31] as int16 (128 bytes), then dx and sum(x) / 8 over the lanes of each block (16 floats
@@ -173,12 +173,15 @@ INL void int4x16_tile(const uint8_t *xq, const uint8_t *q, const uint16_t *sz, f
                                      8 + 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j);
         take_z[j] = _mm512_add_epi32(take_s[j], _mm512_set1_epi32(1));
     }
-    for (int m = 0; m < mt; m++)
+    __m512 mins[Q16_MT];  /* sum over blocks of min * sum(x), on the odd lanes: 2j + 1 block 0, 2j + 9 block 1 */
+    for (int m = 0; m < mt; m++) {
+        mins[m] = _mm512_setzero_ps();
         for (int j = 0; j < NB; j++) acc[m][j] = _mm512_setzero_ps();
+    }
     const int64_t pairs = k / 64;
     for (int64_t p = 0; p < pairs; p++) {
         __m512i lo[NB], hi[NB];
-        __m512 sv[NB], mv[NB];
+        __m512 sv[NB];
         if ((p & 1) == 0)
             for (int j = 0; j < NB; j++) _mm_prefetch((const char *)(q + j * (k / 2) + p * 32) + AHEAD, _MM_HINT_T0);
         const __m128i g0 = _mm_loadu_si128((const __m128i *)(sz + ((p * 64) / group) * n * 2));
@@ -189,21 +192,23 @@ INL void int4x16_tile(const uint8_t *xq, const uint8_t *q, const uint16_t *sz, f
             lo[j] = _mm512_cvtepu8_epi16(_mm256_and_si256(v, low));
             hi[j] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low));
             sv[j] = _mm512_permutexvar_ps(take_s[j], f);
-            mv[j] = _mm512_permutexvar_ps(take_z[j], f);
         }
         for (int m = 0; m < mt; m++) {
             const uint8_t *xm = xq + (m * pairs + p) * QX16_PAIR;
             __m512i xl = _mm512_loadu_si512((const void *)xm), xh = _mm512_loadu_si512((const void *)(xm + 64));
             __m512 dx = _mm512_loadu_ps((const float *)(xm + 128)), sx = _mm512_loadu_ps((const float *)(xm + 192));
+            mins[m] = _mm512_fmadd_ps(f, sx, mins[m]);  /* every output's min times sum(x) / 8 in one product */
             for (int j = 0; j < NB; j++) {
                 __m512i dots = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo[j], xl), hi[j], xh);
                 acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(sv[j], dx), acc[m][j]);
-                acc[m][j] = _mm512_fmadd_ps(mv[j], sx, acc[m][j]);
             }
         }
     }
-    for (int m = 0; m < mt; m++)
-        for (int j = 0; j < NB; j++) y[m * ldy + j] = _mm512_reduce_add_ps(acc[m][j]);
+    for (int m = 0; m < mt; m++) {
+        float mn[16];
+        _mm512_storeu_ps(mn, _mm512_mul_ps(mins[m], _mm512_set1_ps(8.0f)));  /* sum(x) was stored / 8: exact */
+        for (int j = 0; j < NB; j++) y[m * ldy + j] = _mm512_reduce_add_ps(acc[m][j]) + (mn[2 * j + 1] + mn[2 * j + 9]);
+    }
 }
 
 /* kind 5: 8-bit codes (Q8_0's), the activations as kind 3 quantizes them; each row's 64 codes of a pair of blocks
