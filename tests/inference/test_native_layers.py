@@ -15,7 +15,7 @@ from hamburger.inference.engine import Engine
 from hamburger.inference.fast_layer import rope_tables
 from hamburger.inference.kv import KVCache, RowSlots
 from hamburger.inference.native_layers import NATIVE_ROWS, NativeLayers, _close_to
-from hamburger.inference.verify import merged_mask
+from hamburger.inference.verify import MergedMask
 from hamburger.kernels import native
 from hamburger.kernels.quantize import quantize_model
 from hamburger.model.hamburger_model import HamburgerModel
@@ -228,7 +228,7 @@ def test_compress_passes_run_natively_and_decode_as_the_fast_layers(arch, scheme
     visible[1, ..., :2] = False
     with torch.no_grad():
         model.merger.c.mul_(0).add_(3.0)  # a bias large enough that a wrong one shows
-        mask = merged_mask(model.merger, visible, merged_len, torch.float32)
+        mask = MergedMask(model.merger, visible, merged_len, torch.float32)
     x = torch.randn(2, 3, base.config.hidden_size)
     positions = torch.arange(5, 8)[None].expand(2, -1)
     caches = [random_cache(base, 2, seed=5) for _ in range(2)]

@@ -128,31 +128,33 @@ class NativeLayers:
                 and self.usable())
 
 
+def native_weights(fast: list[FastLayer] | None) -> bool:
+    """Whether the native call can run these layers: head sizes it takes, every product on the native kernels'
+    weights (fp16, int8, int4), biases only on q/k/v (Qwen2), as the fast layers assume."""
+    if fast is None or not native.available() or fast[0].head_dim % 16 or fast[0].head_dim > native.MAX_HEAD_DIM:
+        return False
+    modules = [m for f in fast for m in (f.qkv, f.o, f.gate_up, f.down)]
+    return (all(isinstance(m, (Fp16Linear, Int4Linear, Int8Linear)) and m.native for m in modules)
+            and not any(m.bias is not None for f in fast for m in (f.o, f.gate_up, f.down)))
+
+
 def micro_native_layers(micro, config, base_native: NativeLayers | None) -> NativeLayers | None:
-    """`NativeLayers` for the micro-step decoder's layers (their attention to the base's entries included), or None:
-    the base's layers not native, the micro layers' weights not the native kernels'. Its user checks the result
-    against the module-by-module micro pass before using it. The context gates are read now (an engine is made
-    after its model is loaded)."""
+    """`NativeLayers` for the micro-step decoder's layers (their attention to the base's entries included), or None
+    (the base's layers not native, or `native_weights` says no). Its user checks the result against the
+    module-by-module micro pass before using it. The context gates are read now (an engine is made after its model
+    is loaded)."""
     fast = fast_layers_of(micro.layers, config) if base_native is not None else None
-    modules = [] if fast is None else [m for f in fast for m in (f.qkv, f.o, f.gate_up, f.down)]
-    if not modules or not all(isinstance(m, (Fp16Linear, Int4Linear, Int8Linear)) and m.native for m in modules):
-        return None
-    if any(m.bias is not None for f in fast for m in (f.o, f.gate_up, f.down)):
+    if not native_weights(fast):
         return None
     gates = torch.tanh(micro.context_gate) if micro.context_gate is not None else None
     return NativeLayers(fast, gates, list(micro.context_layers))
 
 
 def native_layers(base, fast: list[FastLayer] | None) -> NativeLayers | None:
-    """`NativeLayers` for the base's decoder layers, or None: no fast layers, native kernels unavailable, weights
-    not the native kernels' (fp16 and int4), or the first layer not close to the module-by-module layer."""
-    if fast is None or not native.available() or fast[0].head_dim % 16 or fast[0].head_dim > native.MAX_HEAD_DIM:
+    """`NativeLayers` for the base's decoder layers, or None: `native_weights` says no, or the first layer is not
+    close to the module-by-module layer."""
+    if not native_weights(fast):
         return None
-    modules = [m for f in fast for m in (f.qkv, f.o, f.gate_up, f.down)]
-    if not all(isinstance(m, (Fp16Linear, Int4Linear, Int8Linear)) and m.native for m in modules):
-        return None
-    if any(m.bias is not None for f in fast for m in (f.o, f.gate_up, f.down)):
-        return None  # biases only on q/k/v (Qwen2), as the fast layers assume
     layers = NativeLayers(fast)
     return layers if _close_to(layers, base) else None
 

@@ -30,9 +30,6 @@ DEFAULTS = {"attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0
 class DecoderConfig(SimpleNamespace):
     """config.json's settings as attributes (what the engine reads of transformers' config), defaults filled."""
 
-    def to_dict(self) -> dict:
-        return dict(vars(self))
-
 
 def rope_theta(data: dict) -> float | None:
     """The RoPE base of a config without scaling (transformers 5's `rope_parameters` or the older `rope_theta`), or
