@@ -125,7 +125,7 @@ def test_used_for_steps_not_for_long_passes_nor_where_it_does_not_apply():
         assert Engine(packed("llama", "int4")).native is None
     # weights replaced after the engine was made: not read through stale pointers
     qkv = engine.fast[0].qkv
-    qkv.q4 = qkv.q4.clone()
+    qkv.tiles = qkv.tiles.clone()
     assert not engine.native.usable() and not engine.native.takes(step, cache, 5, mask)
 
 

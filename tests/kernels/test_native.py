@@ -56,9 +56,9 @@ def q16_products(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     min times the block's float sum; and the bias."""
     n, k, g = layer.out_features, layer.in_features, layer.group_size
     xb, x16, dx = int16_blocks(x)
-    sm = layer.scales_and_mins.double()  # (k/g, n, 2)
-    scale, low = (sm[..., i].t().repeat_interleave(g // 32, 1) for i in (0, 1))  # (n, k/32)
-    dots = torch.einsum("rbi,nbi->rnb", x16, layer.unpack()[0].double().reshape(n, k // 32, 32))
+    codes, scales, mins = layer.unpack()
+    scale, low = (t.double().repeat_interleave(g // 32, 1) for t in (scales, mins))  # (n, k/32)
+    dots = torch.einsum("rbi,nbi->rnb", x16, codes.double().reshape(n, k // 32, 32))
     out = (dots * scale[None] * dx[:, None]).sum(-1) + (low[None] * xb.double().sum(-1)[:, None]).sum(-1)
     return (out + (layer.bias.double() if layer.bias is not None else 0)).float()
 
@@ -73,45 +73,35 @@ def int16_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def check_int16_products(layer, weights: torch.Tensor, emulated, scales: torch.Tensor, rows: int) -> None:
     """The layer's products are `emulated`'s arithmetic (a block of zeros included), the float product to about
-    3e-5 (an int8 rounding would be 1e-2 off), and a mutation that takes each block's scale from its neighbour (what
-    a wrong lane layout does) is far from it."""
+    3e-5 (an int8 rounding would be 1e-2 off), and a mutation that takes each block's scales from its neighbour
+    (`scales`: the tiles' bytes of them, (tiles, blocks, bytes); what a wrong layout does) is far from it."""
     x = torch.randn(rows, layer.in_features)
     x[0, 32:64] = 0
     got, want = layer(x), emulated(layer, x)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
     exact = F.linear(x, weights, layer.bias)
     assert (got - exact).norm() <= 3e-4 * exact.norm()
-    scales.copy_(scales.clone().roll(1, 0))
+    scales.copy_(scales.clone().roll(1, 1))
     assert (layer(x) - want).abs().max() > 1e-3 * want.abs().max()
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 7])
-def test_int4_products_with_float_activations_are_the_layers_weights(rows):
-    layer, weights = q4_layer(k=96, group=32)  # inputs not a multiple of 64: float32 activations
-    assert layer.native and layer.kind == native.INT4 and not hasattr(layer, "weight_int4pack")
-    x = torch.randn(rows, 96)
-    want = F.linear(x, weights, layer.bias)
-    assert (layer(x) - want).abs().max() <= 2e-6 * want.abs().max()
-    # dequantize() is exactly what the kernel multiplies with: an identity through it gives it back, bit for bit
-    assert torch.equal(layer.dequantize(), weights)
-    assert torch.equal(layer._mm(torch.eye(96)).t(), weights)
+@pytest.mark.parametrize(("n", "k", "group"), [(48, 256, 32), (48, 256, 64), (64, 256, 128), (16, 96, 32)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
+def test_int4_products_with_int16_activations_are_that_arithmetic(rows, n, k, group):
+    layer, weights = q4_layer(n, k, group)  # 48 outputs: a tile of 32 and one of 16; 96 inputs: 3 blocks
+    assert layer.native and not hasattr(layer, "weight_int4pack") and torch.equal(layer.dequantize(), weights)
+    # an identity through the kernel gives each weight back to the activations' rounding
+    assert (layer._mm(torch.eye(k)).t() - weights).abs().max() <= 1e-4 * weights.abs().max()
+    check_int16_products(layer, weights, q16_products, layer.tiles[..., 256:288], rows)
 
 
-@pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5])
-def test_int4_products_with_int16_activations_are_that_arithmetic(rows, group):
-    layer, weights = q4_layer(k=256, group=group)
-    assert layer.native and layer.kind == native.INT4_Q16 and torch.equal(layer.dequantize(), weights)
-    check_int16_products(layer, weights, q16_products, layer.scales_and_mins, rows)
-
-
-@pytest.mark.parametrize("kind", ["fp16", "int4", "int4 int16", "int8"])
+@pytest.mark.parametrize("kind", ["fp16", "int4", "int4 96", "int8"])
 def test_each_row_is_the_same_whatever_the_other_rows(kind):
-    k = 128 if kind in ("int4 int16", "int8") else 96
+    k = 96 if kind in ("fp16", "int4 96") else 128
     if kind == "fp16":
         layer = Fp16Linear.from_linear(linear(64, k))
-    else:
-        layer = q8_layer(64, k)[0] if kind == "int8" else q4_layer(64, k, 32)[0]
+    else:  # 48 outputs: a tile of 32 and one of 16
+        layer = q8_layer(48, k)[0] if kind == "int8" else q4_layer(48, k, 32)[0]
     x = torch.randn(11, k)
     together = layer(x)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(11)])
@@ -127,7 +117,7 @@ def test_int4_codes_and_scales_read_back_exactly_and_survive_the_disk_format():
     codes = layer.unpack()[0]
     assert torch.equal(codes, q.to(torch.uint8))
     again = Int4Linear.from_portable(layer.portable(), torch.device("cpu"), 64)
-    assert torch.equal(again.q4, layer.q4) and torch.equal(again.scales_and_mins, layer.scales_and_mins)
+    assert torch.equal(again.tiles, layer.tiles)
     both = Int4Linear.concat([layer, again])
     x = torch.randn(3, 128)
     assert torch.equal(both(x), torch.cat([layer(x), again(x)], -1))
@@ -147,6 +137,9 @@ def test_turned_off_makes_pytorchs_kernels_and_shapes_that_do_not_fit_stay_there
     assert native.fits(50, 64, native.FP16) is not None  # out_features not a multiple of 4
     assert native.fits(48, 40, native.FP16) is not None  # in_features not a multiple of 16
     assert not Fp16Linear.from_linear(linear(50, 64)).native  # PyTorch's kernel takes it instead
+    assert native.fits(40, 64, native.INT4_Q16, 32) is not None  # codes: 16 outputs a tile
+    assert native.fits(48, 80, native.INT8_Q16, 32) is not None  # and blocks of 32 inputs
+    assert not Int8Linear.from_linear(linear(40, 64)).native
 
 
 def test_the_start_line_names_the_kernels():
@@ -191,7 +184,7 @@ def test_int8_products_with_int16_activations_are_that_arithmetic(rows):
     layer, weights = q8_layer()
     assert layer.native and layer.group_size == 32 and not hasattr(layer, "weight_int8")
     assert torch.equal(layer.dequantize(), weights)
-    check_int16_products(layer, weights, q8_products, layer.block_scales, rows)
+    check_int16_products(layer, weights, q8_products, layer.tiles[..., 512:], rows)
 
 
 def test_int8_codes_read_back_and_survive_the_disk_format_and_concatenation():
@@ -199,7 +192,7 @@ def test_int8_codes_read_back_and_survive_the_disk_format_and_concatenation():
     gen = torch.Generator().manual_seed(2)
     assert torch.equal(layer.codes()[0], torch.randint(-127, 128, (48, 192), generator=gen, dtype=torch.int8))
     again = Int8Linear.from_portable(layer.portable(), torch.device("cpu"))
-    assert torch.equal(again.q8, layer.q8) and torch.equal(again.block_scales, layer.block_scales)
+    assert torch.equal(again.tiles, layer.tiles)
     both = Int8Linear.concat([layer, again])
     x = torch.randn(3, 192)
     assert torch.equal(both(x), torch.cat([layer(x), again(x)], -1))
@@ -246,18 +239,36 @@ def _with_weight(w: torch.Tensor) -> nn.Linear:
 def test_the_native_quantizer_is_the_reference_arithmetic_bit_for_bit(group):
     """`native.quantize_q4_1` / `quantize_q8_0` (what the layers are made with) against `qcodes.q4_1_weights` /
     `q8_0_weights`, on weights with constant blocks, zeros, exact ties and a wide range of scales."""
-    from hamburger.kernels.qcodes import q4_1_weights, q8_0_weights, swap_halves64
+    from hamburger.kernels.qcodes import q4_1_weights, q8_0_weights
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(40, 256, generator=gen) * torch.logspace(-4, 1, 40)[:, None]
     w[0, :64] = 0.25  # constant blocks
     w[1] = 0
     w[2, :32] = torch.arange(32) / 31 * 15  # codes that land on .5 ties
-    q4, sm = native.quantize_q4_1(w, group)
-    q, scales, mins = q4_1_weights(w, group)
-    layer = Int4Linear(q, scales, mins, group)
-    assert torch.equal(q4, layer.q4) and torch.equal(sm, layer.scales_and_mins)
-    q8, sc = native.quantize_q8_0(w)
-    q, scales = q8_0_weights(w)
-    assert torch.equal(q8, swap_halves64(q)) and torch.equal(sc, scales.t().contiguous())
+    assert all(torch.equal(a, b) for a, b in zip(native.quantize_q4_1(w, group), q4_1_weights(w, group), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(native.quantize_q8_0(w), q8_0_weights(w), strict=True))
     with pytest.raises(ValueError, match="float16's range"):
         native.quantize_q8_0(torch.full((4, 64), 1e6))
+
+
+@pytest.mark.parametrize("group", [32, 64])
+def test_the_tiles_hold_each_code_and_scale_where_the_layout_says(group):
+    """`native.tile_q4` / `tile_q8` against the layout written out here index by index, and read back."""
+    from hamburger.kernels.qcodes import untile_q4, untile_q8
+    gen = torch.Generator().manual_seed(5)
+    n, k = 32, 128
+    q4 = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    q8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+    scales, mins = torch.randn(n, k // group, generator=gen).half(), torch.randn(n, k // group, generator=gen).half()
+    t4, t8 = native.tile_q4(q4, scales, mins, group), native.tile_q8(q8, scales.repeat_interleave(group // 32, 1))
+    for r, i in ((0, 0), (5, 37), (17, 100), (31, 127)):
+        tile, lane, block, j, h, e = r // 16, r % 16, i // 32, (i % 32) // 8, (i % 8) // 2, i % 2
+        word = int(t4[tile, block, 64 * j + 2 * (2 * lane + e)]) | int(t4[tile, block, 64 * j + 2 * (2 * lane + e) + 1]) << 8
+        assert (word >> 4 * h) & 15 == q4[r, i]
+        assert t8[tile, block, 32 * ((i % 32) // 2) + 2 * lane + e].view(torch.int8) == q8[r, i]
+        assert t4[tile, block, 256 + 2 * lane:258 + 2 * lane].view(torch.float16) == scales[r, i // group]
+        assert t4[tile, block, 288 + 2 * lane:290 + 2 * lane].view(torch.float16) == mins[r, i // group]
+        assert t8[tile, block, 512 + 2 * lane:514 + 2 * lane].view(torch.float16) == scales[r, i // group]
+    assert all(torch.equal(a, b) for a, b in zip(untile_q4(t4, group), (q4, scales, mins), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(untile_q8(t8), (q8, scales.repeat_interleave(group // 32, 1)),
+                                                  strict=True))

@@ -1,5 +1,5 @@
-/* The engine's native CPU kernels (x86-64 with AVX-512 F, BW and VNNI): weight-only float16 and 4-bit matrix
- * and 8-bit matrix products, and a Llama-style decoder layer over the engine's KV cache, every layer of a pass in one call and one
+/* The engine's native CPU kernels (x86-64 with AVX-512 F, BW and VNNI): weight-only float16, 4-bit and 8-bit matrix
+ * products, and a Llama-style decoder layer over the engine's KV cache, every layer of a pass in one call and one
  * OpenMP region. Built for a CPU without those, the library says so (hb_isa() == 0) and is not used.
  *
  * Built on the user's machine at first use (`hamburger/kernels/native.py`: cc -O3 -march=native -fopenmp) and
@@ -16,8 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define NB 4   /* output rows per tile */
-#define MT 4   /* input rows per tile */
+#define NB 4   /* float16: output rows per tile */
+#define MT 4   /* float16: input rows per tile */
 #define MAX_HEAD_DIM 256
 #ifndef AHEAD
 #define AHEAD 8192  /* bytes of weights prefetched ahead of each row's reads: 1.45x on the default's float16 step */
@@ -35,15 +35,11 @@ int hb_isa(void) {
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 
 typedef struct {
-    int32_t kind;        /* 1: float16 (n, k) row-major; 2: 4-bit (below); 3: 4-bit, int16 activations (below);
-                            5: 8-bit in blocks of 32, int16 activations (below) */
+    int32_t kind;        /* 1: float16 (n, k) row-major; 3: GGUF's Q4_1, 5: GGUF's Q8_0, in tiles (below) */
     int32_t unused;
     int64_t n, k, group;
-    const void *w;       /* kind 1: uint16 (n, k); kinds 2, 3: uint8 (n, k/2), each 32 weights in 16 bytes, the low
-                            nibbles the first 16, the high nibbles the next 16; kind 5: int8 (n, k), each 64 inputs
-                            in the order of the int16 activations (below) */
-    const uint16_t *sz;  /* kinds 2, 3: float16 (k/group, n, 2): scale and min, w = q * scale + min (GGUF's Q4_1);
-                            kind 5: float16 (k/32, n): scale, w = q * scale (GGUF's Q8_0) */
+    const void *w;       /* kind 1: uint16 (n, k); kinds 3, 5: the tiles of codes and scales (below) */
+    const uint16_t *sz;  /* unused */
     const float *bias;   /* (n) or NULL */
 } hb_weights;
 
@@ -99,156 +95,97 @@ INL void fp16_tile(const float *x, const uint16_t *w, float *y, int64_t k, int64
         for (int j = 0; j < NB; j++) y[m * ldy + j] = _mm512_reduce_add_ps(acc[m][j]);
 }
 
-INL void int4_tile(const float *x, const uint8_t *q, const uint16_t *sz, float *y, int64_t k, int64_t n,
-                   int64_t group, int64_t ldy, const int mt) {
-    __m512 acc[MT][NB];
-    const __m128i low = _mm_set1_epi8(0x0F);
-    for (int m = 0; m < mt; m++)
-        for (int j = 0; j < NB; j++) acc[m][j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += 32) {
-        const uint16_t *g = sz + (i / group) * n * 2;
-        __m512 lo[NB], hi[NB];
-        if ((i & 127) == 0)
-            for (int j = 0; j < NB; j++) _mm_prefetch((const char *)(q + j * (k / 2) + i / 2) + AHEAD, _MM_HINT_T0);
-        for (int j = 0; j < NB; j++) {
-            __m128i bytes = _mm_loadu_si128((const __m128i *)(q + j * (k / 2) + i / 2));
-            __m512 s = _mm512_set1_ps(f16(g[2 * j])), mn = _mm512_set1_ps(f16(g[2 * j + 1]));
-            __m512 ql = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, low)));
-            __m512 qh = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), low)));
-            lo[j] = _mm512_fmadd_ps(ql, s, mn);
-            hi[j] = _mm512_fmadd_ps(qh, s, mn);
-        }
-        for (int m = 0; m < mt; m++) {
-            __m512 xl = _mm512_loadu_ps(x + m * k + i), xh = _mm512_loadu_ps(x + m * k + i + 16);
-            for (int j = 0; j < NB; j++) acc[m][j] = _mm512_fmadd_ps(xh, hi[j], _mm512_fmadd_ps(xl, lo[j], acc[m][j]));
-        }
-    }
-    for (int m = 0; m < mt; m++)
-        for (int j = 0; j < NB; j++) y[m * ldy + j] = _mm512_reduce_add_ps(acc[m][j]);
-}
+/* kinds 3 (GGUF's Q4_1) and 5 (Q8_0): the activations quantized per block of 32 to int16 (x ~ x16 * dx, dx =
+   max|x| / 32767; about 3e-5 of a product off its float value, llama.cpp's int8 blocks 1e-2), each block's
+   product with 16 outputs' codes summed exactly in int32 (vpdpwssd, the row's input pairs broadcast), then
+   scaled in float: per row, block and 16 outputs one conversion, a product and one fused multiply-add (Q4_1: and
+   min * sum(x)). The codes are unpacked once for all the rows of a tile, so a row more costs little beside the
+   weights' bytes. A row's activations: its k int16 in order, then dx and sum(x) of each block (floats).
 
-
-/* kind 3: the activations quantized per block of 32 to int16 (x ~ x16 * dx, dx = max|x| / 32767), multiplied
-   with the codes in int32 (vpmaddwd, AVX512-VNNI's vpdpwssd), each block's sum scaled by scale * dx, plus
-   min * sum(x) in float (summed apart: one product per row and pair of blocks for a tile's four outputs). About 3e-5 of a product off its float value (llama.cpp's int8 blocks: 1e-2),
-   at twice the float32-activation kernel's speed: unpacking codes to floats is what bounds that one. Per 64
-   inputs a row's activations are laid out as the codes unpack: [block 0 inputs 0-15 | block 1 0-15] and [block 0
-   16-31 | block 1 16-31] as int16 (128 bytes), then dx and sum(x) / 8 over the lanes of each block (16 floats
-   each; lanes 0-7: block 0). */
-#define QX16_PAIR 256
-#define Q16_MT 4  /* rows a tile takes: 1.2x at 4 and 8 rows against 2 */
+   The weights lie in tiles of 16 outputs by 32 inputs (`TB_Q4` / `TB_Q8` bytes), a tile's blocks one after the
+   other (`hb_tile_q4` / `hb_tile_q8` make them). Kind 3: 4 x 64 bytes of codes, 16-bit word w of part j holding
+   in nibble h output w / 2's input 8j + 2h + w % 2; then 16 scales and 16 mins, float16. Kind 5: 16 x 32 bytes of
+   codes, part p's byte w output w / 2's input 2p + w % 2; then 16 scales, float16. */
+#define TB_Q4 320
+#define TB_Q8 544
+#define TW 2    /* tiles of 16 outputs a call takes side by side */
+#define T_MT 4  /* rows a call takes */
+#define XQ_BLOCK 72  /* bytes of a row's quantized activations per block of 32 inputs */
 
 static void quantize_rows16(const float *x, int64_t rows, int64_t k, uint8_t *out) {
-    for (int64_t m = 0; m < rows; m++)
-        for (int64_t i = 0; i < k; i += 64) {
-            const float *xb = x + m * k + i;
-            uint8_t *o = out + (m * (k / 64) + i / 64) * QX16_PAIR;
-            float dx[2], sx[2];
-            for (int b = 0; b < 2; b++) {
-                __m512 a = _mm512_loadu_ps(xb + 32 * b), c = _mm512_loadu_ps(xb + 32 * b + 16);
-                float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
-                dx[b] = top / 32767.0f;
-                sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(a, c)) / 8.0f;
-                __m512 inv = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
-                _mm256_storeu_si256((__m256i *)(o + 32 * b),
-                                    _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
-                _mm256_storeu_si256((__m256i *)(o + 64 + 32 * b),
-                                    _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(c, inv))));
-            }
-            float *f = (float *)(o + 128);
-            for (int l = 0; l < 16; l++) {
-                f[l] = dx[l / 8];
-                f[16 + l] = sx[l / 8];
-            }
+    const int64_t blocks = k / 32;
+    for (int64_t m = 0; m < rows; m++) {
+        int16_t *xs = (int16_t *)(out + m * blocks * XQ_BLOCK);
+        float *dx = (float *)(xs + k), *sx = dx + blocks;
+        for (int64_t b = 0; b < blocks; b++) {
+            const __m512 a = _mm512_loadu_ps(x + m * k + 32 * b), c = _mm512_loadu_ps(x + m * k + 32 * b + 16);
+            const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+            dx[b] = top / 32767.0f;
+            sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
+            const __m512 inv = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
+            _mm256_storeu_si256((__m256i *)(xs + 32 * b),
+                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
+            _mm256_storeu_si256((__m256i *)(xs + 32 * b + 16),
+                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(c, inv))));
         }
-}
-
-INL void int4x16_tile(const uint8_t *xq, const uint8_t *q, const uint16_t *sz, float *y, int64_t k, int64_t n,
-                      int64_t group, int64_t ldy, const int mt) {
-    __m512 acc[Q16_MT][NB];
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    __m512i take_s[NB], take_z[NB];  /* row j's scale (min) of block 0 on lanes 0-7, of block 1 on 8-15 */
-    for (int j = 0; j < NB; j++) {
-        take_s[j] = _mm512_set_epi32(8 + 2 * j, 8 + 2 * j, 8 + 2 * j, 8 + 2 * j, 8 + 2 * j, 8 + 2 * j, 8 + 2 * j,
-                                     8 + 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j, 2 * j);
-        take_z[j] = _mm512_add_epi32(take_s[j], _mm512_set1_epi32(1));
-    }
-    __m512 mins[Q16_MT];  /* sum over blocks of min * sum(x), on the odd lanes: 2j + 1 block 0, 2j + 9 block 1 */
-    for (int m = 0; m < mt; m++) {
-        mins[m] = _mm512_setzero_ps();
-        for (int j = 0; j < NB; j++) acc[m][j] = _mm512_setzero_ps();
-    }
-    const int64_t pairs = k / 64;
-    for (int64_t p = 0; p < pairs; p++) {
-        __m512i lo[NB], hi[NB];
-        __m512 sv[NB];
-        if ((p & 1) == 0)
-            for (int j = 0; j < NB; j++) _mm_prefetch((const char *)(q + j * (k / 2) + p * 32) + AHEAD, _MM_HINT_T0);
-        const __m128i g0 = _mm_loadu_si128((const __m128i *)(sz + ((p * 64) / group) * n * 2));
-        const __m128i g1 = _mm_loadu_si128((const __m128i *)(sz + ((p * 64 + 32) / group) * n * 2));
-        const __m512 f = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(g0), g1, 1));
-        for (int j = 0; j < NB; j++) {
-            __m256i v = _mm256_loadu_si256((const __m256i *)(q + j * (k / 2) + p * 32));
-            lo[j] = _mm512_cvtepu8_epi16(_mm256_and_si256(v, low));
-            hi[j] = _mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(v, 4), low));
-            sv[j] = _mm512_permutexvar_ps(take_s[j], f);
-        }
-        for (int m = 0; m < mt; m++) {
-            const uint8_t *xm = xq + (m * pairs + p) * QX16_PAIR;
-            __m512i xl = _mm512_loadu_si512((const void *)xm), xh = _mm512_loadu_si512((const void *)(xm + 64));
-            __m512 dx = _mm512_loadu_ps((const float *)(xm + 128)), sx = _mm512_loadu_ps((const float *)(xm + 192));
-            mins[m] = _mm512_fmadd_ps(f, sx, mins[m]);  /* every output's min times sum(x) / 8 in one product */
-            for (int j = 0; j < NB; j++) {
-                __m512i dots = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo[j], xl), hi[j], xh);
-                acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(sv[j], dx), acc[m][j]);
-            }
-        }
-    }
-    for (int m = 0; m < mt; m++) {
-        float mn[16];
-        _mm512_storeu_ps(mn, _mm512_mul_ps(mins[m], _mm512_set1_ps(8.0f)));  /* sum(x) was stored / 8: exact */
-        for (int j = 0; j < NB; j++) y[m * ldy + j] = _mm512_reduce_add_ps(acc[m][j]) + (mn[2 * j + 1] + mn[2 * j + 9]);
     }
 }
 
-/* kind 5: 8-bit codes (Q8_0's), the activations as kind 3 quantizes them; each row's 64 codes of a pair of blocks
-   stored as the activations lie: [block 0 inputs 0-15 | block 1 0-15 | block 0 16-31 | block 1 16-31]. */
-INL void int8x16_tile(const uint8_t *xq, const int8_t *q, const uint16_t *sc, float *y, int64_t k, int64_t n,
-                      int64_t ldy, const int mt) {
-    __m512 acc[Q16_MT][NB];
-    __m512i take[NB];  /* row j's scale of block 0 on lanes 0-7, of block 1 on 8-15 */
-    for (int j = 0; j < NB; j++)
-        take[j] = _mm512_set_epi32(4 + j, 4 + j, 4 + j, 4 + j, 4 + j, 4 + j, 4 + j, 4 + j, j, j, j, j, j, j, j, j);
+/* the 4 x 16 codes (int16, input pairs per 32-bit lane) of part j of a block: 64 inputs... of 16 outputs */
+INL void unpack_part(const uint8_t *c, int j, int q4, __m512i *w) {
+    if (q4) {
+        const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * j)), nib = _mm512_set1_epi16(0x0F);
+        w[0] = _mm512_and_si512(v, nib);
+        w[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+        w[2] = _mm512_and_si512(_mm512_srli_epi16(v, 8), nib);
+        w[3] = _mm512_srli_epi16(v, 12);
+    } else
+        for (int h = 0; h < 4; h++) w[h] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(c + 32 * (4 * j + h))));
+}
+
+/* y[m, 16t + l] for mt rows and tw tiles of 16 outputs (`wt`: the first tile's blocks) */
+INL void codes_tile(const uint8_t *xq, const uint8_t *wt, float *y, int64_t k, int64_t ldy, const int mt,
+                    const int tw, const int q4) {
+    const int64_t blocks = k / 32, tb = q4 ? TB_Q4 : TB_Q8, xrow = blocks * XQ_BLOCK;
+    __m512 f[T_MT][TW];
     for (int m = 0; m < mt; m++)
-        for (int j = 0; j < NB; j++) acc[m][j] = _mm512_setzero_ps();
-    const int64_t pairs = k / 64;
-    for (int64_t p = 0; p < pairs; p++) {
-        __m512i lo[NB], hi[NB];
-        __m512 sv[NB];
-        for (int j = 0; j < NB; j++) _mm_prefetch((const char *)(q + j * k + p * 64) + AHEAD, _MM_HINT_T0);
-        const __m128i g = _mm_unpacklo_epi64(_mm_loadl_epi64((const __m128i *)(sc + 2 * p * n)),
-                                             _mm_loadl_epi64((const __m128i *)(sc + (2 * p + 1) * n)));
-        const __m512 f = _mm512_castps256_ps512(_mm256_cvtph_ps(g));
-        for (int j = 0; j < NB; j++) {
-            lo[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + j * k + p * 64)));
-            hi[j] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(q + j * k + p * 64 + 32)));
-            sv[j] = _mm512_permutexvar_ps(take[j], f);
+        for (int t = 0; t < tw; t++) f[m][t] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m512i acc[T_MT][TW][2];  /* two sums a tile and row: half the chain of dependent products */
+        for (int m = 0; m < mt; m++)
+            for (int t = 0; t < tw; t++) acc[m][t][0] = acc[m][t][1] = _mm512_setzero_si512();
+        for (int t = 0; t < tw; t++)
+            for (int64_t l = 0; l < tb; l += 64)
+                _mm_prefetch((const char *)(wt + (t * blocks + b) * tb + l) + AHEAD, _MM_HINT_T0);
+        for (int j = 0; j < 4; j++) {
+            __m512i w[TW][4];
+            for (int t = 0; t < tw; t++) unpack_part(wt + (t * blocks + b) * tb, j, q4, w[t]);
+            for (int m = 0; m < mt; m++) {
+                const int32_t *pairs = (const int32_t *)(xq + m * xrow) + 16 * b + 4 * j;
+                for (int h = 0; h < 4; h++) {
+                    const __m512i xb = _mm512_set1_epi32(pairs[h]);
+                    for (int t = 0; t < tw; t++) acc[m][t][h & 1] = _mm512_dpwssd_epi32(acc[m][t][h & 1], w[t][h], xb);
+                }
+            }
         }
-        for (int m = 0; m < mt; m++) {
-            const uint8_t *xm = xq + (m * pairs + p) * QX16_PAIR;
-            __m512i xl = _mm512_loadu_si512((const void *)xm), xh = _mm512_loadu_si512((const void *)(xm + 64));
-            __m512 dx = _mm512_loadu_ps((const float *)(xm + 128));
-            for (int j = 0; j < NB; j++) {
-                __m512i dots = _mm512_dpwssd_epi32(_mm512_madd_epi16(lo[j], xl), hi[j], xh);
-                acc[m][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dots), _mm512_mul_ps(sv[j], dx), acc[m][j]);
+        for (int t = 0; t < tw; t++) {
+            const __m256i *s = (const __m256i *)(wt + (t * blocks + b) * tb + (q4 ? 256 : 512));
+            const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(s));
+            const __m512 low = q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(s + 1)) : scale;
+            for (int m = 0; m < mt; m++) {
+                const float *dx = (const float *)(xq + m * xrow + 2 * k);
+                const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[m][t][0], acc[m][t][1]));
+                f[m][t] = _mm512_fmadd_ps(sum, _mm512_mul_ps(scale, _mm512_set1_ps(dx[b])), f[m][t]);
+                if (q4) f[m][t] = _mm512_fmadd_ps(low, _mm512_set1_ps(dx[blocks + b]), f[m][t]);
             }
         }
     }
     for (int m = 0; m < mt; m++)
-        for (int j = 0; j < NB; j++) y[m * ldy + j] = _mm512_reduce_add_ps(acc[m][j]);
+        for (int t = 0; t < tw; t++) _mm512_storeu_ps(y + m * ldy + 16 * t, f[m][t]);
 }
 
-#define TILES(CALL)                                   \
+/* rows in tiles of MT (or T_MT) and a last partial one */
+#define TILES(MT, CALL)                               \
     int64_t r = 0;                                    \
     for (; r + MT <= rows; r += MT) CALL(MT);         \
     switch (rows - r) {                               \
@@ -261,64 +198,72 @@ INL int int16_activations(int32_t kind) { return kind == 3 || kind == 5; }
 
 /* kinds 3 and 5 need `xq`: hb_quantized_bytes(rows, k) bytes, filled here (by one thread) */
 static void gemm_for(const float *x, const hb_weights *w, float *y, int64_t rows, uint8_t *xq) {
-    const int64_t n = w->n, k = w->k, blocks = n / NB;
+    const int64_t n = w->n, k = w->k;
     if (int16_activations(w->kind)) {
+        const int q4 = w->kind == 3;
+        const int64_t tb = q4 ? TB_Q4 : TB_Q8, xrow = (k / 32) * XQ_BLOCK, groups = (n + 16 * TW - 1) / (16 * TW);
         #pragma omp single
         quantize_rows16(x, rows, k, xq);
+        #pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            const uint8_t *wt = (const uint8_t *)w->w + g * TW * (k / 32) * tb;
+            float *yg = y + g * 16 * TW;
+            const int64_t width = n - g * 16 * TW < 16 * TW ? 16 : 16 * TW;  /* n a multiple of 16 */
+            /* each branch with its tile's shape a constant */
+#define Q4_WIDE(mt) codes_tile(xq + r * xrow, wt, yg + r * n, k, n, mt, TW, 1)
+#define Q4_ONE(mt) codes_tile(xq + r * xrow, wt, yg + r * n, k, n, mt, 1, 1)
+#define Q8_WIDE(mt) codes_tile(xq + r * xrow, wt, yg + r * n, k, n, mt, TW, 0)
+#define Q8_ONE(mt) codes_tile(xq + r * xrow, wt, yg + r * n, k, n, mt, 1, 0)
+            if (q4 && width == 16 * TW) { TILES(T_MT, Q4_WIDE) }
+            else if (q4) { TILES(T_MT, Q4_ONE) }
+            else if (width == 16 * TW) { TILES(T_MT, Q8_WIDE) }
+            else { TILES(T_MT, Q8_ONE) }
+#undef Q4_WIDE
+#undef Q4_ONE
+#undef Q8_WIDE
+#undef Q8_ONE
+            if (w->bias)
+                for (int64_t i = 0; i < rows; i++)
+                    for (int64_t j = 0; j < width; j++) yg[i * n + j] += w->bias[g * 16 * TW + j];
+        }
+        return;
     }
+    const int64_t blocks = n / NB;
     #pragma omp for schedule(static)
     for (int64_t b = 0; b < blocks; b++) {
         const int64_t col = b * NB;
-        if (w->kind == 1) {
-            const uint16_t *wb = (const uint16_t *)w->w + col * k;
+        const uint16_t *wb = (const uint16_t *)w->w + col * k;
 #define FP16(mt) fp16_tile(x + r * k, wb, y + r * n + col, k, n, mt)
-            TILES(FP16)
+        TILES(MT, FP16)
 #undef FP16
-        } else if (w->kind == 2) {
-            const uint8_t *qb = (const uint8_t *)w->w + col * (k / 2);
-            const uint16_t *sb = w->sz + col * 2;
-#define INT4(mt) int4_tile(x + r * k, qb, sb, y + r * n + col, k, n, w->group, n, mt)
-            TILES(INT4)
-#undef INT4
-        } else if (w->kind == 3) {
-            const uint8_t *qb = (const uint8_t *)w->w + col * (k / 2);
-            const uint16_t *sb = w->sz + col * 2;
-#define Q16(mt) int4x16_tile(xq + r * (k / 64) * QX16_PAIR, qb, sb, y + r * n + col, k, n, w->group, n, mt)
-            TILES(Q16)
-#undef Q16
-        } else {
-            const int8_t *qb = (const int8_t *)w->w + col * k;
-            const uint16_t *sb = w->sz + col;
-#define Q8(mt) int8x16_tile(xq + r * (k / 64) * QX16_PAIR, qb, sb, y + r * n + col, k, n, n, mt)
-            TILES(Q8)
-#undef Q8
-        }
         if (w->bias)
             for (int64_t i = 0; i < rows; i++)
                 for (int j = 0; j < NB; j++) y[i * n + col + j] += w->bias[col + j];
     }
 }
 
-int64_t hb_quantized_bytes(int64_t rows, int64_t k) { return rows * (k / 64) * QX16_PAIR; }
+int64_t hb_quantized_bytes(int64_t rows, int64_t k) { return rows * (k / 32) * XQ_BLOCK; }
 
 /* Returns 0, or -1 if the quantized activations' memory could not be had. */
 int hb_linear(const float *x, const hb_weights *w, float *y, int64_t rows) {
     uint8_t *xq = NULL;
-    if (int16_activations(w->kind) && (xq = aligned_alloc(64, (size_t)hb_quantized_bytes(rows, w->k))) == NULL) return -1;
+    if (int16_activations(w->kind) && (xq = aligned_alloc(64, (size_t)hb_quantized_bytes(rows, w->k) + 64)) == NULL)
+        return -1;
     #pragma omp parallel
     gemm_for(x, w, y, rows, xq);
     free(xq);
     return 0;
 }
 
-/* --- quantizing weights to the native layouts (what `qcodes.q4_1_weights` / `q8_0_weights` compute, bit for bit,
-   written straight into the layouts above: the default's 211 layers in ~0.05 s instead of ~0.8). Return -1 if a
-   weight is beyond float16's range (its scale or min would not be finite), else 0. ------------------------------ */
+/* --- the codes: GGUF's blocks (what `qcodes.q4_1_weights` / `q8_0_weights` compute, bit for bit: the default's
+   211 layers in ~0.05 s instead of ~0.8), and the tiles the products read. Quantizing returns -1 if a weight is
+   beyond float16's range (its scale or min would not be finite), else 0. --------------------------------------- */
 
 INL float half_round(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
 
-/* w (n, k) -> q4 (n, k/2) as kinds 2 and 3 read them, sm (k/group, n, 2) float16 (scale, min) */
-int hb_quantize_q4_1(const float *w, int64_t n, int64_t k, int64_t group, uint8_t *q4, uint16_t *sm) {
+/* w (n, k) -> q (n, k) codes 0..15, float16 scale and min (n, k/group): w ~ q * scale + min */
+int hb_quantize_q4_1(const float *w, int64_t n, int64_t k, int64_t group, uint8_t *q, uint16_t *scales,
+                     uint16_t *mins) {
     int bad = 0;
     #pragma omp parallel for schedule(static) reduction(|: bad)
     for (int64_t r = 0; r < n; r++)
@@ -332,24 +277,18 @@ int hb_quantize_q4_1(const float *w, int64_t n, int64_t k, int64_t group, uint8_
             bad |= !(lo >= -65504.0f && hi <= 65504.0f);
             const float scale = half_round((hi - lo) / 15.0f), low = half_round(lo);
             const float step = scale > 0.0f ? scale : 1.0f;
-            sm[(g * n + r) * 2] = _cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT);
-            sm[(g * n + r) * 2 + 1] = _cvtss_sh(low, _MM_FROUND_TO_NEAREST_INT);
-            for (int64_t b = 0; b < group; b += 32) {
-                uint8_t *out = q4 + r * (k / 2) + (g * group + b) / 2;
-                for (int i = 0; i < 16; i++) {
-                    float c0 = scale > 0.0f ? nearbyintf((x[b + i] - low) / step) : 0.0f;
-                    float c1 = scale > 0.0f ? nearbyintf((x[b + 16 + i] - low) / step) : 0.0f;
-                    c0 = c0 < 0.0f ? 0.0f : (c0 > 15.0f ? 15.0f : c0);
-                    c1 = c1 < 0.0f ? 0.0f : (c1 > 15.0f ? 15.0f : c1);
-                    out[i] = (uint8_t)c0 | (uint8_t)((uint8_t)c1 << 4);
-                }
+            scales[r * (k / group) + g] = _cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT);
+            mins[r * (k / group) + g] = _cvtss_sh(low, _MM_FROUND_TO_NEAREST_INT);
+            for (int64_t i = 0; i < group; i++) {
+                const float c = scale > 0.0f ? nearbyintf((x[i] - low) / step) : 0.0f;
+                q[r * k + g * group + i] = (uint8_t)(c < 0.0f ? 0.0f : (c > 15.0f ? 15.0f : c));
             }
         }
     return bad ? -1 : 0;
 }
 
-/* w (n, k) -> q8 (n, k) int8 as kind 5 reads them (each 64 in the int16 activations' order), sc (k/32, n) float16 */
-int hb_quantize_q8_0(const float *w, int64_t n, int64_t k, int8_t *q8, uint16_t *sc) {
+/* w (n, k) -> q (n, k) codes -127..127, float16 scales (n, k/32): w ~ q * scale */
+int hb_quantize_q8_0(const float *w, int64_t n, int64_t k, int8_t *q, uint16_t *scales) {
     int bad = 0;
     #pragma omp parallel for schedule(static) reduction(|: bad)
     for (int64_t r = 0; r < n; r++)
@@ -359,15 +298,49 @@ int hb_quantize_q8_0(const float *w, int64_t n, int64_t k, int8_t *q8, uint16_t 
             for (int i = 0; i < 32; i++) top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
             bad |= !(top <= 65504.0f);
             const float scale = half_round(top / 127.0f), step = scale > 0.0f ? scale : 1.0f;
-            sc[b * n + r] = _cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT);
+            scales[r * (k / 32) + b] = _cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT);
             for (int i = 0; i < 32; i++) {
-                float c = nearbyintf(x[i] / step);
-                c = c < -127.0f ? -127.0f : (c > 127.0f ? 127.0f : c);
-                /* input i of block b: pair b/2, block b%2, half i/16 -> [b0 0-15 | b1 0-15 | b0 16-31 | b1 16-31] */
-                q8[r * k + (b / 2) * 64 + (i / 16) * 32 + (b % 2) * 16 + i % 16] = (int8_t)c;
+                const float c = nearbyintf(x[i] / step);
+                q[r * k + b * 32 + i] = (int8_t)(c < -127.0f ? -127.0f : (c > 127.0f ? 127.0f : c));
             }
         }
     return bad ? -1 : 0;
+}
+
+/* q (n, k) codes 0..15, scales and mins (n, k/group) float16 -> kind 3's tiles (n a multiple of 16) */
+void hb_tile_q4(const uint8_t *q, const uint16_t *scales, const uint16_t *mins, int64_t n, int64_t k, int64_t group,
+                uint8_t *out) {
+    const int64_t blocks = k / 32;
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t l = r % 16;
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *t = out + ((r / 16) * blocks + b) * TB_Q4;
+            const uint8_t *c = q + r * k + 32 * b;
+            for (int j = 0; j < 4; j++)
+                for (int e = 0; e < 2; e++) {
+                    const int i = 8 * j + e;  /* nibble h of the word: input i + 2h */
+                    t[64 * j + 2 * (2 * l + e)] = (uint8_t)(c[i] | c[i + 2] << 4);
+                    t[64 * j + 2 * (2 * l + e) + 1] = (uint8_t)(c[i + 4] | c[i + 6] << 4);
+                }
+            memcpy(t + 256 + 2 * l, scales + r * (k / group) + (32 * b) / group, 2);
+            memcpy(t + 288 + 2 * l, mins + r * (k / group) + (32 * b) / group, 2);
+        }
+    }
+}
+
+/* q (n, k) codes -127..127, scales (n, k/32) float16 -> kind 5's tiles (n a multiple of 16) */
+void hb_tile_q8(const int8_t *q, const uint16_t *scales, int64_t n, int64_t k, uint8_t *out) {
+    const int64_t blocks = k / 32;
+    #pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < n; r++) {
+        const int64_t l = r % 16;
+        for (int64_t b = 0; b < blocks; b++) {
+            uint8_t *t = out + ((r / 16) * blocks + b) * TB_Q8;
+            for (int i = 0; i < 32; i++) t[32 * (i / 2) + 2 * l + i % 2] = (uint8_t)q[r * k + 32 * b + i];
+            memcpy(t + 512 + 2 * l, scales + r * blocks + b, 2);
+        }
+    }
 }
 
 /* --- the decoder layer ------------------------------------------------------------------------------------ */

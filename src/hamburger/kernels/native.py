@@ -32,11 +32,12 @@ import torch
 
 SOURCE = Path(__file__).with_name("native.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
-# The kinds of weights (native.c's hb_weights): float16; 4-bit with float32 activations; 4-bit with the activations
-# quantized to int16 in blocks of 32 (2x faster, about 3e-5 of each product off its float value), what 4-bit layers
-# use wherever their inputs are a multiple of 64 long; 8-bit (GGUF's Q8_0) with int16 activations likewise
-FP16, INT4, INT4_Q16, INT8_Q16 = 1, 2, 3, 5
-TILE_OUT, INT4_BLOCK, Q16_PAIR = 4, 32, 64  # output rows a tile computes; 4-bit blocks; inputs per int16 step
+# The kinds of weights (native.c's hb_weights): float16; GGUF's Q4_1 and Q8_0 blocks in tiles of 16 outputs by 32
+# inputs (`tile_q4` / `tile_q8`), the activations quantized to int16 in blocks of 32 (about 3e-5 of each product
+# off its float value)
+FP16, INT4_Q16, INT8_Q16 = 1, 3, 5
+TILE_OUT, CODES_TILE, CODES_BLOCK = 4, 16, 32  # float16's outputs a tile computes; the codes' tiles and blocks
+TILE_BYTES = {INT4_Q16: 320, INT8_Q16: 544}  # a tile's 16 outputs by 32 inputs: codes, scales (and mins)
 MAX_HEAD_DIM = 256
 _lock = threading.Lock()
 _off = [0]  # how many `turned_off()` blocks are open: PyTorch's kernels for layers made meanwhile, in every thread
@@ -130,11 +131,15 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.hb_linear.restype = ctypes.c_int
     lib.hb_layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(Pass), ctypes.c_void_p]
     lib.hb_layers.restype = ctypes.c_int
-    lib.hb_quantize_q4_1.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
-                                     ctypes.c_void_p]
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.hb_quantize_q4_1.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr]
     lib.hb_quantize_q4_1.restype = ctypes.c_int
-    lib.hb_quantize_q8_0.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    lib.hb_quantize_q8_0.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.hb_quantize_q8_0.restype = ctypes.c_int
+    lib.hb_tile_q4.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr]
+    lib.hb_tile_q4.restype = None
+    lib.hb_tile_q8.argtypes = [ptr, ptr, i64, i64, ptr]
+    lib.hb_tile_q8.restype = None
     lib.hb_scratch_floats.argtypes = [ctypes.c_int64] * 6
     lib.hb_scratch_floats.restype = ctypes.c_int64
     return lib, None
@@ -177,11 +182,13 @@ def weights(kind: int, w: torch.Tensor, out_features: int, in_features: int, sz:
 
 def fits(out_features: int, in_features: int, kind: int, group: int = 0) -> str | None:
     """Why the native products cannot take a layer of this shape (None if they can)."""
-    if out_features % TILE_OUT:
-        return f"out_features {out_features} is not a multiple of {TILE_OUT} (native kernels)"
-    block = {FP16: 16, INT4: INT4_BLOCK, INT4_Q16: Q16_PAIR, INT8_Q16: Q16_PAIR}[kind]
-    if in_features % block or (kind != FP16 and group % INT4_BLOCK):
-        return f"in_features {in_features} is not a multiple of {block} (native kernels)"
+    if kind == FP16:
+        if out_features % TILE_OUT or in_features % 16:
+            return f"a float16 layer of {out_features} x {in_features} is not a multiple of {TILE_OUT} x 16 (native kernels)"
+        return None
+    if out_features % CODES_TILE or in_features % CODES_BLOCK or group % CODES_BLOCK:
+        return (f"{out_features} outputs of {in_features} inputs in groups of {group} are not multiples of "
+                f"{CODES_TILE}, {CODES_BLOCK} and {CODES_BLOCK} (native kernels)")
     return None
 
 
@@ -203,25 +210,48 @@ def _float_weights(w: torch.Tensor) -> torch.Tensor:
     return w.float().contiguous()
 
 
-def quantize_q4_1(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) weights -> (codes (N, K/2) uint8, (K/group, N, 2) float16 scale and min) in the kernels' layout: what
-    `qcodes.q4_1_weights` computes (a test), in one pass."""
+def quantize_q4_1(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(N, K) weights -> (codes (N, K) uint8, float16 scales (N, K/group), float16 mins (N, K/group)): what
+    `qcodes.q4_1_weights` computes (a test), in one native pass."""
     w = _float_weights(w)
     n, k = w.shape
-    q4 = torch.empty(n, k // 2, dtype=torch.uint8)
-    sm = torch.empty(k // group, n, 2, dtype=torch.float16)
-    if _load()[0].hb_quantize_q4_1(w.data_ptr(), n, k, group, q4.data_ptr(), sm.data_ptr()):
+    q = torch.empty(n, k, dtype=torch.uint8)
+    scales, mins = torch.empty(n, k // group, dtype=torch.float16), torch.empty(n, k // group, dtype=torch.float16)
+    if _load()[0].hb_quantize_q4_1(w.data_ptr(), n, k, group, q.data_ptr(), scales.data_ptr(), mins.data_ptr()):
         raise ValueError("weights beyond float16's range cannot take 4-bit or 8-bit codes with float16 scales")
-    return q4, sm
+    return q, scales, mins
 
 
 def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, K) weights -> (codes (N, K) int8 in the int16 activations' order, (K/32, N) float16 scales): what
-    `qcodes.q8_0_weights` computes (a test), in one pass."""
+    """(N, K) weights -> (codes (N, K) int8, float16 scales (N, K/32)): what `qcodes.q8_0_weights` computes (a
+    test), in one native pass."""
     w = _float_weights(w)
     n, k = w.shape
-    q8 = torch.empty(n, k, dtype=torch.int8)
-    sc = torch.empty(k // 32, n, dtype=torch.float16)
-    if _load()[0].hb_quantize_q8_0(w.data_ptr(), n, k, q8.data_ptr(), sc.data_ptr()):
+    q, scales = torch.empty(n, k, dtype=torch.int8), torch.empty(n, k // 32, dtype=torch.float16)
+    if _load()[0].hb_quantize_q8_0(w.data_ptr(), n, k, q.data_ptr(), scales.data_ptr()):
         raise ValueError("weights beyond float16's range cannot take 4-bit or 8-bit codes with float16 scales")
-    return q8, sc
+    return q, scales
+
+
+def _contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.detach().to("cpu", dtype).contiguous()
+
+
+def tile_q4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> torch.Tensor:
+    """Codes 0..15 (N, K), scales and mins (N, K/group) -> `INT4_Q16`'s tiles (N/16, K/32, 320) uint8; `qcodes.untile_q4`
+    reads them back."""
+    n, k = q.shape
+    out = torch.empty(n // CODES_TILE, k // CODES_BLOCK, TILE_BYTES[INT4_Q16], dtype=torch.uint8)
+    q, scales, mins = _contiguous(q, torch.uint8), _contiguous(scales, torch.float16), _contiguous(mins, torch.float16)
+    _load()[0].hb_tile_q4(q.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, k, group, out.data_ptr())
+    return out
+
+
+def tile_q8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Codes -127..127 (N, K), scales (N, K/32) -> `INT8_Q16`'s tiles (N/16, K/32, 544) uint8; `qcodes.untile_q8`
+    reads them back."""
+    n, k = q.shape
+    out = torch.empty(n // CODES_TILE, k // CODES_BLOCK, TILE_BYTES[INT8_Q16], dtype=torch.uint8)
+    q, scales = _contiguous(q, torch.int8), _contiguous(scales, torch.float16)
+    _load()[0].hb_tile_q8(q.data_ptr(), scales.data_ptr(), n, k, out.data_ptr())
+    return out

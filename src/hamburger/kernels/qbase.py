@@ -180,20 +180,20 @@ class NativeCodes:
         layer.set_native(*buffers)
         return layer
 
-    def native_tensors(self) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """(native kind, codes, scales) of the native layout."""
+    def native_tensors(self) -> tuple[int, torch.Tensor]:
+        """(native kind, the tiles of codes and scales) of the native layout."""
         raise NotImplementedError
 
     def native_desc(self) -> native.Weights:
         """The native kernels' description of these weights (made again if the buffers moved)."""
-        kind, w, sz = self.native_tensors()
+        kind, tiles = self.native_tensors()
         bias = None if self.bias is None else self.bias.data_ptr()
-        ptrs = (w.data_ptr(), sz.data_ptr(), bias)
+        ptrs = (tiles.data_ptr(), bias)
         if self._desc is None or self._desc[0] != ptrs:
             if self.bias is not None and self.bias.dtype != torch.float32:
                 raise ValueError(f"native {self.scheme} layers take a float32 bias")
-            self._desc = (ptrs, native.weights(kind, w, self.out_features, self.in_features, sz, self.group_size,
-                                               self.bias))
+            self._desc = (ptrs, native.weights(kind, tiles, self.out_features, self.in_features,
+                                               group=self.group_size, bias=self.bias))
         return self._desc[1]
 
     def native_linear2d(self, x: torch.Tensor) -> torch.Tensor:

@@ -32,8 +32,9 @@ from hamburger.kernels.qcodes import (
     int4_weights,
     int8_weights,
     pack_nibbles,
-    swap_halves64,
     unpack_nibbles,
+    untile_q4,
+    untile_q8,
 )
 
 __all__ = ["MODULES", "WIDE_ROWS", "Fp16Linear", "Fp16Weights", "Int4Linear", "Int8Linear", "QuantizedLinear",
@@ -55,8 +56,7 @@ class Int8Linear(NativeCodes, QuantizedLinear):
         super().__init__(k, n, bias, 32 if here else 0)
         self.native = here
         if here:
-            blocks = scales[:, None].expand(n, k // 32) if scales.dim() == 1 else scales
-            self.set_native(swap_halves64(q.to(torch.int8)), blocks.t().half().contiguous())
+            self.set_native(native.tile_q8(q, scales[:, None].expand(n, k // 32) if scales.dim() == 1 else scales))
             return
         if scales.dim() == 2:  # Q8_0 blocks where the native kernels do not run: per channel again
             w = q.float() * scales.float().repeat_interleave(32, 1)
@@ -68,10 +68,9 @@ class Int8Linear(NativeCodes, QuantizedLinear):
         self.register_buffer("weight_int8", q.to(torch.int8).clone(memory_format=torch.contiguous_format))
         self.register_buffer("scales", scales.clone(memory_format=torch.contiguous_format))
 
-    def set_native(self, q8: torch.Tensor, block_scales: torch.Tensor) -> None:
-        """The native layout's buffers: codes (N, K) in the int16 activations' order, float16 scales (K/32, N)."""
-        self.register_buffer("q8", q8)
-        self.register_buffer("block_scales", block_scales)
+    def set_native(self, tiles: torch.Tensor) -> None:
+        """The native layout: codes and float16 scales in tiles of 16 outputs by 32 inputs (`native.tile_q8`)."""
+        self.register_buffer("tiles", tiles)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int = 0, dtype: torch.dtype | None = None) -> Int8Linear:
@@ -80,7 +79,7 @@ class Int8Linear(NativeCodes, QuantizedLinear):
         w = linear.weight
         check_device(w.device)
         if native_here(w.device, *w.shape, native.INT8_Q16) and dtype in (None, torch.float32):
-            return cls.native_layer(linear, 32, native.quantize_q8_0(w))
+            return cls.native_layer(linear, 32, (native.tile_q8(*native.quantize_q8_0(w)),))
         q, scales = int8_weights(w, dtype or int_kernel_dtype(w.device, w.dtype))
         return cls(q, scales, linear.bias)
 
@@ -89,7 +88,7 @@ class Int8Linear(NativeCodes, QuantizedLinear):
         return torch.float32 if self.native else self.scales.dtype
 
     def native_tensors(self) -> tuple[int, torch.Tensor, torch.Tensor]:
-        return native.INT8_Q16, self.q8, self.block_scales
+        return native.INT8_Q16, self.tiles
 
     def linear2d(self, x: torch.Tensor) -> torch.Tensor:
         return self.native_linear2d(x) if self.native else super().linear2d(x)
@@ -100,14 +99,13 @@ class Int8Linear(NativeCodes, QuantizedLinear):
     def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes (N, K) int8, scales: (N, K/32) float16 natively, else (N,))."""
         if self.native:
-            return swap_halves64(self.q8), self.block_scales.t().contiguous()
+            return untile_q8(self.tiles)
         return self.weight_int8, self.scales
 
     def rows(self, index: torch.Tensor) -> Int8Linear:
         """A layer of these output rows (e.g. the LM head's shortlist), their codes and scales as they are here."""
-        if self.native:
-            return Int8Linear(swap_halves64(self.q8[index]), self.block_scales.t()[index])
-        return Int8Linear(self.weight_int8[index], self.scales[index])
+        q, scales = self.codes()
+        return Int8Linear(q[index], scales[index])
 
     def dequantize(self) -> torch.Tensor:
         if self.native:
@@ -135,10 +133,9 @@ class Int8Linear(NativeCodes, QuantizedLinear):
 
 class Int4Linear(NativeCodes, QuantizedLinear):
     """Asymmetric group-wise 4-bit weights (GGUF's Q4_1 layout, w = q · scale + min). Natively (CPU, where the
-    native kernels run) with float16 scales and mins, inputs a multiple of 64 long quantized to int16 in blocks of
-    32 (`native.INT4_Q16`: 2x faster, each product about 3e-5 off its float value), other inputs multiplied in
-    float32 (`native.INT4`); else PyTorch's packed int4 kernels of CPU or CUDA (scale and zero in bfloat16 on
-    CPU)."""
+    native kernels run) with float16 scales and mins, the inputs quantized to int16 in blocks of 32
+    (`native.INT4_Q16`: each product about 3e-5 off its float value); else PyTorch's packed int4 kernels of CPU or
+    CUDA (scale and zero in bfloat16 on CPU)."""
 
     scheme = "int4"
 
@@ -149,11 +146,9 @@ class Int4Linear(NativeCodes, QuantizedLinear):
         super().__init__(k, n, bias, group_size)
         device = q.device
         check_device(device)
-        self.native = native_here(device, n, k, native.INT4, group_size)
-        if self.native:  # the native kernels' layout: each 32 codes in 16 bytes, the first 16 in the low nibbles
-            blocks = q.to(torch.uint8).reshape(n, k // 32, 2, 16)
-            self.set_native((blocks[:, :, 0] | blocks[:, :, 1] << 4).reshape(n, k // 2).contiguous(),
-                            torch.stack([scales.t(), mins.t()], -1).half().contiguous())
+        self.native = native_here(device, n, k, native.INT4_Q16, group_size)
+        if self.native:
+            self.set_native(native.tile_q4(q, scales, mins, group_size))
             return
         self.packed_for = device.type
         if device.type == "cpu" and scales.dtype == torch.float16:  # native blocks read here: the CPU kernel's dtype
@@ -171,19 +166,13 @@ class Int4Linear(NativeCodes, QuantizedLinear):
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).contiguous(), 2)
         self.register_buffer("weight_int4pack", packed)
 
-    def set_native(self, q4: torch.Tensor, scales_and_mins: torch.Tensor) -> None:
-        """The native layout's buffers: codes (N, K/2), float16 (K/g, N, 2) scale and min."""
-        self.register_buffer("q4", q4)
-        self.register_buffer("scales_and_mins", scales_and_mins)
+    def set_native(self, tiles: torch.Tensor) -> None:
+        """The native layout: codes, float16 scales and mins in tiles of 16 outputs by 32 inputs
+        (`native.tile_q4`)."""
+        self.register_buffer("tiles", tiles)
 
-    @property
-    def kind(self) -> int:
-        """The native kind: int16 activations where the inputs are a multiple of 64 long, else float32 ones."""
-        fits = native.fits(self.out_features, self.in_features, native.INT4_Q16, self.group_size) is None
-        return native.INT4_Q16 if fits else native.INT4
-
-    def native_tensors(self) -> tuple[int, torch.Tensor, torch.Tensor]:
-        return self.kind, self.q4, self.scales_and_mins
+    def native_tensors(self) -> tuple[int, torch.Tensor]:
+        return native.INT4_Q16, self.tiles
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int, dtype: torch.dtype | None = None) -> Int4Linear:
@@ -191,8 +180,9 @@ class Int4Linear(NativeCodes, QuantizedLinear):
         computed against the scales rounded to it. Natively GGUF's Q4_1 (`qcodes.q4_1_weights`: float16 scales and
         mins, computed in one native pass) and float32 activations."""
         w = linear.weight
-        if native_here(w.device, *w.shape, native.INT4, group_size) and dtype in (None, torch.float32):
-            return cls.native_layer(linear, group_size, native.quantize_q4_1(w, group_size))
+        if native_here(w.device, *w.shape, native.INT4_Q16, group_size) and dtype in (None, torch.float32):
+            codes = native.quantize_q4_1(w, group_size)
+            return cls.native_layer(linear, group_size, (native.tile_q4(*codes, group_size),))
         q, scales, mins = int4_weights(w, group_size, dtype or int_kernel_dtype(w.device, w.dtype))
         return cls(q, scales, mins, group_size, linear.bias)
 
@@ -221,10 +211,7 @@ class Int4Linear(NativeCodes, QuantizedLinear):
         returns (q - 8) + 8 = q for every weight, exactly.
         """
         if self.native:
-            sm = self.scales_and_mins
-            low, high = self.q4.reshape(self.out_features, -1, 16) & 15, self.q4.reshape(self.out_features, -1, 16) >> 4
-            q = torch.stack([low, high], 2).reshape(self.out_features, self.in_features)
-            return q, sm[..., 0].t().contiguous(), sm[..., 1].t().contiguous()
+            return untile_q4(self.tiles, self.group_size)
         sz = self.scales_and_zeros
         scales, zeros = sz[..., 0].t(), sz[..., 1].t()
         dtype = torch.bfloat16  # codes 0..15 times an identity: exact, and the kernels' fast path on CPU and CUDA
@@ -243,9 +230,10 @@ class Int4Linear(NativeCodes, QuantizedLinear):
         return self._mm(eye).t().contiguous()
 
     def portable(self) -> dict[str, torch.Tensor]:
-        out = {"q4": pack_nibbles(self.unpack()[0]).cpu()}
-        if self.native:
-            out["scales_and_mins"] = self.scales_and_mins.cpu()
+        q, scales, mins = self.unpack()
+        out = {"q4": pack_nibbles(q).cpu()}
+        if self.native:  # (K/g, N, 2): the disk cache's layout
+            out["scales_and_mins"] = torch.stack([scales.t(), mins.t()], -1).contiguous()
         else:
             out["scales_and_zeros"] = self.scales_and_zeros.cpu()
         if self.bias is not None:
