@@ -29,7 +29,7 @@ from hamburger.model.hamburger_model import load_model
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("model", nargs="?", default="default")
-    p.add_argument("--quantize", default="none", choices=["none", "fp16", "int8", "int4"])
+    p.add_argument("--quantize", default="none", help="none, fp16, int8, int4 or SCHEME/HEAD (e.g. int4/int8)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cached", type=int, default=256)
     p.add_argument("--rounds", type=int, default=15)
@@ -39,7 +39,8 @@ def main() -> None:
     model, _ = load_model(a.model)
     model.eval()
     if a.quantize != "none":
-        quantize_model(model, a.quantize, skip=DEFAULT_SKIP)
+        scheme, _, head = a.quantize.partition("/")
+        quantize_model(model, scheme, head=head or None, skip=DEFAULT_SKIP)
     engine = Engine(model)
     cfg, k, m, b, s = model.base.config, engine.k, model.micro.num_features, a.batch, a.cached
     if k < 2:

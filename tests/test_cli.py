@@ -292,6 +292,16 @@ def test_quantize_auto_resolves_by_device_and_dtype():
     assert resolve_quantize("auto", "cpu", "bfloat16") == "none"  # fp16 packed weights compute in float32 only
     assert resolve_quantize("auto", "meta") == "none"
     assert resolve_quantize("int8", "meta") == "int8"  # an explicit scheme is never changed
+    # the embedded default: its GGUF's own Q4_1 / Q8_0 blocks where the native kernels run (its weights exactly)
+    from hamburger.kernels import native
+    blocks = "int4/int8" if native.available() else expected
+    assert resolve_quantize("auto", "cpu", model="default") == blocks
+    assert resolve_quantize("auto", "cpu", model="SmolLM2-135M-Instruct") == blocks
+    assert resolve_quantize("auto", "cpu", model="default", base="elsewhere") == expected  # another base: unknown
+    assert resolve_quantize("auto", "cpu", model="runs/mine") == expected
+    assert resolve_quantize("auto", "cpu", "bfloat16", model="default") == "none"
+    with native.turned_off():
+        assert resolve_quantize("auto", "cpu", model="default") == expected
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 

@@ -36,16 +36,26 @@ def resolve_device(device: str = AUTO) -> torch.device:
     return resolved
 
 
-def resolve_quantize(spec: str, device: torch.device | str, dtype: str = "float32") -> str:
-    """"auto": fp16 where FBGEMM's packed float16 GEMM runs float32 models (x86 CPUs: 2.3-2.7x float32's decode
-    speed, and the weights with which verify mode's drafts pay on a CPU; docs/quantize.md), else none (a GPU
-    decodes fast in --dtype). Not int4/int8, though for the embedded default that is its float weights exactly and
-    1.5x faster: verify mode's drafts do not pay over that base yet (docs/quantize.md). Any other spec is returned
-    as it is."""
+GGUF_BLOCKS = "int4/int8"  # the embedded default's GGUF: Q4_1 projections, a Q8_0 embedding (the tied LM head)
+
+
+def resolve_quantize(spec: str, device: torch.device | str, dtype: str = "float32", model: str | None = None,
+                     base: str | None = None) -> str:
+    """"auto": for the embedded default (`model` one of its names, no other `base`) on a CPU where the native
+    kernels run, int4/int8: its GGUF's own Q4_1 and Q8_0 blocks, so its weights exactly, and 2.3x the fp16 base's
+    speed there (docs/quantize.md). Else fp16 where FBGEMM's packed float16 GEMM runs float32 models (x86 CPUs:
+    2.3-2.7x float32's decode speed, the weights with which verify mode's drafts pay on a CPU), else none (a GPU
+    decodes fast in --dtype). Any other spec is returned as it is."""
     if spec != AUTO:
         return spec
+    from hamburger.kernels import native
     from hamburger.kernels.qlinear import fp16_unavailable
+    from hamburger.model.base import DEFAULT_ALIASES
 
+    cpu = getattr(device, "type", str(device)) == "cpu"
+    if model is not None and model.lower() in DEFAULT_ALIASES and base is None and cpu and dtype == "float32" \
+            and native.available():
+        return GGUF_BLOCKS
     return "fp16" if dtype == "float32" and fp16_unavailable(device) is None else "none"
 
 
@@ -189,17 +199,17 @@ def describe_quantization(summary: dict) -> str:
     return line
 
 
-def resolve(device: str = AUTO, quantize: str = AUTO, dtype: str = "float32",
-            group_size: int = 32) -> tuple[torch.device, str]:
-    """The device and the quantization scheme a load will use, "auto" resolved (`resolve_device`,
-    `resolve_quantize`), checked against each other before any loading: what `load` runs first, and what a command
-    that says what it runs before loading calls itself."""
+def resolve(device: str = AUTO, quantize: str = AUTO, dtype: str = "float32", group_size: int = 32,
+            model: str | None = None, base: str | None = None) -> tuple[torch.device, str]:
+    """The device and the quantization scheme a load of `model` (with `base`) will use, "auto" resolved
+    (`resolve_device`, `resolve_quantize`), checked against each other before any loading: what `load` runs first,
+    and what a command that says what it runs before loading calls itself."""
     import torch
 
     if dtype not in DTYPES:
         raise HamburgerError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
     resolved = resolve_device(device)
-    scheme = resolve_quantize(parse_schemes(quantize)[0], resolved, dtype)
+    scheme = resolve_quantize(parse_schemes(quantize)[0], resolved, dtype, model, base)
     check_quantize(scheme, group_size, resolved, getattr(torch, dtype))
     return resolved, scheme
 
@@ -219,7 +229,7 @@ def load(model: str = "default", base: str | None = None, dtype: str = "float32"
 
     from hamburger.model.hamburger_model import load_model
 
-    resolved, scheme = resolve(device, quantize, dtype, group_size)
+    resolved, scheme = resolve(device, quantize, dtype, group_size, model, base)
     loaded, trained = load_model(model, base, dtype=getattr(torch, dtype), device=str(resolved),
                                  decode_only=decode_only)
     quantize_loaded(loaded, scheme, group_size, quiet=quiet)

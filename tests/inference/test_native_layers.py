@@ -17,6 +17,7 @@ from hamburger.inference.kv import KVCache, RowSlots
 from hamburger.inference.native_layers import NATIVE_ROWS, NativeLayers, _close_to
 from hamburger.inference.verify import MergedMask
 from hamburger.kernels import native
+from hamburger.kernels.qlinear import Int8Linear
 from hamburger.kernels.quantize import quantize_model
 from hamburger.model.hamburger_model import HamburgerModel
 
@@ -242,3 +243,16 @@ def test_compress_passes_run_natively_and_decode_as_the_fast_layers(arch, scheme
     ours, theirs = native_engine.generate(PROMPTS, **kw), fast_engine.generate(PROMPTS, **kw)
     assert ours.stats.kv_entries < ours.stats.kv_entries_base  # steps were merged
     assert ours.tokens == theirs.tokens
+
+
+def test_an_int8_heads_shortlist_of_any_length_keeps_the_heads_own_codes():
+    """The micro-step shortlist's head: the int8 head's own rows, made up to the native tiles' 16 with the last
+    row, the extra logits cut off."""
+    model = hamburger("llama", k=4)
+    quantize_model(model.base, "int4", head="int8")
+    model.micro_vocab = torch.tensor([1, 7, 11, 20, 33, 50, 64, 80, 90])  # 9 rows
+    engine = Engine(model)
+    head = model.base.get_output_embeddings()
+    assert isinstance(engine._short, Int8Linear) and engine._short.native and engine._short.out_features == 16
+    h = torch.randn(3, model.base.config.hidden_size)
+    assert torch.equal(engine.short_logits(h), head(h)[:, model.micro_vocab])

@@ -88,7 +88,8 @@ def add_quantize_args(parser: argparse.ArgumentParser, many: bool = False, defau
     what = f"a comma list from {{{names}}}: every system under each scheme, side by side" if many else f"{{{names}}}"
     group.add_argument("--quantize", default=default, metavar="SCHEME" + ("S" if many else ""),
                        help=f"{what}; weight-only quantization of the linear layers of the base, the micro-step "
-                       "decoder and the LM head (auto: fp16 on an x86 CPU with float32 weights, else none; "
+                       "decoder and the LM head (auto: int4/int8 for the embedded default on a CPU where the native kernels run, "
+                       "its GGUF's own blocks; else fp16 on an x86 CPU with float32 weights, else none; "
                        "fp16: float16 weights packed for FBGEMM, x86 CPUs; "
                        "int8: per output channel; int4: groups of --group-size; int8 and int4 compute in bfloat16 "
                        "on CPU, the fastest there; SCHEME/HEAD, e.g. int4/int8, puts another scheme on the LM "
@@ -186,7 +187,8 @@ def load_model(args: argparse.Namespace, quantize: bool = True,
     if getattr(args, "lookup", None) is not None:
         check_lookup(args.lookup)
     group_size = getattr(args, "group_size", 32)
-    device, scheme = resolve(args.device, getattr(args, "quantize", "none"), args.dtype, group_size)
+    device, scheme = resolve(args.device, getattr(args, "quantize", "none"), args.dtype, group_size, args.model,
+                             args.base)
     if getattr(args, "quiet", False) or not sys.stderr.isatty():
         hide_progress_bars()
     model, trained = load(args.model, args.base, args.dtype, str(device), scheme if quantize else "none", group_size,

@@ -236,7 +236,8 @@ def _bench_plan(args: argparse.Namespace) -> tuple[list[int], object, list[str],
 
     batch_sizes = _ints(args.batch_sizes, "--batch-sizes")
     # every scheme resolved and checked against --device and --dtype before any loading
-    resolved = [resolve(args.device, s, args.dtype, args.group_size) for s in parse_schemes(args.quantize, many=True)]
+    resolved = [resolve(args.device, s, args.dtype, args.group_size, args.model, args.base)
+                for s in parse_schemes(args.quantize, many=True)]
     device, schemes = resolved[0][0], list(dict.fromkeys(scheme for _, scheme in resolved))
     if args.lookup is not None:
         check_lookup(args.lookup)

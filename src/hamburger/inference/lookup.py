@@ -76,7 +76,7 @@ class ReplyStore:
     Python function that", a step of arithmetic, a list's form) is drafted whole.
 
     `tokens` (N,) int: the replies one after another, each followed by -1. Each n-gram points at the start of its
-    latest continuation (one dict per length, built once per store: about a second for 200 k tokens)."""
+    latest continuation (one dict per length, built once per store: about 0.2 s for 200 k tokens)."""
 
     def __init__(self, tokens: torch.Tensor, min_ngram: int = 2, max_ngram: int = 4) -> None:
         self.min, self.max = min_ngram, max_ngram
@@ -84,14 +84,10 @@ class ReplyStore:
         self.tokens = toks
         self.next: dict[int, dict[tuple[int, ...], int]] = {}
         for n in range(min_ngram, max_ngram + 1):
-            table: dict[tuple[int, ...], int] = {}
-            # an n-gram ending at j-1 (no separator inside it) points at j, if j is a token
-            for j in range(n, len(toks)):
-                if toks[j] >= 0:
-                    key = tuple(toks[j - n : j])
-                    if -1 not in key:
-                        table[key] = j
-            self.next[n] = table
+            # an n-gram ending at j-1 (no separator inside it) points at j, if j is a token (later wins)
+            keys = zip(*(toks[i:len(toks) - n + i] for i in range(n)))
+            self.next[n] = {key: j for j, key, t in zip(range(n, len(toks)), keys, toks[n:])
+                            if t >= 0 and -1 not in key}
 
     def draft(self, history: Sequence[int], limit: int) -> list[int]:
         """Up to `limit` tokens that followed the longest suffix of `history` (max_ngram .. min_ngram tokens) in

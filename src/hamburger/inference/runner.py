@@ -83,6 +83,7 @@ class ModelRunner:
         self.draft_policy = draft_policy_mod.ON_BY_DEFAULT if draft_policy is None else draft_policy
         self.lookup_drafts = LOOKUP_DRAFTS
         self._reply_tokens = model.reply_tokens if self.lookup else None
+        reply_store(self._reply_tokens)  # built now (once per model, ~0.2 s), not inside the first drafting step
         self._step_costs: dict[int, StepCosts] = {}
         # Micro-steps choose among the checkpoint's shortlist (if it has one): a head of |shortlist| rows
         # instead of the whole vocabulary. Token 0 of every step always uses the full head.
@@ -93,7 +94,9 @@ class ModelRunner:
         if self.vocab is not None:
             self.vocab = self.vocab.to(self.device)
             head = model.base.get_output_embeddings()
-            if isinstance(head, Int8Linear) and head.native and (short := head.rows(self.vocab)).native:
+            # the native kernels take 16 rows a tile: the last row repeated to fill one, its logits cut off
+            whole = torch.cat([self.vocab, self.vocab[-1:].expand(-len(self.vocab) % 16)])
+            if isinstance(head, Int8Linear) and head.native and (short := head.rows(whole)).native:
                 self._short, self.short_head = short, None  # the head's own codes at those rows: exact
             else:
                 self.short_head = head_rows(model, self.vocab).to(self.dtype).contiguous()
@@ -153,7 +156,9 @@ class ModelRunner:
 
     def short_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of (..., d) states over the micro-step shortlist (requires one)."""
-        return self._short(h) if self._short is not None else F.linear(h, self.short_head)
+        if self._short is not None:
+            return self._short(h)[..., :len(self.vocab)]
+        return F.linear(h, self.short_head)
 
     # --- the two networks ------------------------------------------------------------------------------
 

@@ -5,9 +5,9 @@
  * Built on the user's machine at first use (`hamburger/kernels/native.py`: cc -O3 -march=native -fopenmp) and
  * called through ctypes. Activations, accumulation and outputs are float32.
  *
- * Every output is computed the same way however many rows a call has: a row's products are 16-lane partial sums
- * over the input in order, then one fixed reduction; its attention reads exactly the slots its mask allows, in
- * order. So a row's result does not depend on the other rows of the pass, nor on how many cache slots lie beyond
+ * Every output is computed the same way however many rows a call has: a row's float16 products are 16-lane partial
+ * sums over the input in order, then one fixed reduction; its 4-bit and 8-bit products exact integer sums per block,
+ * scaled and added in block order; its attention reads exactly the slots its mask allows, in order. So a row's result does not depend on the other rows of the pass, nor on how many cache slots lie beyond
  * its mask: a verify pass over 4 positions gives each position what a one-position step gives it, bit for bit.
  */
 #include <immintrin.h>
@@ -131,7 +131,7 @@ static void quantize_rows16(const float *x, int64_t rows, int64_t k, uint8_t *ou
     }
 }
 
-/* the 4 x 16 codes (int16, input pairs per 32-bit lane) of part j of a block: 64 inputs... of 16 outputs */
+/* part j of a block's codes as int16, 4 vectors of 16 outputs' input pairs (one pair per 32-bit lane) */
 INL void unpack_part(const uint8_t *c, int j, int q4, __m512i *w) {
     if (q4) {
         const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * j)), nib = _mm512_set1_epi16(0x0F);
