@@ -78,12 +78,23 @@ class FastLayer:
         return x.view(b, t, d)
 
 
-def fast_usable(layers: list[FastLayer]) -> bool:
-    """Every layer still `usable`, and no global module hook is set (it would see none of their modules)."""
-    hooks = torch.nn.modules.module
-    if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
-        return False
-    return all(f.usable() for f in layers)
+class FastUsable:
+    """Whether every one of `layers` is still `usable` and no global module hook is set (it would see none of their
+    modules), with all their modules read once into flat lists: one pass at C speed however many layers (it runs
+    at every pass; 30 calls of `usable` took 0.15-0.3 ms of a 6 ms step)."""
+
+    def __init__(self, layers: list[FastLayer]) -> None:
+        self.watched = [m for f in layers for m in f._watched]
+        self.owners = [o for f in layers for o in f._owners]
+        self.names = [n for f in layers for n in f._names]
+        self.held = [m for f in layers for m in f._held]
+
+    def __call__(self) -> bool:
+        hooks = torch.nn.modules.module
+        if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
+            return False
+        return (not any(map(any, map(_HOOKS, self.watched)))
+                and all(map(operator.is_, map(dict.get, self.owners, self.names), self.held)))
 
 
 def rope_tables(rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

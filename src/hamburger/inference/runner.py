@@ -16,7 +16,7 @@ from hamburger.errors import HamburgerError
 from hamburger.inference import draft_policy as draft_policy_mod
 from hamburger.inference.core import MicroContext
 from hamburger.inference.draft_policy import StepCosts
-from hamburger.inference.fast_layer import decode_layers, fast_usable, rope_tables
+from hamburger.inference.fast_layer import FastUsable, decode_layers, rope_tables
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
 from hamburger.inference.lookup import reply_store
 from hamburger.inference.native_layers import micro_native_layers
@@ -106,6 +106,7 @@ class ModelRunner:
                 self._short, self.short_head = Fp16Linear(self.short_head), None
         self.base = model.base.base_model
         self.fast = decode_layers(self.base) if fast_layers else None
+        self.fast_usable = FastUsable(self.fast) if self.fast is not None else None
         self.native = make_native(self.base, self.fast) if native_layers and not compile else None
         # the micro-step decoder's layers in one native call too, where they match its module-by-module pass
         self.micro_native = micro_native_layers(model.micro, self.base.config, self.native)
@@ -180,7 +181,7 @@ class ModelRunner:
         rope = base.rotary_emb(embeds, positions)
         # the fast layers eagerly (a compiled pass fuses the module-by-module layers itself)
         fast = (self.fast if adapters is None and self.fast is not None and not torch.compiler.is_compiling()
-                and fast_usable(self.fast) else None)
+                and self.fast_usable() else None)
         feats: dict[int, torch.Tensor] = {}
         # compress mode's mask is a function of the layer (`verify.MergedMask`): the native call takes its parts
         native_mask, bias = mask.native_parts() if hasattr(mask, "native_parts") else (mask, None)
