@@ -280,3 +280,38 @@ def test_export_stores_replies_that_load_with_the_checkpoint(checkpoint, tmp_pat
     bad.write_text("not json\n")
     with pytest.raises(HamburgerError, match="line 1"):
         export_checkpoint(str(checkpoint), tmp_path / "out2", replies=str(bad))
+
+
+def test_the_reply_store_is_the_latest_match_of_every_ngram_and_survives_hash_collisions(monkeypatch):
+    """Against a dict of every n-gram's latest continuation, on random replies; and with every key colliding (a
+    constant hash), a match is still checked against the tokens: what is drafted followed the history's last
+    tokens somewhere in the store, never tokens from elsewhere."""
+    import random
+
+    from hamburger.inference import lookup
+    from hamburger.inference.lookup import ReplyStore
+
+    rng = random.Random(0)
+    toks = [t for _ in range(60) for t in [rng.randrange(6) for _ in range(rng.randrange(1, 12))] + [-1]]
+    store = ReplyStore(torch.tensor(toks, dtype=torch.int32))
+
+    def latest(history, limit):
+        for n in range(4, 1, -1):
+            at = max((j for j in range(n, len(toks)) if toks[j] >= 0 and toks[j - n:j] == history[-n:]), default=None)
+            if len(history) >= n and at is not None:
+                out = toks[at:at + limit]
+                return out[:out.index(-1)] if -1 in out else out
+        return []
+
+    histories = [[rng.randrange(6) for _ in range(rng.randrange(1, 6))] for _ in range(300)]
+    assert all(store.draft(h, 5) == latest(h, 5) for h in histories)
+    assert sum(bool(store.draft(h, 5)) for h in histories) > 200  # most of them match something
+    monkeypatch.setattr(lookup, "_ngram_keys", lambda w: torch.zeros(w.shape[0], dtype=torch.int64))
+    monkeypatch.setattr(lookup, "_ngram_key", lambda t: 0)
+    colliding = ReplyStore(torch.tensor(toks, dtype=torch.int32))
+    def follows(history, got):
+        return any(toks[j - n:j] == history[-n:] and toks[j:j + len(got)] == got
+                   for n in range(2, 5) if len(history) >= n for j in range(n, len(toks)))
+
+    drafted = [(h, colliding.draft(h, 5)) for h in histories]
+    assert all(follows(h, got) for h, got in drafted if got) and any(got for _, got in drafted)

@@ -68,6 +68,25 @@ class NgramIndex:
         return []
 
 
+_MIX = -7046029254386353131  # 0x9E3779B97F4A7C15 as an int64: odd, so key * _MIX + token mixes every bit
+
+
+def _ngram_keys(windows: torch.Tensor) -> torch.Tensor:
+    """(N, n) int64 tokens -> (N,) int64 keys, a multiplicative hash (wrapping): equal n-grams, equal keys."""
+    key = torch.zeros(windows.shape[0], dtype=torch.int64)
+    for i in range(windows.shape[1]):
+        key = key * _MIX + windows[:, i]
+    return key
+
+
+def _ngram_key(tokens: Sequence[int]) -> int:
+    """`_ngram_keys` of one n-gram, in Python integers."""
+    key = 0
+    for t in tokens:
+        key = (key * _MIX + t + 2**63) % 2**64 - 2**63
+    return key
+
+
 class ReplyStore:
     """Lookup drafts from the base's own earlier replies (retrieval drafts, as REST does with a datastore): a row
     whose own history offers no match drafts what followed its last `min_ngram`..`max_ngram` tokens in a stored
@@ -75,19 +94,24 @@ class ReplyStore:
     base checks these like any draft, so the output is unchanged; a phrase the base tends to write ("Here is a
     Python function that", a step of arithmetic, a list's form) is drafted whole.
 
-    `tokens` (N,) int: the replies one after another, each followed by -1. Each n-gram points at the start of its
-    latest continuation (one dict per length, built once per store: about 0.2 s for 200 k tokens)."""
+    `tokens` (N,) int: the replies one after another, each followed by -1. Per n-gram length, the sorted hash keys
+    of every n-gram and where its latest continuation starts, 16 bytes an n-gram (built once per store: about
+    0.04 s for 200 k tokens, where dicts of tuples took 0.2 s); a match is checked against the tokens themselves,
+    so a hash collision drafts nothing rather than something else."""
 
     def __init__(self, tokens: torch.Tensor, min_ngram: int = 2, max_ngram: int = 4) -> None:
         self.min, self.max = min_ngram, max_ngram
-        toks = tokens.tolist()
-        self.tokens = toks
-        self.next: dict[int, dict[tuple[int, ...], int]] = {}
+        toks = tokens.detach().to("cpu", torch.int64).flatten()
+        self.tokens = toks.numpy()
+        self.keys, self.ends = {}, {}
         for n in range(min_ngram, max_ngram + 1):
             # an n-gram ending at j-1 (no separator inside it) points at j, if j is a token (later wins)
-            keys = zip(*(toks[i:len(toks) - n + i] for i in range(n)))
-            self.next[n] = {key: j for j, key, t in zip(range(n, len(toks)), keys, toks[n:])
-                            if t >= 0 and -1 not in key}
+            win = toks.unfold(0, n, 1)[:-1] if len(toks) > n else toks.new_zeros(0, n)
+            ok = (toks[n:] >= 0) & (win >= 0).all(1)
+            key, order = torch.sort(_ngram_keys(win[ok]), stable=True)  # equal keys stay in position order
+            end = (ok.nonzero().squeeze(1) + n)[order]
+            last = torch.cat([key[1:] != key[:-1], torch.ones(min(1, len(key)), dtype=torch.bool)])
+            self.keys[n], self.ends[n] = key[last].numpy(), end[last].numpy()
 
     def draft(self, history: Sequence[int], limit: int) -> list[int]:
         """Up to `limit` tokens that followed the longest suffix of `history` (max_ngram .. min_ngram tokens) in
@@ -95,10 +119,14 @@ class ReplyStore:
         for n in range(self.max, self.min - 1, -1):
             if len(history) < n:
                 continue
-            at = self.next[n].get(tuple(history[-n:]))
-            if at is not None:
-                out = self.tokens[at : at + limit]
-                return out[: out.index(-1)] if -1 in out else out
+            tail = list(history[-n:])
+            key, keys = _ngram_key(tail), self.keys[n]
+            i = int(keys.searchsorted(key))
+            if i < len(keys) and keys[i] == key:
+                at = int(self.ends[n][i])
+                if self.tokens[at - n:at].tolist() == tail:
+                    out = self.tokens[at : at + limit].tolist()
+                    return out[: out.index(-1)] if -1 in out else out
         return []
 
 
