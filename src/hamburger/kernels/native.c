@@ -103,7 +103,7 @@ INL void fp16_tile(const float *x, const uint16_t *w, float *y, int64_t k, int64
    weights' bytes. A row's activations: its k int16 in order, then dx and sum(x) of each block (floats).
 
    The weights lie in tiles of 16 outputs by 32 inputs (`TB_Q4` / `TB_Q8` bytes), a tile's blocks one after the
-   other (`hb_tile_q4` / `hb_tile_q8` make them). Kind 3: 4 x 64 bytes of codes, 16-bit word w of part j holding
+   other (`hb_tile` makes them). Kind 3: 4 x 64 bytes of codes, 16-bit word w of part j holding
    in nibble h output w / 2's input 8j + 2h + w % 2; then 16 scales and 16 mins, float16. Kind 5: 16 x 32 bytes of
    codes, part p's byte w output w / 2's input 2p + w % 2; then 16 scales, float16. */
 #define TB_Q4 320
@@ -307,38 +307,28 @@ int hb_quantize_q8_0(const float *w, int64_t n, int64_t k, int8_t *q, uint16_t *
     return bad ? -1 : 0;
 }
 
-/* q (n, k) codes 0..15, scales and mins (n, k/group) float16 -> kind 3's tiles (n a multiple of 16) */
-void hb_tile_q4(const uint8_t *q, const uint16_t *scales, const uint16_t *mins, int64_t n, int64_t k, int64_t group,
-                uint8_t *out) {
-    const int64_t blocks = k / 32;
+/* q (n, k) codes, scales (and mins) (n, k/group) float16 -> the tiles (n a multiple of 16): kind 3's where there
+   are mins (codes 0..15), else kind 5's (codes -127..127 as bytes, group 32) */
+void hb_tile(const uint8_t *q, const uint16_t *scales, const uint16_t *mins, int64_t n, int64_t k, int64_t group,
+             uint8_t *out) {
+    const int64_t blocks = k / 32, tb = mins != NULL ? TB_Q4 : TB_Q8;
     #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < n; r++) {
         const int64_t l = r % 16;
         for (int64_t b = 0; b < blocks; b++) {
-            uint8_t *t = out + ((r / 16) * blocks + b) * TB_Q4;
+            uint8_t *t = out + ((r / 16) * blocks + b) * tb;
             const uint8_t *c = q + r * k + 32 * b;
-            for (int j = 0; j < 4; j++)
-                for (int e = 0; e < 2; e++) {
-                    const int i = 8 * j + e;  /* nibble h of the word: input i + 2h */
-                    t[64 * j + 2 * (2 * l + e)] = (uint8_t)(c[i] | c[i + 2] << 4);
-                    t[64 * j + 2 * (2 * l + e) + 1] = (uint8_t)(c[i + 4] | c[i + 6] << 4);
-                }
-            memcpy(t + 256 + 2 * l, scales + r * (k / group) + (32 * b) / group, 2);
-            memcpy(t + 288 + 2 * l, mins + r * (k / group) + (32 * b) / group, 2);
-        }
-    }
-}
-
-/* q (n, k) codes -127..127, scales (n, k/32) float16 -> kind 5's tiles (n a multiple of 16) */
-void hb_tile_q8(const int8_t *q, const uint16_t *scales, int64_t n, int64_t k, uint8_t *out) {
-    const int64_t blocks = k / 32;
-    #pragma omp parallel for schedule(static)
-    for (int64_t r = 0; r < n; r++) {
-        const int64_t l = r % 16;
-        for (int64_t b = 0; b < blocks; b++) {
-            uint8_t *t = out + ((r / 16) * blocks + b) * TB_Q8;
-            for (int i = 0; i < 32; i++) t[32 * (i / 2) + 2 * l + i % 2] = (uint8_t)q[r * k + 32 * b + i];
-            memcpy(t + 512 + 2 * l, scales + r * blocks + b, 2);
+            if (mins != NULL) {
+                for (int j = 0; j < 4; j++)
+                    for (int e = 0; e < 2; e++) {
+                        const int i = 8 * j + e;  /* nibble h of the word: input i + 2h */
+                        t[64 * j + 2 * (2 * l + e)] = (uint8_t)(c[i] | c[i + 2] << 4);
+                        t[64 * j + 2 * (2 * l + e) + 1] = (uint8_t)(c[i + 4] | c[i + 6] << 4);
+                    }
+                memcpy(t + 288 + 2 * l, mins + r * (k / group) + (32 * b) / group, 2);
+            } else
+                for (int i = 0; i < 32; i++) t[32 * (i / 2) + 2 * l + i % 2] = c[i];
+            memcpy(t + (mins != NULL ? 256 : 512) + 2 * l, scales + r * (k / group) + (32 * b) / group, 2);
         }
     }
 }

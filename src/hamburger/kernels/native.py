@@ -136,10 +136,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.hb_quantize_q4_1.restype = ctypes.c_int
     lib.hb_quantize_q8_0.argtypes = [ptr, i64, i64, ptr, ptr]
     lib.hb_quantize_q8_0.restype = ctypes.c_int
-    lib.hb_tile_q4.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr]
-    lib.hb_tile_q4.restype = None
-    lib.hb_tile_q8.argtypes = [ptr, ptr, i64, i64, ptr]
-    lib.hb_tile_q8.restype = None
+    lib.hb_tile.argtypes = [ptr, ptr, ptr, i64, i64, i64, ptr]
+    lib.hb_tile.restype = None
     lib.hb_scratch_floats.argtypes = [ctypes.c_int64] * 6
     lib.hb_scratch_floats.restype = ctypes.c_int64
     return lib, None
@@ -243,7 +241,7 @@ def tile_q4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: in
     n, k = q.shape
     out = torch.empty(n // CODES_TILE, k // CODES_BLOCK, TILE_BYTES[INT4_Q16], dtype=torch.uint8)
     q, scales, mins = _contiguous(q, torch.uint8), _contiguous(scales, torch.float16), _contiguous(mins, torch.float16)
-    _load()[0].hb_tile_q4(q.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, k, group, out.data_ptr())
+    _load()[0].hb_tile(q.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, k, group, out.data_ptr())
     return out
 
 
@@ -253,5 +251,5 @@ def tile_q8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     n, k = q.shape
     out = torch.empty(n // CODES_TILE, k // CODES_BLOCK, TILE_BYTES[INT8_Q16], dtype=torch.uint8)
     q, scales = _contiguous(q, torch.int8), _contiguous(scales, torch.float16)
-    _load()[0].hb_tile_q8(q.data_ptr(), scales.data_ptr(), n, k, out.data_ptr())
+    _load()[0].hb_tile(q.data_ptr(), scales.data_ptr(), None, n, k, CODES_BLOCK, out.data_ptr())
     return out
