@@ -85,10 +85,10 @@ def check_int16_products(layer, weights: torch.Tensor, emulated, scales: torch.T
     assert (layer(x) - want).abs().max() > 1e-3 * want.abs().max()
 
 
-@pytest.mark.parametrize(("n", "k", "group"), [(48, 256, 32), (48, 256, 64), (64, 256, 128), (16, 96, 32)])
+@pytest.mark.parametrize(("n", "k", "group"), [(48, 256, 32), (48, 256, 64), (64, 256, 128), (16, 96, 32), (40, 96, 32)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
 def test_int4_products_with_int16_activations_are_that_arithmetic(rows, n, k, group):
-    layer, weights = q4_layer(n, k, group)  # 48 outputs: a tile of 32 and one of 16; 96 inputs: 3 blocks
+    layer, weights = q4_layer(n, k, group)  # 48 outputs: tiles of 32 and 16; 40: 32 and 8; 96 inputs: 3 blocks
     assert layer.native and not hasattr(layer, "weight_int4pack") and torch.equal(layer.dequantize(), weights)
     # an identity through the kernel gives each weight back to the activations' rounding
     assert (layer._mm(torch.eye(k)).t() - weights).abs().max() <= 1e-4 * weights.abs().max()
@@ -100,8 +100,8 @@ def test_each_row_is_the_same_whatever_the_other_rows(kind):
     k = 96 if kind in ("fp16", "int4 96") else 128
     if kind == "fp16":
         layer = Fp16Linear.from_linear(linear(64, k))
-    else:  # 48 outputs: a tile of 32 and one of 16
-        layer = q8_layer(48, k)[0] if kind == "int8" else q4_layer(48, k, 32)[0]
+    else:  # 40 outputs: two tiles of 16 and half of one
+        layer = q8_layer(40, k)[0] if kind == "int8" else q4_layer(40, k, 32)[0]
     x = torch.randn(11, k)
     together = layer(x)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(11)])
@@ -137,9 +137,9 @@ def test_turned_off_makes_pytorchs_kernels_and_shapes_that_do_not_fit_stay_there
     assert native.fits(50, 64, native.FP16) is not None  # out_features not a multiple of 4
     assert native.fits(48, 40, native.FP16) is not None  # in_features not a multiple of 16
     assert not Fp16Linear.from_linear(linear(50, 64)).native  # PyTorch's kernel takes it instead
-    assert native.fits(40, 64, native.INT4_Q16, 32) is not None  # codes: 16 outputs a tile
-    assert native.fits(48, 80, native.INT8_Q16, 32) is not None  # and blocks of 32 inputs
-    assert not Int8Linear.from_linear(linear(40, 64)).native
+    assert native.fits(48, 80, native.INT8_Q16, 32) is not None  # codes: blocks of 32 inputs
+    assert native.fits(40, 64, native.INT4_Q16, 32) is None  # any number of outputs (the last tile in part)
+    assert not Int8Linear.from_linear(linear(48, 80)).native
 
 
 def test_the_start_line_names_the_kernels():
@@ -179,9 +179,10 @@ def q8_products(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
     return (out + (layer.bias.double() if layer.bias is not None else 0)).float()
 
 
+@pytest.mark.parametrize("n", [48, 7])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
-def test_int8_products_with_int16_activations_are_that_arithmetic(rows):
-    layer, weights = q8_layer()
+def test_int8_products_with_int16_activations_are_that_arithmetic(rows, n):
+    layer, weights = q8_layer(n)  # 7 outputs: less than a tile
     assert layer.native and layer.group_size == 32 and not hasattr(layer, "weight_int8")
     assert torch.equal(layer.dequantize(), weights)
     check_int16_products(layer, weights, q8_products, layer.tiles[..., 512:], rows)
@@ -256,12 +257,12 @@ def test_the_tiles_hold_each_code_and_scale_where_the_layout_says(group):
     """`native.tile_q4` / `tile_q8` against the layout written out here index by index, and read back."""
     from hamburger.kernels.qcodes import untile_q4, untile_q8
     gen = torch.Generator().manual_seed(5)
-    n, k = 32, 128
+    n, k = 40, 128  # two whole tiles of 16 outputs and a part of one
     q4 = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     q8 = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
     scales, mins = torch.randn(n, k // group, generator=gen).half(), torch.randn(n, k // group, generator=gen).half()
     t4, t8 = native.tile_q4(q4, scales, mins, group), native.tile_q8(q8, scales.repeat_interleave(group // 32, 1))
-    for r, i in ((0, 0), (5, 37), (17, 100), (31, 127)):
+    for r, i in ((0, 0), (5, 37), (17, 100), (31, 127), (39, 64)):
         tile, lane, block, j, h, e = r // 16, r % 16, i // 32, (i % 32) // 8, (i % 8) // 2, i % 2
         word = int(t4[tile, block, 64 * j + 2 * (2 * lane + e)]) | int(t4[tile, block, 64 * j + 2 * (2 * lane + e) + 1]) << 8
         assert (word >> 4 * h) & 15 == q4[r, i]
@@ -269,6 +270,6 @@ def test_the_tiles_hold_each_code_and_scale_where_the_layout_says(group):
         assert t4[tile, block, 256 + 2 * lane:258 + 2 * lane].view(torch.float16) == scales[r, i // group]
         assert t4[tile, block, 288 + 2 * lane:290 + 2 * lane].view(torch.float16) == mins[r, i // group]
         assert t8[tile, block, 512 + 2 * lane:514 + 2 * lane].view(torch.float16) == scales[r, i // group]
-    assert all(torch.equal(a, b) for a, b in zip(untile_q4(t4, group), (q4, scales, mins), strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(untile_q8(t8), (q8, scales.repeat_interleave(group // 32, 1)),
+    assert all(torch.equal(a, b) for a, b in zip(untile_q4(t4, n, group), (q4, scales, mins), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(untile_q8(t8, n), (q8, scales.repeat_interleave(group // 32, 1)),
                                                   strict=True))

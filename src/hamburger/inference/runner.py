@@ -94,9 +94,7 @@ class ModelRunner:
         if self.vocab is not None:
             self.vocab = self.vocab.to(self.device)
             head = model.base.get_output_embeddings()
-            # the native kernels take 16 rows a tile: the last row repeated to fill one, its logits cut off
-            whole = torch.cat([self.vocab, self.vocab[-1:].expand(-len(self.vocab) % 16)])
-            if isinstance(head, Int8Linear) and head.native and (short := head.rows(whole)).native:
+            if isinstance(head, Int8Linear) and head.native and (short := head.rows(self.vocab)).native:
                 self._short, self.short_head = short, None  # the head's own codes at those rows: exact
             else:
                 self.short_head = head_rows(model, self.vocab).to(self.dtype).contiguous()
@@ -157,9 +155,7 @@ class ModelRunner:
 
     def short_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of (..., d) states over the micro-step shortlist (requires one)."""
-        if self._short is not None:
-            return self._short(h)[..., :len(self.vocab)]
-        return F.linear(h, self.short_head)
+        return self._short(h) if self._short is not None else F.linear(h, self.short_head)
 
     # --- the two networks ------------------------------------------------------------------------------
 

@@ -74,6 +74,9 @@ typedef struct {
 
 INL float f16(uint16_t v) { return _cvtsh_ss(v); }
 
+/* the lanes of a loop's last, partial chunk of 16 */
+INL __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+
 /* --- matrix products: y (m, n) = x (m, k) . w^T (+ bias). Orphaned `omp for`: inside a parallel region the
    threads split the output rows; outside one, the caller's thread does all. --------------------------------- */
 
@@ -144,8 +147,8 @@ INL void unpack_part(const uint8_t *c, int j, int q4, __m512i *w) {
 }
 
 /* y[m, 16t + l] for mt rows and tw tiles of 16 outputs (`wt`: the first tile's blocks) */
-INL void codes_tile(const uint8_t *xq, const uint8_t *wt, float *y, int64_t k, int64_t ldy, const int mt,
-                    const int tw, const int q4) {
+INL void codes_tile(const uint8_t *xq, const uint8_t *wt, float *y, int64_t k, int64_t ldy, int64_t cols,
+                    const int mt, const int tw, const int q4) {
     const int64_t blocks = k / 32, tb = q4 ? TB_Q4 : TB_Q8, xrow = blocks * XQ_BLOCK;
     __m512 f[T_MT][TW];
     for (int m = 0; m < mt; m++)
@@ -181,7 +184,7 @@ INL void codes_tile(const uint8_t *xq, const uint8_t *wt, float *y, int64_t k, i
         }
     }
     for (int m = 0; m < mt; m++)
-        for (int t = 0; t < tw; t++) _mm512_storeu_ps(y + m * ldy + 16 * t, f[m][t]);
+        for (int t = 0; t < tw; t++) _mm512_mask_storeu_ps(y + m * ldy + 16 * t, lanes(cols - 16 * t), f[m][t]);
 }
 
 /* rows in tiles of MT (or T_MT) and a last partial one */
@@ -208,15 +211,15 @@ static void gemm_for(const float *x, const hb_weights *w, float *y, int64_t rows
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *wt = (const uint8_t *)w->w + g * TW * (k / 32) * tb;
             float *yg = y + g * 16 * TW;
-            const int64_t width = n - g * 16 * TW < 16 * TW ? 16 : 16 * TW;  /* n a multiple of 16 */
+            const int64_t width = n - g * 16 * TW < 16 * TW ? n - g * 16 * TW : 16 * TW;  /* the last: what is left */
             /* each branch with its tile's shape a constant */
-#define Q4_WIDE(mt) codes_tile(xq + r * xrow, wt, yg + r * n, k, n, mt, TW, 1)
-#define Q4_ONE(mt) codes_tile(xq + r * xrow, wt, yg + r * n, k, n, mt, 1, 1)
-#define Q8_WIDE(mt) codes_tile(xq + r * xrow, wt, yg + r * n, k, n, mt, TW, 0)
-#define Q8_ONE(mt) codes_tile(xq + r * xrow, wt, yg + r * n, k, n, mt, 1, 0)
-            if (q4 && width == 16 * TW) { TILES(T_MT, Q4_WIDE) }
+#define Q4_WIDE(mt) codes_tile(xq + r * xrow, wt, yg + r * n, k, n, width, mt, TW, 1)
+#define Q4_ONE(mt) codes_tile(xq + r * xrow, wt, yg + r * n, k, n, width, mt, 1, 1)
+#define Q8_WIDE(mt) codes_tile(xq + r * xrow, wt, yg + r * n, k, n, width, mt, TW, 0)
+#define Q8_ONE(mt) codes_tile(xq + r * xrow, wt, yg + r * n, k, n, width, mt, 1, 0)
+            if (q4 && width > 16) { TILES(T_MT, Q4_WIDE) }
             else if (q4) { TILES(T_MT, Q4_ONE) }
-            else if (width == 16 * TW) { TILES(T_MT, Q8_WIDE) }
+            else if (width > 16) { TILES(T_MT, Q8_WIDE) }
             else { TILES(T_MT, Q8_ONE) }
 #undef Q4_WIDE
 #undef Q4_ONE
@@ -307,8 +310,9 @@ int hb_quantize_q8_0(const float *w, int64_t n, int64_t k, int8_t *q, uint16_t *
     return bad ? -1 : 0;
 }
 
-/* q (n, k) codes, scales (and mins) (n, k/group) float16 -> the tiles (n a multiple of 16): kind 3's where there
-   are mins (codes 0..15), else kind 5's (codes -127..127 as bytes, group 32) */
+/* q (n, k) codes, scales (and mins) (n, k/group) float16 -> the tiles (ceil(n / 16) of them, `out` zeroed: the
+   last tile's missing outputs stay zero and are never stored): kind 3's where there are mins (codes 0..15), else
+   kind 5's (codes -127..127 as bytes, group 32) */
 void hb_tile(const uint8_t *q, const uint16_t *scales, const uint16_t *mins, int64_t n, int64_t k, int64_t group,
              uint8_t *out) {
     const int64_t blocks = k / 32, tb = mins != NULL ? TB_Q4 : TB_Q8;
@@ -359,8 +363,6 @@ INL __m512 exp16(__m512 x) {
     return _mm512_scalef_ps(poly, n);
 }
 
-/* the lanes of a loop's last, partial chunk of 16 */
-INL __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
 
 /* out = x / sqrt(mean(x^2) + eps) * weight */
 static void rms_norm(const float *x, const float *weight, float *out, int64_t d, float eps) {

@@ -184,9 +184,9 @@ def fits(out_features: int, in_features: int, kind: int, group: int = 0) -> str 
         if out_features % TILE_OUT or in_features % 16:
             return f"a float16 layer of {out_features} x {in_features} is not a multiple of {TILE_OUT} x 16 (native kernels)"
         return None
-    if out_features % CODES_TILE or in_features % CODES_BLOCK or group % CODES_BLOCK:
-        return (f"{out_features} outputs of {in_features} inputs in groups of {group} are not multiples of "
-                f"{CODES_TILE}, {CODES_BLOCK} and {CODES_BLOCK} (native kernels)")
+    if in_features % CODES_BLOCK or group % CODES_BLOCK:
+        return (f"{in_features} inputs in groups of {group} are not multiples of {CODES_BLOCK} and {CODES_BLOCK} "
+                "(native kernels)")
     return None
 
 
@@ -236,20 +236,20 @@ def _contiguous(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def tile_q4(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group: int) -> torch.Tensor:
-    """Codes 0..15 (N, K), scales and mins (N, K/group) -> `INT4_Q16`'s tiles (N/16, K/32, 320) uint8; `qcodes.untile_q4`
-    reads them back."""
+    """Codes 0..15 (N, K), scales and mins (N, K/group) -> `INT4_Q16`'s tiles (ceil(N/16), K/32, 320) uint8;
+    `qcodes.untile_q4` reads them back."""
     n, k = q.shape
-    out = torch.empty(n // CODES_TILE, k // CODES_BLOCK, TILE_BYTES[INT4_Q16], dtype=torch.uint8)
+    out = torch.zeros(-(-n // CODES_TILE), k // CODES_BLOCK, TILE_BYTES[INT4_Q16], dtype=torch.uint8)
     q, scales, mins = _contiguous(q, torch.uint8), _contiguous(scales, torch.float16), _contiguous(mins, torch.float16)
     _load()[0].hb_tile(q.data_ptr(), scales.data_ptr(), mins.data_ptr(), n, k, group, out.data_ptr())
     return out
 
 
 def tile_q8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """Codes -127..127 (N, K), scales (N, K/32) -> `INT8_Q16`'s tiles (N/16, K/32, 544) uint8; `qcodes.untile_q8`
-    reads them back."""
+    """Codes -127..127 (N, K), scales (N, K/32) -> `INT8_Q16`'s tiles (ceil(N/16), K/32, 544) uint8;
+    `qcodes.untile_q8` reads them back."""
     n, k = q.shape
-    out = torch.empty(n // CODES_TILE, k // CODES_BLOCK, TILE_BYTES[INT8_Q16], dtype=torch.uint8)
+    out = torch.zeros(-(-n // CODES_TILE), k // CODES_BLOCK, TILE_BYTES[INT8_Q16], dtype=torch.uint8)
     q, scales = _contiguous(q, torch.int8), _contiguous(scales, torch.float16)
     _load()[0].hb_tile(q.data_ptr(), scales.data_ptr(), None, n, k, CODES_BLOCK, out.data_ptr())
     return out

@@ -69,30 +69,30 @@ def q8_0_weights(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(n, k), scale.half()
 
 
-def untile_q4(tiles: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The native kernels' 4-bit tiles (N/16, K/32, 320) (`native.tile_q4`) -> (codes (N, K) uint8, float16 scales
-    and mins (N, K/group)): per 16 outputs and block of 32 inputs, 128 16-bit words (part j, output l, input e: the
+def untile_q4(tiles: torch.Tensor, n: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The native kernels' 4-bit tiles (ceil(N/16), K/32, 320) (`native.tile_q4`) -> (codes (N, K) uint8, float16
+    scales and mins (N, K/group)): per 16 outputs and block of 32 inputs, 128 16-bit words (part j, output l, input e: the
     word's nibble h is input 8j + 2h + e), then 16 scales and 16 mins."""
     t, b = tiles.shape[:2]
     words = tiles[..., :256].contiguous().view(torch.int16).to(torch.int32).reshape(t, b, 4, 16, 1, 2)
     nibbles = (words >> torch.arange(0, 16, 4, dtype=torch.int32).reshape(4, 1)) & 15  # (t, b, j, l, h, e)
-    q = nibbles.permute(0, 3, 1, 2, 4, 5).reshape(t * 16, b * 32).to(torch.uint8)
+    q = nibbles.permute(0, 3, 1, 2, 4, 5).reshape(t * 16, b * 32)[:n].to(torch.uint8)
 
     def per_output(start: int) -> torch.Tensor:
         values = tiles[..., start:start + 32].contiguous().view(torch.float16)  # (t, b, 16)
-        return values.permute(0, 2, 1).reshape(t * 16, b)[:, ::group // 32].contiguous()
+        return values.permute(0, 2, 1).reshape(t * 16, b)[:n, ::group // 32].contiguous()
 
     return q, per_output(256), per_output(288)
 
 
-def untile_q8(tiles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The native kernels' 8-bit tiles (N/16, K/32, 544) (`native.tile_q8`) -> (codes (N, K) int8, float16 scales
-    (N, K/32)): per 16 outputs and block of 32 inputs, 16 parts p of 32 bytes (output l's input 2p + e at byte
+def untile_q8(tiles: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The native kernels' 8-bit tiles (ceil(N/16), K/32, 544) (`native.tile_q8`) -> (codes (N, K) int8, float16
+    scales (N, K/32)): per 16 outputs and block of 32 inputs, 16 parts p of 32 bytes (output l's input 2p + e at byte
     2l + e), then 16 scales."""
     t, b = tiles.shape[:2]
     codes = tiles[..., :512].contiguous().view(torch.int8).reshape(t, b, 16, 16, 2)  # (t, b, p, l, e)
-    q = codes.permute(0, 3, 1, 2, 4).reshape(t * 16, b * 32)
-    scales = tiles[..., 512:].contiguous().view(torch.float16).permute(0, 2, 1).reshape(t * 16, b)
+    q = codes.permute(0, 3, 1, 2, 4).reshape(t * 16, b * 32)[:n]
+    scales = tiles[..., 512:].contiguous().view(torch.float16).permute(0, 2, 1).reshape(t * 16, b)[:n]
     return q.contiguous(), scales.contiguous()
 
 

@@ -87,7 +87,7 @@ class Int8Linear(NativeCodes, QuantizedLinear):
     def compute_dtype(self) -> torch.dtype:
         return torch.float32 if self.native else self.scales.dtype
 
-    def native_tensors(self) -> tuple[int, torch.Tensor, torch.Tensor]:
+    def native_tensors(self) -> tuple[int, torch.Tensor]:
         return native.INT8_Q16, self.tiles
 
     def linear2d(self, x: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,7 @@ class Int8Linear(NativeCodes, QuantizedLinear):
     def codes(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(codes (N, K) int8, scales: (N, K/32) float16 natively, else (N,))."""
         if self.native:
-            return untile_q8(self.tiles)
+            return untile_q8(self.tiles, self.out_features)
         return self.weight_int8, self.scales
 
     def rows(self, index: torch.Tensor) -> Int8Linear:
@@ -211,7 +211,7 @@ class Int4Linear(NativeCodes, QuantizedLinear):
         returns (q - 8) + 8 = q for every weight, exactly.
         """
         if self.native:
-            return untile_q4(self.tiles, self.group_size)
+            return untile_q4(self.tiles, self.out_features, self.group_size)
         sz = self.scales_and_zeros
         scales, zeros = sz[..., 0].t(), sz[..., 1].t()
         dtype = torch.bfloat16  # codes 0..15 times an identity: exact, and the kernels' fast path on CPU and CUDA
