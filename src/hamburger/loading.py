@@ -255,14 +255,14 @@ def hide_progress_bars() -> None:
 
 
 def kernels_note(quantize: str, device) -> str | None:
-    """Which kernels multiply fp16 / int8 / int4 weights on a CPU: "native kernels", or PyTorch's and why; None
-    otherwise."""
+    """Which kernels multiply fp16 / int8 / int4 weights on a CPU: "native kernels (<variant>)", or PyTorch's and
+    why; None otherwise."""
     if getattr(device, "type", str(device)) != "cpu" or split_scheme(quantize)[0] not in ("fp16", "int8", "int4"):
         return None
     from hamburger.kernels import native
 
     why = native.why_unavailable()
-    return "native kernels" if why is None else f"PyTorch's kernels: {why}"
+    return f"native kernels ({native.variant()})" if why is None else f"PyTorch's kernels: {why}"
 
 
 def describe_run(model: HamburgerModel, trained: bool, quantize: str = "none", auto: bool = False,

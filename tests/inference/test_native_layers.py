@@ -22,6 +22,18 @@ from hamburger.kernels.quantize import quantize_model
 from hamburger.model.hamburger_model import HamburgerModel
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+
+
+@pytest.fixture(autouse=True, params=native.variants() or [None])
+def variant(request):
+    """Every test here once for each variant this CPU runs (an AVX-512 machine: avx512-vnni, avx2-vnni, avx2)."""
+    if request.param is None:
+        yield None
+        return
+    with native.using(request.param):
+        if native.why_unavailable() is not None:
+            pytest.skip(f"native kernels {request.param}: {native.why_unavailable()}")
+        yield request.param
 PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51]]
 
 

@@ -15,6 +15,18 @@ from hamburger.kernels.qlinear import Fp16Linear, Int4Linear, Int8Linear
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
 
 
+@pytest.fixture(autouse=True, params=native.variants() or [None])
+def variant(request):
+    """Every test here once for each variant this CPU runs (an AVX-512 machine: avx512-vnni, avx2-vnni, avx2)."""
+    if request.param is None:
+        yield None
+        return
+    with native.using(request.param):
+        if native.why_unavailable() is not None:
+            pytest.skip(f"native kernels {request.param}: {native.why_unavailable()}")
+        yield request.param
+
+
 def linear(out_features: int, in_features: int, bias: bool = True, seed: int = 0) -> nn.Linear:
     torch.manual_seed(seed)
     layer = nn.Linear(in_features, out_features, bias=bias)
@@ -144,9 +156,10 @@ def test_turned_off_makes_pytorchs_kernels_and_shapes_that_do_not_fit_stay_there
 
 def test_the_start_line_names_the_kernels():
     from hamburger.loading import kernels_note
-    cpu = torch.device("cpu")
-    assert kernels_note("fp16", cpu) == "native kernels" and kernels_note("int4/int8", cpu) == "native kernels"
-    assert kernels_note("int8", cpu) == "native kernels" and kernels_note("none", cpu) is None
+    cpu, named = torch.device("cpu"), f"native kernels ({native.variant()})"
+    assert native.variant() in native.VARIANTS
+    assert kernels_note("fp16", cpu) == named and kernels_note("int4/int8", cpu) == named
+    assert kernels_note("int8", cpu) == named and kernels_note("none", cpu) is None
     assert kernels_note("int4", torch.device("meta")) is None  # not a CPU
 
 

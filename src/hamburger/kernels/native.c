@@ -1,190 +1,62 @@
-/* The engine's native CPU kernels (x86-64 with AVX-512 F, BW and VNNI): weight-only float16, 4-bit and 8-bit matrix
- * products, and a Llama-style decoder layer over the engine's KV cache, every layer of a pass in one call and one
- * OpenMP region. Built for a CPU without those, the library says so (hb_isa() == 0) and is not used.
+/* The engine's native CPU kernels: weight-only float16, 4-bit and 8-bit matrix products, and a Llama-style decoder
+ * layer over the engine's KV cache, every layer of a pass in one call and one OpenMP region.
  *
- * Built on the user's machine at first use (`hamburger/kernels/native.py`: cc -O3 -march=native -fopenmp) and
- * called through ctypes. Activations, accumulation and outputs are float32.
+ * Built on the user's machine at first use (`hamburger/kernels/native.py`: cc -O3 -march=native -fopenmp, or a
+ * variant's own flags) and called through ctypes. Activations, accumulation and outputs are float32. One variant a
+ * build, by the instruction sets the compiler targets: x86-64 with AVX-512 F, BW and VNNI (`native_avx512.h`);
+ * x86-64 with AVX2, FMA and F16C, AVX-VNNI where there (`native_avx2.h`); aarch64 with NEON, the dot-product and
+ * i8mm extensions where there (`native_neon.h`). Built for none of those, hb_isa() is 0 and Python does not use it.
  *
- * Every output is computed the same way however many rows a call has: a row's float16 products are 16-lane partial
- * sums over the input in order, then one fixed reduction; its 4-bit and 8-bit products exact integer sums per block,
- * scaled and added in block order; its attention reads exactly the slots its mask allows, in order. So a row's result does not depend on the other rows of the pass, nor on how many cache slots lie beyond
- * its mask: a verify pass over 4 positions gives each position what a one-position step gives it, bit for bit.
+ * Every output is computed the same way however many rows a call has, and by every variant alike (native.h says
+ * how): a row's float16 products are 16-lane partial sums over the input in order, then one fixed reduction; its
+ * 4-bit and 8-bit products exact integer sums per block, scaled and added in block order; its attention reads
+ * exactly the slots its mask allows, in order. So a row's result does not depend on the other rows of the pass,
+ * nor on how many cache slots lie beyond its mask: a verify pass over 4 positions gives each position what a
+ * one-position step gives it, bit for bit; and the variants give the same bits.
  */
-#include <immintrin.h>
 #include <math.h>
-#include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-#define NB 4   /* float16: output rows per tile */
-#define MT 4   /* float16: input rows per tile */
-#define MAX_HEAD_DIM 256
-#ifndef AHEAD
-#define AHEAD 8192  /* bytes of weights prefetched ahead of each row's reads: 1.45x on the default's float16 step */
+#include "native.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(HB_NO_AVX512)
+#include "native_avx512.h"
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include "native_avx2.h"
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#include "native_neon.h"
 #endif
-#define INL static inline __attribute__((always_inline))
 
-int hb_isa(void) {
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
-    return 512;
-#else
-    return 0;
-#endif
-}
+#ifdef HB_ISA
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+int hb_isa(void) { return HB_ISA; }
 
-typedef struct {
-    int32_t kind;        /* 1: float16 (n, k) row-major; 3: GGUF's Q4_1, 5: GGUF's Q8_0, in tiles (below) */
-    int32_t unused;
-    int64_t n, k, group;
-    const void *w;       /* kind 1: uint16 (n, k); kinds 3, 5: the tiles of codes and scales (below) */
-    const uint16_t *sz;  /* unused */
-    const float *bias;   /* (n) or NULL */
-} hb_weights;
-
-typedef struct {
-    const float *norm1, *norm2;
-    hb_weights qkv, o, gate_up, down;
-    int64_t index;       /* the layer's index in the cache */
-    const float *ctx_gate;  /* the micro-step decoder's layers: tanh(gate) per head of the attention to the base's
-                               entries of layer ctx_index (`hb_pass.ctx_*`), added to the layer's own; or NULL */
-    int64_t ctx_index;
-} hb_layer;
-
-typedef struct {
-    int64_t b, t, d, heads, kv_heads, head_dim, inner, slots_len;
-    float eps, scaling;
-    const float *cos, *sin;          /* (b*t, head_dim); sin with its first half negated */
-    float *k_cache, *v_cache;        /* element strides: layer, row, head, slot; head_dim contiguous */
-    int64_t s_layer, s_row, s_head, s_slot;
-    const int64_t *slots;            /* (b*t): the cache slot of each row's position */
-    const uint8_t *mask;             /* (b, t, slots_len): 1 where a position may attend */
-    float *scratch;                  /* hb_scratch_floats(...) floats */
-    int64_t copies;                  /* x after layer copy_after[j] (counted from the call's first) into copy_to[j] */
-    const int64_t *copy_after;
-    float *const *copy_to;
-    const float *ctx_k, *ctx_v;      /* the base's cache the layers with a ctx_gate also attend to (NULL: none) */
-    int64_t c_s_layer, c_s_row, c_s_head, c_s_slot, ctx_len;
-    const uint8_t *ctx_mask;         /* (b, ctx_len): 1 where a row may read the base's entry */
-    const float *log_k, *merged;     /* compress mode (or NULL): (b, slots_len) log of the tokens an entry merges,
-                                        1 where it merges; a score gains merged * (a * log_k + c) */
-    const float *bias_a, *bias_c;    /* (layers, heads): the KV merger's a and c of each layer's heads */
-} hb_pass;
-
-INL float f16(uint16_t v) { return _cvtsh_ss(v); }
-
-/* the lanes of a loop's last, partial chunk of 16 */
-INL __mmask16 lanes(int64_t left) { return left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1); }
+#define HB_MIN(a, b) ((a) < (b) ? (a) : (b))
 
 /* --- matrix products: y (m, n) = x (m, k) . w^T (+ bias). Orphaned `omp for`: inside a parallel region the
    threads split the output rows; outside one, the caller's thread does all. --------------------------------- */
 
-INL void fp16_tile(const float *x, const uint16_t *w, float *y, int64_t k, int64_t ldy, const int mt) {
-    __m512 acc[MT][NB];
-    for (int m = 0; m < mt; m++)
-        for (int j = 0; j < NB; j++) acc[m][j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < k; i += 16) {
-        __m512 wv[NB];
-        if ((i & 31) == 0)  /* a cache line of each row: the hardware's prefetchers alone leave half the bandwidth */
-            for (int j = 0; j < NB; j++) _mm_prefetch((const char *)(w + j * k + i) + AHEAD, _MM_HINT_T0);
-        for (int j = 0; j < NB; j++) wv[j] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(w + j * k + i)));
-        for (int m = 0; m < mt; m++) {
-            __m512 xv = _mm512_loadu_ps(x + m * k + i);
-            for (int j = 0; j < NB; j++) acc[m][j] = _mm512_fmadd_ps(xv, wv[j], acc[m][j]);
-        }
-    }
-    for (int m = 0; m < mt; m++)
-        for (int j = 0; j < NB; j++) y[m * ldy + j] = _mm512_reduce_add_ps(acc[m][j]);
-}
-
-/* kinds 3 (GGUF's Q4_1) and 5 (Q8_0): the activations quantized per block of 32 to int16 (x ~ x16 * dx, dx =
-   max|x| / 32767; about 3e-5 of a product off its float value, llama.cpp's int8 blocks 1e-2), each block's
-   product with 16 outputs' codes summed exactly in int32 (vpdpwssd, the row's input pairs broadcast), then
-   scaled in float: per row, block and 16 outputs one conversion, a product and one fused multiply-add (Q4_1: and
-   min * sum(x)). The codes are unpacked once for all the rows of a tile, so a row more costs little beside the
-   weights' bytes. A row's activations: its k int16 in order, then dx and sum(x) of each block (floats).
-
-   The weights lie in tiles of 16 outputs by 32 inputs (`TB_Q4` / `TB_Q8` bytes), a tile's blocks one after the
-   other (`hb_tile` makes them). Kind 3: 4 x 64 bytes of codes, 16-bit word w of part j holding
-   in nibble h output w / 2's input 8j + 2h + w % 2; then 16 scales and 16 mins, float16. Kind 5: 16 x 32 bytes of
-   codes, part p's byte w output w / 2's input 2p + w % 2; then 16 scales, float16. */
-#define TB_Q4 320
-#define TB_Q8 544
-#define TW 2    /* tiles of 16 outputs a call takes side by side */
-#define T_MT 4  /* rows a call takes */
-#define XQ_BLOCK 72  /* bytes of a row's quantized activations per block of 32 inputs */
-
+/* kinds 3 (GGUF's Q4_1) and 5 (Q8_0): the activations quantized per block of 32 to int16 (native.h's XQ_BLOCK;
+   about 3e-5 of a product off its float value, llama.cpp's int8 blocks 1e-2), each block's product with 16
+   outputs' codes summed exactly in int32 (the variant's `codes_tile`), then scaled in float: per row, block and 16
+   outputs sum * (scale * dx) + f as one fused multiply-add (Q4_1: and then min * sum(x) + f, fused). The codes are
+   unpacked once for all the rows of a tile, so a row more costs little beside the weights' bytes. */
 static void quantize_rows16(const float *x, int64_t rows, int64_t k, uint8_t *out) {
     const int64_t blocks = k / 32;
     for (int64_t m = 0; m < rows; m++) {
         int16_t *xs = (int16_t *)(out + m * blocks * XQ_BLOCK);
         float *dx = (float *)(xs + k), *sx = dx + blocks;
         for (int64_t b = 0; b < blocks; b++) {
-            const __m512 a = _mm512_loadu_ps(x + m * k + 32 * b), c = _mm512_loadu_ps(x + m * k + 32 * b + 16);
-            const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+            const vf a = vf_load(x + m * k + 32 * b), c = vf_load(x + m * k + 32 * b + 16);
+            const float top = hmax(vf_max(vf_abs(a), vf_abs(c)));
             dx[b] = top / 32767.0f;
-            sx[b] = _mm512_reduce_add_ps(_mm512_add_ps(a, c));
-            const __m512 inv = _mm512_set1_ps(top > 0.0f ? 32767.0f / top : 0.0f);
-            _mm256_storeu_si256((__m256i *)(xs + 32 * b),
-                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(a, inv))));
-            _mm256_storeu_si256((__m256i *)(xs + 32 * b + 16),
-                                _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(c, inv))));
+            sx[b] = hsum(vf_add(a, c));
+            const vf inv = vf_set1(top > 0.0f ? 32767.0f / top : 0.0f);
+            vf_store_i16(xs + 32 * b, vf_mul(a, inv));
+            vf_store_i16(xs + 32 * b + 16, vf_mul(c, inv));
         }
     }
-}
-
-/* part j of a block's codes as int16, 4 vectors of 16 outputs' input pairs (one pair per 32-bit lane) */
-INL void unpack_part(const uint8_t *c, int j, int q4, __m512i *w) {
-    if (q4) {
-        const __m512i v = _mm512_loadu_si512((const void *)(c + 64 * j)), nib = _mm512_set1_epi16(0x0F);
-        w[0] = _mm512_and_si512(v, nib);
-        w[1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-        w[2] = _mm512_and_si512(_mm512_srli_epi16(v, 8), nib);
-        w[3] = _mm512_srli_epi16(v, 12);
-    } else
-        for (int h = 0; h < 4; h++) w[h] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(c + 32 * (4 * j + h))));
-}
-
-/* y[m, 16t + l] for mt rows and tw tiles of 16 outputs (`wt`: the first tile's blocks) */
-INL void codes_tile(const uint8_t *xq, const uint8_t *wt, float *y, int64_t k, int64_t ldy, int64_t cols,
-                    const int mt, const int tw, const int q4) {
-    const int64_t blocks = k / 32, tb = q4 ? TB_Q4 : TB_Q8, xrow = blocks * XQ_BLOCK;
-    __m512 f[T_MT][TW];
-    for (int m = 0; m < mt; m++)
-        for (int t = 0; t < tw; t++) f[m][t] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        __m512i acc[T_MT][TW][2];  /* two sums a tile and row: half the chain of dependent products */
-        for (int m = 0; m < mt; m++)
-            for (int t = 0; t < tw; t++) acc[m][t][0] = acc[m][t][1] = _mm512_setzero_si512();
-        for (int t = 0; t < tw; t++)
-            for (int64_t l = 0; l < tb; l += 64)
-                _mm_prefetch((const char *)(wt + (t * blocks + b) * tb + l) + AHEAD, _MM_HINT_T0);
-        for (int j = 0; j < 4; j++) {
-            __m512i w[TW][4];
-            for (int t = 0; t < tw; t++) unpack_part(wt + (t * blocks + b) * tb, j, q4, w[t]);
-            for (int m = 0; m < mt; m++) {
-                const int32_t *pairs = (const int32_t *)(xq + m * xrow) + 16 * b + 4 * j;
-                for (int h = 0; h < 4; h++) {
-                    const __m512i xb = _mm512_set1_epi32(pairs[h]);
-                    for (int t = 0; t < tw; t++) acc[m][t][h & 1] = _mm512_dpwssd_epi32(acc[m][t][h & 1], w[t][h], xb);
-                }
-            }
-        }
-        for (int t = 0; t < tw; t++) {
-            const __m256i *s = (const __m256i *)(wt + (t * blocks + b) * tb + (q4 ? 256 : 512));
-            const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(s));
-            const __m512 low = q4 ? _mm512_cvtph_ps(_mm256_loadu_si256(s + 1)) : scale;
-            for (int m = 0; m < mt; m++) {
-                const float *dx = (const float *)(xq + m * xrow + 2 * k);
-                const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(acc[m][t][0], acc[m][t][1]));
-                f[m][t] = _mm512_fmadd_ps(sum, _mm512_mul_ps(scale, _mm512_set1_ps(dx[b])), f[m][t]);
-                if (q4) f[m][t] = _mm512_fmadd_ps(low, _mm512_set1_ps(dx[blocks + b]), f[m][t]);
-            }
-        }
-    }
-    for (int m = 0; m < mt; m++)
-        for (int t = 0; t < tw; t++) _mm512_mask_storeu_ps(y + m * ldy + 16 * t, lanes(cols - 16 * t), f[m][t]);
 }
 
 /* rows in tiles of MT (or T_MT) and a last partial one */
@@ -192,8 +64,8 @@ INL void codes_tile(const uint8_t *xq, const uint8_t *wt, float *y, int64_t k, i
     int64_t r = 0;                                    \
     for (; r + MT <= rows; r += MT) CALL(MT);         \
     switch (rows - r) {                               \
-        case 3: CALL(3); break;                       \
-        case 2: CALL(2); break;                       \
+        case 3: CALL(HB_MIN(3, MT)); break;           \
+        case 2: CALL(HB_MIN(2, MT)); break;           \
         case 1: CALL(1); break;                       \
     }
 
@@ -262,7 +134,7 @@ int hb_linear(const float *x, const hb_weights *w, float *y, int64_t rows) {
    211 layers in ~0.05 s instead of ~0.8), and the tiles the products read. Quantizing returns -1 if a weight is
    beyond float16's range (its scale or min would not be finite), else 0. --------------------------------------- */
 
-INL float half_round(float x) { return _cvtsh_ss(_cvtss_sh(x, _MM_FROUND_TO_NEAREST_INT)); }
+INL float half_round(float x) { return hb_h2f(hb_f2h(x)); }
 
 /* w (n, k) -> q (n, k) codes 0..15, float16 scale and min (n, k/group): w ~ q * scale + min */
 int hb_quantize_q4_1(const float *w, int64_t n, int64_t k, int64_t group, uint8_t *q, uint16_t *scales,
@@ -280,8 +152,8 @@ int hb_quantize_q4_1(const float *w, int64_t n, int64_t k, int64_t group, uint8_
             bad |= !(lo >= -65504.0f && hi <= 65504.0f);
             const float scale = half_round((hi - lo) / 15.0f), low = half_round(lo);
             const float step = scale > 0.0f ? scale : 1.0f;
-            scales[r * (k / group) + g] = _cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT);
-            mins[r * (k / group) + g] = _cvtss_sh(low, _MM_FROUND_TO_NEAREST_INT);
+            scales[r * (k / group) + g] = hb_f2h(scale);
+            mins[r * (k / group) + g] = hb_f2h(low);
             for (int64_t i = 0; i < group; i++) {
                 const float c = scale > 0.0f ? nearbyintf((x[i] - low) / step) : 0.0f;
                 q[r * k + g * group + i] = (uint8_t)(c < 0.0f ? 0.0f : (c > 15.0f ? 15.0f : c));
@@ -301,7 +173,7 @@ int hb_quantize_q8_0(const float *w, int64_t n, int64_t k, int8_t *q, uint16_t *
             for (int i = 0; i < 32; i++) top = fabsf(x[i]) > top ? fabsf(x[i]) : top;
             bad |= !(top <= 65504.0f);
             const float scale = half_round(top / 127.0f), step = scale > 0.0f ? scale : 1.0f;
-            scales[r * (k / 32) + b] = _cvtss_sh(scale, _MM_FROUND_TO_NEAREST_INT);
+            scales[r * (k / 32) + b] = hb_f2h(scale);
             for (int i = 0; i < 32; i++) {
                 const float c = nearbyintf(x[i] / step);
                 q[r * k + b * 32 + i] = (int8_t)(c < -127.0f ? -127.0f : (c > 127.0f ? 127.0f : c));
@@ -340,29 +212,29 @@ void hb_tile(const uint8_t *q, const uint16_t *scales, const uint16_t *mins, int
 /* --- the decoder layer ------------------------------------------------------------------------------------ */
 
 INL float dot(const float *a, const float *b, int64_t n) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
-    return _mm512_reduce_add_ps(acc);
+    vf acc = vf_zero();
+    for (int64_t i = 0; i < n; i += 16) acc = vf_fma(vf_load(a + i), vf_load(b + i), acc);
+    return hsum(acc);
 }
 
-/* e^x for 16 floats (Cephes' expf polynomial: x = n ln2 + r, e^r to about 1 ulp, times 2^n by vscalefps); every
-   lane alike, so a value's exponential does not depend on its lane. Below -104 it gives 0 or a denormal. */
-INL __m512 exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-104.0f)), _mm512_set1_ps(88.7f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 poly = _mm512_set1_ps(1.9875691500e-4f);
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.3981999507e-3f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(8.3334519073e-3f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(4.1665795894e-2f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(1.6666665459e-1f));
-    poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(5.0000001201e-1f));
-    poly = _mm512_fmadd_ps(poly, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(poly, n);
+/* e^x for 16 floats (Cephes' expf polynomial: x = n ln2 + r, e^r to about 1 ulp, times 2^n as two exact powers of
+   two, so one rounding); every lane alike, so a value's exponential does not depend on its lane. Below -104 it
+   gives 0 or a denormal. */
+INL vf exp16(vf x) {
+    x = vf_min(vf_max(x, vf_set1(-104.0f)), vf_set1(88.7f));
+    const vf n = vf_round(vf_mul(x, vf_set1(1.44269504088896341f)));
+    vf r = vf_fnma(n, vf_set1(0.693359375f), x);
+    r = vf_fnma(n, vf_set1(-2.12194440e-4f), r);
+    vf poly = vf_set1(1.9875691500e-4f);
+    poly = vf_fma(poly, r, vf_set1(1.3981999507e-3f));
+    poly = vf_fma(poly, r, vf_set1(8.3334519073e-3f));
+    poly = vf_fma(poly, r, vf_set1(4.1665795894e-2f));
+    poly = vf_fma(poly, r, vf_set1(1.6666665459e-1f));
+    poly = vf_fma(poly, r, vf_set1(5.0000001201e-1f));
+    poly = vf_fma(poly, vf_mul(r, r), vf_add(r, vf_set1(1.0f)));
+    const vf half = vf_round(vf_mul(n, vf_set1(0.5f)));  /* n in [-150, 128]: both parts in [-75, 64] */
+    return vf_mul(vf_mul(poly, vf_pow2(half)), vf_pow2(vf_sub(n, half)));
 }
-
 
 /* out = x / sqrt(mean(x^2) + eps) * weight */
 static void rms_norm(const float *x, const float *weight, float *out, int64_t d, float eps) {
@@ -376,23 +248,6 @@ static void rotate(const float *x, const float *cos, const float *sin, float *ou
     for (int64_t i = 0; i < hd; i++) out[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * sin[i];
 }
 
-/* The sums of 16 vectors' lanes, one per lane of the result (lane i: the sum of a[i]'s 16 lanes), each summed in the
-   same order whatever its place among the 16: ((0+2)+(1+3)) within each 128-bit lane, then the lanes pairwise. */
-INL __m512 sum16(const __m512 *a) {
-    __m512 x[8], z[4];
-    for (int i = 0; i < 8; i++)
-        x[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
-    for (int j = 0; j < 4; j++)
-        z[j] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(x[2 * j], x[2 * j + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
-    const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                    _mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
-}
-
 /* One head's attention for one query q (hd floats, rotated) over slots [0, S) of its keys and values (slot stride
    `ss`), where `allowed`: softmax(q.k * scaling) . v into out (zeros where no slot is allowed). Scores go 16 slots
    at a time (`sum16`; slots past S count as zeros), so a slot's score, and with it the result, does not depend on
@@ -401,55 +256,54 @@ static void attend_head(const float *q, const float *keys, const float *values, 
                         int64_t S, int64_t hd, float scaling, const float *log_k, const float *merged, float a,
                         float c, float *scores, float *out) {
     const int64_t chunks = hd / 16;
-    __m512 qv[MAX_HEAD_DIM / 16], o[MAX_HEAD_DIM / 16];
+    vf qv[MAX_HEAD_DIM / 16], o[MAX_HEAD_DIM / 16];
     for (int64_t c = 0; c < chunks; c++) {
-        qv[c] = _mm512_loadu_ps(q + 16 * c);
-        o[c] = _mm512_setzero_ps();
+        qv[c] = vf_load(q + 16 * c);
+        o[c] = vf_zero();
     }
-    __m512 top = _mm512_set1_ps(-INFINITY);
+    float best = -INFINITY;
     for (int64_t s0 = 0; s0 < S; s0 += 16) {
-        const __m128i flags = _mm_maskz_loadu_epi8(lanes(S - s0), allowed + s0);
-        const __mmask16 m = _mm_test_epi8_mask(flags, flags);
-        if (m == 0) {  /* no slot of the block allowed (the micro-step decoder's window of the base's entries) */
-            _mm512_mask_storeu_ps(scores + s0, lanes(S - s0), _mm512_set1_ps(-INFINITY));
+        const int64_t n = S - s0 < 16 ? S - s0 : 16;
+        int any = 0;
+        for (int64_t i = 0; i < n; i++) any |= allowed[s0 + i];
+        if (!any) {  /* no slot of the block allowed (the micro-step decoder's window of the base's entries) */
+            for (int64_t i = 0; i < n; i++) scores[s0 + i] = -INFINITY;
             continue;
         }
-        __m512 acc[16];
+        vf acc[16];
         for (int64_t i = 0; i < 16; i++) {
-            acc[i] = _mm512_setzero_ps();
+            acc[i] = vf_zero();
             if (s0 + i < S)
-                for (int64_t c = 0; c < chunks; c++)
-                    acc[i] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(keys + (s0 + i) * ss + 16 * c), acc[i]);
+                for (int64_t c = 0; c < chunks; c++) acc[i] = vf_fma(qv[c], vf_load(keys + (s0 + i) * ss + 16 * c), acc[i]);
         }
-        __m512 raw = _mm512_mul_ps(sum16(acc), _mm512_set1_ps(scaling));
+        vf raw = vf_mul(sum16(acc), vf_set1(scaling));
         if (log_k != NULL) {  /* compress mode: the merger's bias on merged entries */
-            const __m512 lk = _mm512_maskz_loadu_ps(lanes(S - s0), log_k + s0);
-            const __m512 on = _mm512_maskz_loadu_ps(lanes(S - s0), merged + s0);
-            raw = _mm512_add_ps(raw, _mm512_mul_ps(_mm512_fmadd_ps(_mm512_set1_ps(a), lk, _mm512_set1_ps(c)), on));
+            const vf lk = vf_load_n(log_k + s0, n), on = vf_load_n(merged + s0, n);
+            raw = vf_add(raw, vf_mul(vf_fma(vf_set1(a), lk, vf_set1(c)), on));
         }
-        const __m512 sc = _mm512_mask_blend_ps(m, _mm512_set1_ps(-INFINITY), raw);
-        top = _mm512_max_ps(top, sc);
-        _mm512_mask_storeu_ps(scores + s0, lanes(S - s0), sc);
+        vf_store_n(scores + s0, raw, n);
+        for (int64_t i = 0; i < n; i++) {
+            if (!allowed[s0 + i]) scores[s0 + i] = -INFINITY;
+            best = scores[s0 + i] > best ? scores[s0 + i] : best;
+        }
     }
-    const float best = _mm512_reduce_max_ps(top);
     float total = 0.0f;
     if (best > -INFINITY) {
-        const __m512 shift = _mm512_set1_ps(best);
+        const vf shift = vf_set1(best);
         for (int64_t s = 0; s < S; s += 16) {  /* each exponential alike in any lane: the same for any S */
-            const __mmask16 m = lanes(S - s);
-            _mm512_mask_storeu_ps(scores + s, m, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, scores + s), shift)));
+            const int64_t n = S - s < 16 ? S - s : 16;
+            vf_store_n(scores + s, exp16(vf_sub(vf_load_n(scores + s, n), shift)), n);
         }
         for (int64_t s = 0; s < S; s++) {
             if (!allowed[s]) continue;
             const float e = scores[s];
-            const __m512 ev = _mm512_set1_ps(e);
+            const vf ev = vf_set1(e);
             total += e;
-            for (int64_t c = 0; c < chunks; c++)
-                o[c] = _mm512_fmadd_ps(ev, _mm512_loadu_ps(values + s * ss + 16 * c), o[c]);
+            for (int64_t c = 0; c < chunks; c++) o[c] = vf_fma(ev, vf_load(values + s * ss + 16 * c), o[c]);
         }
     }
-    const __m512 by = _mm512_set1_ps(total > 0.0f ? total : 1.0f);  /* no slot allowed: zeros */
-    for (int64_t c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, _mm512_div_ps(o[c], by));
+    const vf by = vf_set1(total > 0.0f ? total : 1.0f);  /* no slot allowed: zeros */
+    for (int64_t c = 0; c < chunks; c++) vf_store(out + 16 * c, vf_div(o[c], by));
 }
 
 /* floats of scratch `hb_layers` needs for a pass of `rows` rows */
@@ -493,9 +347,8 @@ static void layer(const hb_layer *L, const hb_pass *p, float *x, float *h, float
             const int64_t at = L->ctx_index * p->c_s_layer + row * p->c_s_row + kh * p->c_s_head;
             attend_head(q, p->ctx_k + at, p->ctx_v + at, p->c_s_slot, p->ctx_mask + row * p->ctx_len, p->ctx_len, hd,
                         p->scaling, NULL, NULL, 0.0f, 0.0f, scores, oc);
-            const __m512 g = _mm512_set1_ps(L->ctx_gate[head]);
-            for (int64_t c = 0; c < hd; c += 16)
-                _mm512_storeu_ps(out + c, _mm512_fmadd_ps(g, _mm512_loadu_ps(oc + c), _mm512_loadu_ps(out + c)));
+            const vf g = vf_set1(L->ctx_gate[head]);
+            for (int64_t c = 0; c < hd; c += 16) vf_store(out + c, vf_fma(g, vf_load(oc + c), vf_load(out + c)));
         }
     }
     gemm_for(att, &L->o, tmp, rows, xq);
@@ -508,12 +361,10 @@ static void layer(const hb_layer *L, const hb_pass *p, float *x, float *h, float
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++)
         for (int64_t j = 0; j < inner; j += 16) {  /* silu(gate) * up */
-            const __mmask16 m = lanes(inner - j);
-            const __m512 g = _mm512_maskz_loadu_ps(m, gu + r * 2 * inner + j);
-            const __m512 up = _mm512_maskz_loadu_ps(m, gu + r * 2 * inner + inner + j);
-            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-            const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-            _mm512_mask_storeu_ps(act + r * inner + j, m, _mm512_mul_ps(silu, up));
+            const int64_t n = inner - j < 16 ? inner - j : 16;
+            const vf g = vf_load_n(gu + r * 2 * inner + j, n), up = vf_load_n(gu + r * 2 * inner + inner + j, n);
+            const vf silu = vf_div(g, vf_add(vf_set1(1.0f), exp16(vf_sub(vf_zero(), g))));
+            vf_store_n(act + r * inner + j, vf_mul(silu, up), n);
         }
     gemm_for(act, &L->down, tmp, rows, xq);
     #pragma omp for schedule(static)
@@ -556,7 +407,9 @@ int hb_layers(const hb_layer *layers, int64_t count, const hb_pass *p, float *x)
     return failed ? -1 : 0;
 }
 
-#else  /* no AVX-512: the library says so (hb_isa() == 0) and Python does not use it */
+
+#else  /* no variant for this CPU: the library says so (hb_isa() == 0) and Python does not use it */
+int hb_isa(void) { return 0; }
 int64_t hb_scratch_floats(int64_t rows, int64_t d, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t inner) {
     return 0;
 }

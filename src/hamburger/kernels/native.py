@@ -7,11 +7,15 @@ weights in groups, and a whole Llama-style decoder layer (norms, rotary embeddin
 the MLP) run for every layer of a pass in one call. Each output row is computed alike whatever the other rows of
 the call (the C file says how), so a multi-position verify pass gives each position what a one-position step does.
 
-It is built with the machine's C compiler (`cc -O3 -march=native -fopenmp`, about a second) into
-`<cache>/native/<hash>.so`, the hash over the source, the compiler's version and the CPU's flags, and used where it
-was built with AVX-512 F, BW and VNNI (Intel since Cascade Lake, AMD since Zen 4; `why_unavailable()` says why not).
+One variant a build, by instruction set (`native.h` is the contract, a file per family): "avx512-vnni" (x86-64
+with AVX-512 F, BW and VNNI), "avx2-vnni" / "avx2" (x86-64 with AVX2, FMA and F16C, with or without AVX-VNNI),
+"neon-i8mm" / "neon-dotprod" / "neon" (aarch64). Every variant gives the same bits. By default it is built with
+the machine's C compiler for this CPU (`cc -O3 -march=native -fopenmp`, about a second), which picks the best the
+CPU has; `HAMBURGER_NATIVE=avx2` (or another variant's name, or a family's: avx512, avx2, neon) builds that
+variant with its own flags instead (where the CPU runs it), `HAMBURGER_NATIVE=0` turns the kernels off (PyTorch's
+then). The library goes to `<cache>/native/<hash>.so`, the hash over the sources, the compiler's version, the
+flags and the CPU's flags; `variant()` names what runs, `why_unavailable()` says why nothing does.
 The OpenMP runtime is the one PyTorch loaded (the same `libgomp.so.1`), so its threads are PyTorch's.
-`HAMBURGER_NATIVE=0` turns it off (PyTorch's kernels then).
 """
 
 from __future__ import annotations
@@ -27,11 +31,36 @@ import threading
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 SOURCE = Path(__file__).with_name("native.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno")
+SOURCES = tuple(SOURCE.with_name(name) for name in ("native.c", "native.h", "native_avx512.h", "native_avx2.h",
+                                                    "native_neon.h"))
+# -ffp-contract=off: no multiply-add fused but those the sources write, so every variant rounds alike
+FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno", "-ffp-contract=off")
+NATIVE = ("-march=native",)  # the default build: the best variant this CPU and compiler have
+
+
+class Variant(NamedTuple):
+    isa: int                    # what its hb_isa() returns
+    arch: str                   # platform.machine()'s family: x86_64 or aarch64
+    flags: tuple[str, ...]      # how to build it on purpose (`HAMBURGER_NATIVE=<name>`)
+    cpu: frozenset[str]         # the CPU's flags (/proc/cpuinfo) it needs
+
+
+_X86 = ("-mavx2", "-mfma", "-mf16c", "-mtune=native")
+VARIANTS = {
+    "avx512-vnni": Variant(512, "x86_64", ("-march=native",), frozenset({"avx512f", "avx512bw", "avx512_vnni"})),
+    "avx2-vnni": Variant(257, "x86_64", (*_X86, "-mavxvnni"), frozenset({"avx2", "fma", "f16c", "avx_vnni"})),
+    "avx2": Variant(256, "x86_64", _X86, frozenset({"avx2", "fma", "f16c"})),
+    "neon-i8mm": Variant(3, "aarch64", ("-march=armv8.6-a+dotprod+i8mm",), frozenset({"asimddp", "i8mm"})),
+    "neon-dotprod": Variant(2, "aarch64", ("-march=armv8.2-a+dotprod",), frozenset({"asimddp"})),
+    "neon": Variant(1, "aarch64", ("-march=armv8-a",), frozenset()),
+}
+FAMILIES = {"avx512": "avx512-vnni", "neon": "neon"}  # a family's name for its variant (avx2: the plain one)
+OFF = ("0", "off", "no", "false")
 # The kinds of weights (native.c's hb_weights): float16; GGUF's Q4_1 and Q8_0 blocks in tiles of 16 outputs by 32
 # inputs (`tile_q4` / `tile_q8`), the activations quantized to int16 in blocks of 32 (about 3e-5 of each product
 # off its float value)
@@ -39,7 +68,8 @@ FP16, INT4_Q16, INT8_Q16 = 1, 3, 5
 TILE_OUT, CODES_TILE, CODES_BLOCK = 4, 16, 32  # float16's outputs a tile computes; the codes' tiles and blocks
 TILE_BYTES = {INT4_Q16: 320, INT8_Q16: 544}  # a tile's 16 outputs by 32 inputs: codes, scales (and mins)
 MAX_HEAD_DIM = 256
-_lock = threading.Lock()
+_lock = threading.RLock()
+_using: list[str] = []  # `using(name)` blocks open: the innermost one's variant
 _off = [0]  # how many `turned_off()` blocks are open: PyTorch's kernels for layers made meanwhile, in every thread
 
 
@@ -78,18 +108,28 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
+def _arch() -> str:
+    machine = platform.machine().lower()
+    return {"amd64": "x86_64", "arm64": "aarch64"}.get(machine, machine)
+
+
 def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
-def _build(cc: str, target: Path) -> None:
+def sources_text() -> str:
+    """The sources, in one string (what a build's hash covers)."""
+    return "\0".join(path.read_text() for path in SOURCES)
+
+
+def _build(cc: str, flags: tuple[str, ...], target: Path) -> None:
     """Compile `SOURCE` into `target` (atomically: a half-written library is never loaded)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".building-", suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        run = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True, timeout=300,
-                             check=False)
+        run = subprocess.run([cc, *FLAGS, *flags, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                             timeout=300, check=False)
         if run.returncode:
             raise RuntimeError(f"{cc} failed: {run.stderr.strip()[-500:]}")
         os.replace(tmp, target)
@@ -98,18 +138,50 @@ def _build(cc: str, target: Path) -> None:
             os.unlink(tmp)
 
 
+def runnable(name: str) -> str | None:
+    """Why this CPU cannot run variant `name` (None if it can)."""
+    if name not in VARIANTS:
+        return f"no native variant {name!r} (one of {', '.join(VARIANTS)})"
+    v = VARIANTS[name]
+    if _arch() != v.arch:
+        return f"the {name} kernels are for {v.arch} CPUs, not {platform.machine()}"
+    missing = sorted(v.cpu - set(_cpu_flags().split()))
+    return f"this CPU has no {', '.join(missing)} for the {name} kernels" if missing else None
+
+
+def variants() -> list[str]:
+    """The variants this CPU runs, best first (what the tests run each of)."""
+    return [name for name in VARIANTS if runnable(name) is None]
+
+
 @cache
-def _load() -> tuple[ctypes.CDLL | None, str | None]:
-    """(the library, None), or (None, why not)."""
-    if os.environ.get("HAMBURGER_NATIVE", "1").lower() in ("0", "off", "no", "false"):
-        return None, "turned off by HAMBURGER_NATIVE"
-    if platform.machine().lower() not in ("x86_64", "amd64"):
-        return None, f"the native kernels are for x86-64 CPUs with AVX-512, not {platform.machine()}"
+def _asked() -> str:
+    """HAMBURGER_NATIVE's variant ("" for this CPU's best, "0" for off), read once."""
+    spec = os.environ.get("HAMBURGER_NATIVE", "").strip().lower()
+    return "" if spec in ("", "1", "on", "yes", "true", "auto", "native") else spec
+
+
+def _wanted() -> str:
+    """The variant asked for: a `using` block's, else HAMBURGER_NATIVE's."""
+    return _using[-1] if _using else _asked()
+
+
+@cache
+def _load_variant(spec: str) -> tuple[ctypes.CDLL | None, str | None, str | None]:
+    """(the library, its variant's name, None), or (None, None, why not)."""
+    if spec in OFF:
+        return None, None, "turned off by HAMBURGER_NATIVE"
+    name = FAMILIES.get(spec, spec)
+    if name and (why := runnable(name)) is not None:
+        return None, None, why
+    if not name and _arch() not in ("x86_64", "aarch64"):
+        return None, None, f"the native kernels are for x86-64 and aarch64 CPUs, not {platform.machine()}"
     if (cc := _compiler()) is None:
-        return None, "no C compiler (cc or gcc) to build the native kernels"
+        return None, None, "no C compiler (cc or gcc) to build the native kernels"
+    flags = VARIANTS[name].flags if name else NATIVE
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), version, " ".join(FLAGS), _cpu_flags(),
+        key = hashlib.sha256("\0".join([sources_text(), version, " ".join(FLAGS + flags), _cpu_flags(),
                                         torch.__version__]).encode()).hexdigest()[:16]
         from hamburger.model.base import cache_dir  # here: keeps this module light to import
 
@@ -117,16 +189,20 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
         with _lock:
             if root is None:  # caching off: a private build for this process
                 target = Path(tempfile.mkdtemp(prefix="hamburger-native-")) / "native.so"
-                _build(cc, target)
+                _build(cc, flags, target)
             else:
                 target = root / "native" / f"{key}.so"
                 if not target.is_file():
-                    _build(cc, target)
+                    _build(cc, flags, target)
         lib = ctypes.CDLL(str(target))
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return None, f"the native kernels could not be built: {exc}"
-    if lib.hb_isa() != 512:
-        return None, "this CPU (or compiler) has no AVX-512 with VNNI, which the native kernels need"
+        return None, None, f"the native kernels could not be built: {exc}"
+    built = next((n for n, v in VARIANTS.items() if v.isa == lib.hb_isa()), None)
+    if built is None:
+        return None, None, ("this CPU (or compiler) has none of the instruction sets the native kernels need "
+                            "(x86-64: AVX2, FMA and F16C; aarch64: NEON)")
+    if name and built != name:
+        return None, None, f"built for {name}, the library is {built}"
     lib.hb_linear.argtypes = [ctypes.c_void_p, ctypes.POINTER(Weights), ctypes.c_void_p, ctypes.c_int64]
     lib.hb_linear.restype = ctypes.c_int
     lib.hb_layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(Pass), ctypes.c_void_p]
@@ -140,7 +216,29 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.hb_tile.restype = None
     lib.hb_scratch_floats.argtypes = [ctypes.c_int64] * 6
     lib.hb_scratch_floats.restype = ctypes.c_int64
-    return lib, None
+    return lib, built, None
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
+    return _load_variant(_wanted())
+
+
+@contextmanager
+def using(name: str):
+    """Inside this block the native kernels are variant `name` (a test runs each variant the CPU has), in every
+    thread; layers made before it multiply with it too (the tiles' layout is every variant's)."""
+    with _lock:
+        _using.append(name)
+    try:
+        yield
+    finally:
+        with _lock:
+            _using.remove(name)
+
+
+def variant() -> str | None:
+    """The variant that runs ("avx512-vnni", "avx2-vnni", "avx2", "neon-i8mm", "neon-dotprod", "neon"), or None."""
+    return _load()[1]
 
 
 def library() -> ctypes.CDLL | None:
@@ -150,7 +248,7 @@ def library() -> ctypes.CDLL | None:
 
 def why_unavailable() -> str | None:
     """Why the native kernels are not used here, or None when they are."""
-    return _load()[1]
+    return _load()[2]
 
 
 def available() -> bool:
