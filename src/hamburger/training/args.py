@@ -17,6 +17,7 @@ class TrainArgs:
     lora_rank: int = 16  # the LoRA attached with --base-training lora to a model that has none
     epochs: int = 1
     max_steps: int = 0  # optimizer steps; 0 = as many as the epochs give
+    max_minutes: float = 0.0  # stop training after this long (then evaluate and save); 0: no limit
     batch_size: int = 8  # examples per process per micro-batch
     grad_accum: int = 1
     lr: float = 1e-4  # new modules

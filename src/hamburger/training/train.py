@@ -251,8 +251,16 @@ class Trainer:
                     self.log({"step": self.step, **metrics, "tokens_per_s": rate})
                     if a.report_to != "none":
                         self.acc.log({f"eval/{k}": v for k, v in metrics.items()}, step=self.step)
-                if self.step % a.save_every == 0 or self.step == self.total_steps:
+                out_of_time = a.max_minutes > 0 and time.perf_counter() - t0 > 60 * a.max_minutes
+                if out_of_time and self.held and self.step % a.eval_every:
+                    metrics = self.evaluate()
+                    self.log({"step": self.step, **metrics, "tokens_per_s": rate})
+                if self.step % a.save_every == 0 or self.step == self.total_steps or out_of_time:
                     self.save()
+                if out_of_time:
+                    print(f"stopped at step {self.step}/{self.total_steps}: --max-minutes {a.max_minutes:g} reached",
+                          file=sys.stderr, flush=True)
+                    break
         self.record_process()
         if a.report_to != "none":
             self.acc.end_training()
