@@ -26,6 +26,12 @@ $(VENV)/.installed: pyproject.toml Makefile
 	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
 	    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; } || \
 	  echo "note: chromium/chromedriver not installed; the browser test will be skipped"
+	# The ARM kernels' cross-compiler and emulator for tests/kernels/test_native_variants.py (skipped without them):
+	# only as root with apt, never failing the setup.
+	command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || \
+	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+	    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc-aarch64-linux-gnu qemu-user >/dev/null; } || \
+	  echo "note: aarch64-linux-gnu-gcc/qemu-aarch64 not installed; the ARM kernel tests will be skipped"
 	touch $@
 
 demo: setup
