@@ -1,8 +1,9 @@
 """Weight-only quantized linear layers: float16 weights, int8 and int4 codes. All three multiply with the native
-kernels where they run (`native.py`: x86-64 CPUs with AVX-512 and a C compiler; int8 and int4 then in GGUF's Q8_0
-and Q4_1 blocks with float16 scales), else with PyTorch's packed kernels (FBGEMM's float16 GEMM, the int8 and int4
-pack kernels: int8 per output channel, int4 in groups with bfloat16 scale and zero on CPU). `qbase.py` holds what
-they share, `qcodes.py` the arithmetic that makes their codes, `quantize.py` plans which layers to swap.
+kernels where they run (`native.py`: x86-64 CPUs with AVX2 or AVX-512, aarch64 ones, and a C compiler; int8 and
+int4 then in GGUF's Q8_0 and Q4_1 blocks with float16 scales), else with PyTorch's packed kernels (FBGEMM's float16
+GEMM, the int8 and int4 pack kernels: int8 per output channel, int4 in groups with bfloat16 scale and zero on CPU).
+`qbase.py` holds what they share, `qcodes.py` the arithmetic that makes their codes, `quantize.py` plans which
+layers to swap.
 """
 
 from __future__ import annotations

@@ -5,10 +5,10 @@ head) is swapped for a module with the same forward signature that multiplies wi
 
 * ``fp16``: weights rounded to float16, float32 activations. At batch 1 a decode step reads every weight once, so
   halving their bytes with a kernel that streams them well is the CPU's largest lever (docs/quantize.md has the
-  figures). On x86-64 CPUs with AVX-512 the native kernels multiply (`native.py`, built at first use), else
-  FBGEMM's float16 GEMM (`quantized::linear_prepack_fp16` + `quantized::linear_dynamic_fp16`). Then each
-  decoder layer's q/k/v and gate/up share one call (`fused.fuse_projections`, for int8 and int4 too): fewer
-  calls, the same outputs.
+  figures). On x86-64 CPUs with AVX2 or AVX-512 and on aarch64 the native kernels multiply (`native.py`, built at
+  first use), else FBGEMM's float16 GEMM (`quantized::linear_prepack_fp16` + `quantized::linear_dynamic_fp16`).
+  Then each decoder layer's q/k/v and gate/up share one call (`fused.fuse_projections`, for int8 and int4 too):
+  fewer calls, the same outputs.
 * ``int8``: symmetric int8. The native kernels where they run: GGUF's Q8_0 (a float16 scale per block of 32
   inputs, int16 activations); else per output channel, `aten._weight_int8pack_mm` (CPU and CUDA).
 * ``int4``: asymmetric group-wise 4-bit (groups of `group_size` input weights sharing a scale and a
