@@ -196,3 +196,12 @@ def test_bench_and_eval_run_compress_mode(tmp_path, checkpoint, capsys):
     systems = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
     assert {"base", "verify@0.3", "compress@0.3"} <= systems.keys()
     assert systems["verify@0.3"]["agreement"] == 1.0
+
+
+def test_the_merger_follows_the_model_to_another_device_and_keeps_its_dtype():
+    model = hamburger("llama", k=4)
+    model.attach_merger(random_merger(model.base))
+    model.to("meta")
+    assert model.merger.a.device.type == "meta" and model.merger.a.dtype == torch.float32
+    model.to(torch.bfloat16)
+    assert model.merger.a.dtype == torch.float32  # the base's dtype changes, the merger's stays

@@ -211,6 +211,14 @@ class HamburgerModel(nn.Module):
             raise HamburgerError(f"KV merger {path} has layers/kv heads/heads {got}, the base {shape}")
         self.__dict__["merger"] = merger.to(next(self.base.parameters()).device).eval()
 
+    def _apply(self, fn, *args, **kwargs):
+        """`.to()`, `.cuda()`, ...: the merger (outside the module tree) follows the base to its device, keeping
+        its own dtype."""
+        super()._apply(fn, *args, **kwargs)
+        if self.merger is not None:
+            self.__dict__["merger"] = self.merger.to(next(self.base.parameters()).device)
+        return self
+
     # --- building blocks shared by training and generation ------------------------------------------
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
