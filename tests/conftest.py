@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -17,6 +21,17 @@ from transformers import (
 
 from hamburger import HamburgerConfig, HamburgerModel
 from hamburger.model.merger import KVMerger
+
+
+# A cache folder of the test run's own (converted models, native builds): the suite never reads or writes the user's
+# ~/.cache/hamburger, so a fresh machine and a warm one run the same tests, cold. Set before hamburger reads it;
+# child processes the tests start inherit it.
+TEST_CACHE = tempfile.mkdtemp(prefix="hamburger-test-cache-")
+os.environ["HAMBURGER_CACHE"] = TEST_CACHE
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(TEST_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

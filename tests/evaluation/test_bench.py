@@ -55,6 +55,25 @@ def test_bench_prompt_sets_are_held_out_and_long():
     assert all(len(doc) >= 1500 for _, doc in long_documents(2))
 
 
+def test_bench_prompts_are_shipped_and_nothing_is_generated(monkeypatch):
+    from hamburger.evaluation import bench_prompts
+    from hamburger.training import sources
+
+    def never(*args, **kwargs):
+        raise AssertionError("a benchmark generated prompts")
+
+    for name in ("gsm_prompts", "chat_prompts", "code_prompts", "_generate_gsm"):
+        monkeypatch.setattr(sources, name, never)
+    for name, count in bench_prompts.COUNTS.items():
+        got = bench_messages(name, 1000)
+        assert len(got) == count and len(bench_messages(name, 3)) == 3
+        assert bench_messages(name, 3) == got[:3]  # the first prompts, whatever the count asked
+        assert all(m and m[-1]["role"] == "user" and m[-1]["content"].strip() for m in got)
+    # the held-out split's rule, checked on the shipped text: a chat question and a GSM template are held out
+    assert all(sources._held_out(m[0]["content"]) for m in bench_messages("chat", 1000))
+    assert len({m[0]["content"] for m in bench_messages("math", 1000)}) == bench_prompts.COUNTS["math"]
+
+
 @pytest.mark.parametrize("args,message", [
     (["--batch-sizes", "0"], "positive"),
     (["--systems", "nope"], "unknown systems"),
