@@ -7,6 +7,7 @@ milliseconds per call over rounds are printed.
 
     python benchmarks/native_variants.py                  # every variant this CPU runs, about a minute on 2 cores
     python benchmarks/native_variants.py --variants avx512-vnni,avx2
+    python benchmarks/native_variants.py --variants avx2 --baseline HEAD~1   # also avx2 as built from HEAD~1's sources
 """
 
 from __future__ import annotations
@@ -14,7 +15,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import statistics
+import subprocess
+import tempfile
 import time
+from contextlib import nullcontext
+from pathlib import Path
 
 import torch
 
@@ -58,6 +63,22 @@ def model(kind: str, rows: int) -> tuple:
     return layers, p, torch.randn(rows, D), codes("int8", VOCAB, D, keep), keep
 
 
+def baseline_library(rev: str, name: str) -> ctypes.CDLL:
+    """Variant `name` built from the kernels' sources at git revision `rev` (the same flags as native.py's)."""
+    folder = Path(tempfile.mkdtemp(prefix="native-baseline-"))
+    for path in native.SOURCES:
+        text = subprocess.run(["git", "show", f"{rev}:src/hamburger/kernels/{path.name}"], capture_output=True,
+                              text=True, check=True, cwd=native.SOURCE.parent).stdout
+        (folder / path.name).write_text(text)
+    target = folder / "native.so"
+    subprocess.run([native._compiler(), *native.FLAGS, *native.VARIANTS[name].flags, str(folder / "native.c"), "-o",
+                    str(target), "-lm"], check=True)
+    lib = ctypes.CDLL(str(target))
+    lib.hb_linear.argtypes = [ctypes.c_void_p, ctypes.POINTER(native.Weights), ctypes.c_void_p, ctypes.c_int64]
+    lib.hb_layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(native.Pass), ctypes.c_void_p]
+    return lib
+
+
 def per_call_ms(fn, calls: int) -> float:
     fn()
     start = time.perf_counter()
@@ -73,8 +94,12 @@ def main() -> None:
     p.add_argument("--kinds", default="int4,int8", help="the layers' codes")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--baseline", help="a git revision: each variant also as built from that revision's sources "
+                                      "(named variant@rev), in the same rounds")
     args = p.parse_args()
     names = args.variants.split(",")
+    old = {f"{n}@{args.baseline}": baseline_library(args.baseline, n) for n in names} if args.baseline else {}
+    names += list(old)
     print(f"threads {torch.get_num_threads()}; variants {', '.join(names)}")
     for kind in args.kinds.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
@@ -83,8 +108,8 @@ def main() -> None:
             times: dict = {(n, what): [] for n in names for what in ("layers", "head")}
             for _ in range(args.rounds):
                 for name in names:
-                    with native.using(name):
-                        lib = native.library()
+                    with nullcontext() if name in old else native.using(name):
+                        lib = old[name] if name in old else native.library()
                         assert lib is not None, native.why_unavailable()
                         xs = x.clone()
                         times[name, "layers"].append(per_call_ms(
@@ -93,7 +118,7 @@ def main() -> None:
                             lambda: lib.hb_linear(x.data_ptr(), ctypes.byref(head), y.data_ptr(), rows), args.calls))
             for name in names:
                 layer_ms, head_ms = (statistics.median(times[name, what]) for what in ("layers", "head"))
-                print(f"{kind} layers, {rows} row(s), {name:12s}: 30 layers {layer_ms:7.3f} ms, int8 head "
+                print(f"{kind} layers, {rows} row(s), {name:20s}: 30 layers {layer_ms:7.3f} ms, int8 head "
                       f"{head_ms:7.3f} ms, both {layer_ms + head_ms:7.3f} ms")
 
 

@@ -24,9 +24,25 @@ from hamburger.model.hamburger_model import HamburgerModel
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
 
 
-@pytest.fixture(autouse=True, params=native.variants() or [None])
+EVERY_VARIANT: set[str] = set()  # the tests run on each variant this CPU runs; the others on its best only
+
+
+def every_variant(test):
+    """Runs `test` on each variant this CPU runs (an AVX-512 machine: avx512-vnni, avx2-vnni, avx2), not only the
+    best: test_native_variants.py shows every variant gives the best's bits on a broad set of cases, so the rest of
+    this file runs once, and a few representative tests check each variant against PyTorch directly."""
+    EVERY_VARIANT.add(test.__name__)
+    return test
+
+
+def pytest_generate_tests(metafunc):
+    names = native.variants() or [None]
+    metafunc.parametrize("variant", names if metafunc.function.__name__ in EVERY_VARIANT else names[:1], indirect=True)
+
+
+@pytest.fixture(autouse=True)
 def variant(request):
-    """Every test here once for each variant this CPU runs (an AVX-512 machine: avx512-vnni, avx2-vnni, avx2)."""
+    """The variant a test runs on (`pytest_generate_tests`)."""
     if request.param is None:
         yield None
         return
@@ -85,6 +101,7 @@ def test_a_pass_is_the_fast_layers_computation(arch, scheme):
     assert (short - want).norm() > 10 * tolerance * want.norm()
 
 
+@every_variant
 @pytest.mark.parametrize("scheme", ["fp16", "int4"])
 def test_each_position_of_a_pass_is_what_a_one_position_step_gives_it_bit_for_bit(scheme):
     model = packed("qwen2", scheme)  # q/k/v biases too
@@ -109,6 +126,7 @@ def test_each_position_of_a_pass_is_what_a_one_position_step_gives_it_bit_for_bi
     assert torch.equal(together.k, alone.k) and torch.equal(together.v, alone.v)
 
 
+@every_variant
 @pytest.mark.parametrize("scheme", ["fp16", "int4"])
 def test_verify_mode_is_its_base_exactly(scheme):
     model = packed("llama", scheme)

@@ -15,9 +15,25 @@ from hamburger.kernels.qlinear import Fp16Linear, Int4Linear, Int8Linear
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
 
 
-@pytest.fixture(autouse=True, params=native.variants() or [None])
+EVERY_VARIANT: set[str] = set()  # the tests run on each variant this CPU runs; the others on its best only
+
+
+def every_variant(test):
+    """Runs `test` on each variant this CPU runs (an AVX-512 machine: avx512-vnni, avx2-vnni, avx2), not only the
+    best: test_native_variants.py shows every variant gives the best's bits on a broad set of cases, so the rest of
+    this file runs once, and a few representative tests check each variant against PyTorch directly."""
+    EVERY_VARIANT.add(test.__name__)
+    return test
+
+
+def pytest_generate_tests(metafunc):
+    names = native.variants() or [None]
+    metafunc.parametrize("variant", names if metafunc.function.__name__ in EVERY_VARIANT else names[:1], indirect=True)
+
+
+@pytest.fixture(autouse=True)
 def variant(request):
-    """Every test here once for each variant this CPU runs (an AVX-512 machine: avx512-vnni, avx2-vnni, avx2)."""
+    """The variant a test runs on (`pytest_generate_tests`)."""
     if request.param is None:
         yield None
         return
@@ -97,6 +113,7 @@ def check_int16_products(layer, weights: torch.Tensor, emulated, scales: torch.T
     assert (layer(x) - want).abs().max() > 1e-3 * want.abs().max()
 
 
+@every_variant
 @pytest.mark.parametrize(("n", "k", "group"), [(48, 256, 32), (48, 256, 64), (64, 256, 128), (16, 96, 32), (40, 96, 32)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
 def test_int4_products_with_int16_activations_are_that_arithmetic(rows, n, k, group):
@@ -107,6 +124,7 @@ def test_int4_products_with_int16_activations_are_that_arithmetic(rows, n, k, gr
     check_int16_products(layer, weights, q16_products, layer.tiles[..., 256:288], rows)
 
 
+@every_variant
 @pytest.mark.parametrize("kind", ["fp16", "int4", "int4 96", "int8"])
 def test_each_row_is_the_same_whatever_the_other_rows(kind):
     k = 96 if kind in ("fp16", "int4 96") else 128
@@ -192,6 +210,7 @@ def q8_products(layer: Int8Linear, x: torch.Tensor) -> torch.Tensor:
     return (out + (layer.bias.double() if layer.bias is not None else 0)).float()
 
 
+@every_variant
 @pytest.mark.parametrize("n", [48, 7])
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
 def test_int8_products_with_int16_activations_are_that_arithmetic(rows, n):

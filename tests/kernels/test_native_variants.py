@@ -102,7 +102,9 @@ def deserialize(data: bytes, cases: list[Case]) -> tuple[int, list[tuple[int, li
     return isa, results
 
 
-def linear_case(kind: str, n: int, k: int, rows: int, seed: int, group: int = 32) -> Case:
+def linear_case(kind: str, n: int, k: int, rows: int, seed: int, group: int = 32, extreme: bool = False) -> Case:
+    """`extreme`: the last row's first block all at -max (its int16 codes all -32767: the products' sums at their
+    largest)."""
     gen = torch.Generator().manual_seed(seed)
     w = torch.randn(n, k, generator=gen) * 0.05
     case = Case(1, f"linear {kind} {n}x{k} rows {rows}")
@@ -117,6 +119,8 @@ def linear_case(kind: str, n: int, k: int, rows: int, seed: int, group: int = 32
                               bias)
     x = torch.randn(rows, k, generator=gen) * 2
     x[0, :32] = 0  # a block of zeros
+    if extreme:
+        x[-1, :32] = -3.0
     case.structs.append(desc)
     case.args = [case.add(x), case.add(torch.zeros(rows, n)), rows]
     return case
@@ -193,6 +197,11 @@ def cases() -> list[Case]:
            for seed, (kind, n, k) in enumerate([("fp16", 40, 96), ("int4", 40, 128), ("int4", 48, 96), ("int8", 7, 96),
                                                 ("int8", 40, 192)])
            for rows in (1, 3, 4, 5, 9)]
+    # every row count a variant's products block rows by (1 to 8 and beyond), with one and two tiles of 16 outputs
+    # a call, a partial second tile, a single block of inputs, and the largest sums
+    out += [linear_case(kind, n, k, rows, 100 + seed, extreme=True)
+            for seed, (kind, n, k) in enumerate([("int4", 56, 64), ("int8", 56, 64), ("int4", 16, 32), ("int8", 24, 32)])
+            for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9)]
     out += [layers_case(kind, 10 + i) for i, kind in enumerate(("fp16", "int4", "int8"))]
     out += [layers_case("int4", 20, compress=True, biases=True), layers_case("fp16", 21, context=True),
             layers_case("int8", 22, compress=True, context=True)]

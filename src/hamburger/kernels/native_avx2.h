@@ -16,7 +16,7 @@
 #endif
 #define NB 4   /* float16: outputs a tile computes */
 #define MT 1   /* float16: rows a tile takes (16 registers: a row's 4 outputs' sums and weights fill them) */
-#define TW 1   /* codes: tiles of 16 outputs a call takes side by side */
+#define TW 2   /* codes: tiles of 16 outputs a call takes side by side */
 
 typedef struct {
     __m256 lo, hi;
@@ -141,58 +141,124 @@ INL void fp16_tile(const float *x, const uint16_t *w, float *y, int64_t k, int64
     for (int j = 0; j < NB; j++) y[j] = hsum(vf_make(lo[j], hi[j]));
 }
 
-/* part j's nibble (or byte) group h of a block's codes as int16: 8 outputs' input pairs a register, outputs 0-7
-   and 8-15 */
-INL void unpack_h(const uint8_t *c, int j, int h, int q4, __m256i *w) {
-    if (q4) {
-        const __m256i nib = _mm256_set1_epi16(0x0F);
-        for (int half = 0; half < 2; half++) {
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(c + 64 * j + 32 * half));
-            w[half] = _mm256_and_si256(_mm256_srli_epi16(v, 4 * h), nib);
-        }
-    } else
-        for (int half = 0; half < 2; half++)
-            w[half] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(c + 32 * (4 * j + h) + 16 * half)));
+/* Keeps an exact integer sum in its own register as written: GCC would otherwise reassociate the products' adds
+   into trees that spill to the stack (the sum is the same, the speed is not) */
+#define KEEP(v) __asm__("" : "+x"(v))
+
+/* nibble group h of a 32-byte half of part j (8 outputs' 16-bit words, nibble h: inputs 8j + 2h, +1) as int16
+   pairs. `times16`: nibble 1 as 16 x its code (one and, no shift), summed apart and divided back exactly (a
+   block's 8 such products: |sum| <= 8 * 32767 * 240, far inside int32). */
+INL __m256i nibbles(const uint8_t *p, const int h, const int times16) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p), low = _mm256_set1_epi16(0x0F);
+    if (h == 0) return _mm256_and_si256(v, low);
+    if (h == 1) return times16 ? _mm256_and_si256(v, _mm256_set1_epi16(0xF0)) : _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    if (h == 2) return _mm256_and_si256(_mm256_srli_epi16(v, 8), low);
+    return _mm256_srli_epi16(v, 12);
 }
 
-/* y[m, l] for mt rows and one tile of 16 outputs: each block's products summed exactly in int32, then scaled in
-   float (native.c says how) */
-INL void codes_tile(const uint8_t *xq, const uint8_t *wt, float *y, int64_t k, int64_t ldy, int64_t cols,
-                    const int mt, const int tw, const int q4) {
-    (void)tw;
-    const int64_t blocks = k / 32, tb = q4 ? TB_Q4 : TB_Q8, xrow = blocks * XQ_BLOCK;
-    const int chains = mt <= 2 ? 2 : 1;  /* independent sums a row and half: the products' latency hidden */
-    __m256 f[T_MT][2];
-    for (int m = 0; m < mt; m++) f[m][0] = f[m][1] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *c = wt + b * tb;
-        __m256i acc[T_MT][2][2];
-        for (int m = 0; m < mt; m++)
-            for (int half = 0; half < 2; half++) acc[m][half][0] = acc[m][half][1] = _mm256_setzero_si256();
-        for (int64_t l = 0; l < tb; l += 64) _mm_prefetch((const char *)(c + l) + AHEAD, _MM_HINT_T0);
-        for (int j = 0; j < 4; j++)
-            for (int h = 0; h < 4; h++) {
-                __m256i w[2];
-                unpack_h(c, j, h, q4, w);
-                const int s = chains == 2 ? h & 1 : 0;
-                for (int m = 0; m < mt; m++) {
-                    const __m256i xb = _mm256_set1_epi32(((const int32_t *)(xq + m * xrow))[16 * b + 4 * j + h]);
-                    acc[m][0][s] = DPWSSD(acc[m][0][s], w[0], xb);
-                    acc[m][1][s] = DPWSSD(acc[m][1][s], w[1], xb);
+/* part p's 32 bytes of Q8_0 codes (16 outputs' input pairs 2p, 2p + 1) as int16 pairs, sign-extended within each
+   128-bit lane (vpmovsxbw crosses lanes: by LLVM's scheduling model of Zen 3, a third of this rate): half 0 holds outputs 0-3 and 8-11, half 1
+   outputs 4-7 and 12-15 (`codes_tiles` orders the scales and the outputs alike) */
+INL __m256i bytes16(const uint8_t *p, const int half) {
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p), sign = _mm256_cmpgt_epi8(_mm256_setzero_si256(), v);
+    return half ? _mm256_unpackhi_epi8(v, sign) : _mm256_unpacklo_epi8(v, sign);
+}
+
+/* input pair h of part j (inputs 8j + 2h, +1) for mt rows and nt tiles: the codes unpacked once, each row's pair
+   broadcast, the products added to the row's sums */
+INL void codes_pair(const uint8_t *const *c, const int32_t *const *xp, __m256i (*a)[2][2], __m256i (*s)[2][2],
+                    const int j, const int h, const int mt, const int nt, const int q4, const int apart) {
+    __m256i w[2][2];
+    for (int t = 0; t < nt; t++)
+        for (int half = 0; half < 2; half++)
+            w[t][half] = q4 ? nibbles(c[t] + 64 * j + 32 * half, h, apart) : bytes16(c[t] + 32 * (4 * j + h), half);
+    for (int m = 0; m < mt; m++) {
+        const __m256i xb = _mm256_set1_epi32(xp[m][4 * j + h]);
+        for (int t = 0; t < nt; t++)
+            for (int half = 0; half < 2; half++)
+                if (apart && h == 1) {
+                    s[m][t][half] = DPWSSD(s[m][t][half], w[t][half], xb);
+                    KEEP(s[m][t][half]);
+                } else {
+                    a[m][t][half] = DPWSSD(a[m][t][half], w[t][half], xb);
+                    KEEP(a[m][t][half]);
                 }
-            }
-        const __m128i *sp = (const __m128i *)(c + (q4 ? 256 : 512));
-        for (int half = 0; half < 2; half++) {
-            const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(sp + half));
-            const __m256 low = q4 ? _mm256_cvtph_ps(_mm_loadu_si128(sp + 2 + half)) : scale;
-            for (int m = 0; m < mt; m++) {
-                const float *dx = (const float *)(xq + m * xrow + 2 * k);
-                const __m256i total = chains == 2 ? _mm256_add_epi32(acc[m][half][0], acc[m][half][1]) : acc[m][half][0];
-                f[m][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(scale, _mm256_set1_ps(dx[b])),
-                                             f[m][half]);
-                if (q4) f[m][half] = _mm256_fmadd_ps(low, _mm256_set1_ps(dx[blocks + b]), f[m][half]);
+    }
+}
+
+/* y[m, 16t + l] for mt rows and nt tiles of 16 outputs computed together (`wt`: the first tile's blocks): each
+   block's products summed exactly in int32 (the codes unpacked once for all the rows, each row's input pair
+   broadcast), then scaled in float (native.c says how) */
+INL void codes_tiles(const uint8_t *xq, const uint8_t *wt, float *y, int64_t k, int64_t ldy, int64_t cols,
+                     const int mt, const int nt, const int q4) {
+    const int64_t blocks = k / 32, tb = q4 ? TB_Q4 : TB_Q8, xrow = blocks * XQ_BLOCK;
+    /* nibble 1 apart (times16) where the registers allow a second sum per row, tile and half */
+    const int apart = q4 && mt * nt <= 2;
+    __m256 f[T_MT][2][2];
+#pragma GCC unroll 4
+    for (int m = 0; m < mt; m++)
+#pragma GCC unroll 2
+        for (int t = 0; t < nt; t++) f[m][t][0] = f[m][t][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < blocks; b++) {
+        __m256i a[T_MT][2][2], s[T_MT][2][2];
+        const uint8_t *c[2];
+        const int32_t *xp[T_MT];
+#pragma GCC unroll 2
+        for (int t = 0; t < nt; t++) {
+            c[t] = wt + (t * blocks + b) * tb;
+            for (int64_t l = 0; l < tb; l += 64) _mm_prefetch((const char *)(c[t] + l) + AHEAD, _MM_HINT_T0);
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < mt; m++) {
+            xp[m] = (const int32_t *)(xq + m * xrow) + 16 * b;
+#pragma GCC unroll 2
+            for (int t = 0; t < nt; t++)
+                a[m][t][0] = a[m][t][1] = s[m][t][0] = s[m][t][1] = _mm256_setzero_si256();
+        }
+        /* the 16 input pairs of the block, written out: GCC leaves loops over them rolled, the sums then in memory */
+#define PAIR(j, h) codes_pair(c, xp, a, s, j, h, mt, nt, q4, apart);
+#define PART(j) PAIR(j, 0) PAIR(j, 1) PAIR(j, 2) PAIR(j, 3)
+        PART(0) PART(1) PART(2) PART(3)
+#undef PART
+#undef PAIR
+#pragma GCC unroll 2
+        for (int t = 0; t < nt; t++) {
+            const __m128i *sp = (const __m128i *)(c[t] + (q4 ? 256 : 512));
+#pragma GCC unroll 2
+            for (int half = 0; half < 2; half++) {
+                const __m128i s0 = _mm_loadu_si128(sp), s1 = _mm_loadu_si128(sp + 1);
+                const __m256 scale = _mm256_cvtph_ps(q4 ? (half ? s1 : s0)  /* Q8_0: bytes16's order */
+                                                        : half ? _mm_unpackhi_epi64(s0, s1) : _mm_unpacklo_epi64(s0, s1));
+                const __m256 low = q4 ? _mm256_cvtph_ps(_mm_loadu_si128(sp + 2 + half)) : scale;
+#pragma GCC unroll 4
+                for (int m = 0; m < mt; m++) {
+                    const float *dx = (const float *)(xq + m * xrow + 2 * k);
+                    const __m256i total = apart ? _mm256_add_epi32(a[m][t][half], _mm256_srai_epi32(s[m][t][half], 4))
+                                                : a[m][t][half];
+                    f[m][t][half] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(scale, _mm256_set1_ps(dx[b])),
+                                                    f[m][t][half]);
+                    if (q4) f[m][t][half] = _mm256_fmadd_ps(low, _mm256_set1_ps(dx[blocks + b]), f[m][t][half]);
+                }
             }
         }
     }
-    for (int m = 0; m < mt; m++) vf_store_n(y + m * ldy, vf_make(f[m][0], f[m][1]), cols);
+#pragma GCC unroll 4
+    for (int m = 0; m < mt; m++)
+#pragma GCC unroll 2
+        for (int t = 0; t < nt; t++)
+            vf_store_n(y + m * ldy + 16 * t,
+                       q4 ? vf_make(f[m][t][0], f[m][t][1])
+                          : vf_make(_mm256_permute2f128_ps(f[m][t][0], f[m][t][1], 0x20),
+                                    _mm256_permute2f128_ps(f[m][t][0], f[m][t][1], 0x31)),
+                       cols - 16 * t);
+}
+
+/* y[m, 16t + l] for mt rows and tw tiles of 16 outputs: one row's two tiles together (two streams of weights, each
+   input pair broadcast once for both), more rows a tile at a time (the registers hold their sums) */
+INL void codes_tile(const uint8_t *xq, const uint8_t *wt, float *y, int64_t k, int64_t ldy, int64_t cols,
+                    const int mt, const int tw, const int q4) {
+    const int64_t step = (k / 32) * (q4 ? TB_Q4 : TB_Q8);
+    if (mt == 1 && tw == 2) codes_tiles(xq, wt, y, k, ldy, cols, 1, 2, q4);
+    else
+        for (int t = 0; t < tw; t++) codes_tiles(xq, wt + t * step, y + 16 * t, k, ldy, cols - 16 * t, mt, 1, q4);
 }
