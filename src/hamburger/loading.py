@@ -42,9 +42,9 @@ GGUF_BLOCKS = "int4/int8"  # the embedded default's GGUF: Q4_1 projections, a Q8
 def resolve_quantize(spec: str, device: torch.device | str, dtype: str = "float32", model: str | None = None,
                      base: str | None = None) -> str:
     """"auto": for the embedded default (`model` one of its names, no other `base`) on a CPU where the native
-    kernels run, int4/int8: its GGUF's own Q4_1 and Q8_0 blocks, so its weights exactly, and 2.3x the fp16 base's
-    speed there (docs/quantize.md). Else fp16 where FBGEMM's packed float16 GEMM runs float32 models (x86 CPUs:
-    2.3-2.7x float32's decode speed, the weights with which verify mode's drafts pay on a CPU), else none (a GPU
+    kernels run, int4/int8: its GGUF's own Q4_1 and Q8_0 blocks, so its weights exactly, and faster than the fp16
+    base there (`hamburger bench --quantize`; docs/quantize.md). Else fp16 where FBGEMM's packed float16 GEMM runs float32 models (x86 CPUs:
+    faster than float32 at decoding, the weights with which verify mode's drafts pay on a CPU), else none (a GPU
     decodes fast in --dtype). Any other spec is returned as it is."""
     if spec != AUTO:
         return spec
@@ -274,6 +274,8 @@ def describe_run(model: HamburgerModel, trained: bool, quantize: str = "none", a
     output of the fp16 base"."""
     import torch
 
+    from hamburger.inference.modes import parse_mode
+
     param = next(model.parameters())
     device = param.device
     if device.type == "cpu":
@@ -290,7 +292,7 @@ def describe_run(model: HamburgerModel, trained: bool, quantize: str = "none", a
     lookup = model.config.lookup if lookup is None else lookup
     parts = []
     for name in (mode or model.config.default_mode).split(","):
-        drafts = " + lookup drafts" if lookup and name != "trust" else ""
+        drafts = " + lookup drafts" if lookup and parse_mode(name.strip()).lookup else ""
         parts.append({
             "trust": f"trust mode: HAMburger's steps, drafts kept unchecked (close to the {weights} base's output, "
                      "not equal)",

@@ -170,7 +170,7 @@ def test_scheduler_rows_stop_drafting_when_drafts_do_not_pay_and_keep_the_base_o
     def run(policy: bool):
         sched = Scheduler(model, max_batch_size=2, max_len=64, draft_rows=None, draft_policy=policy)
         if policy:
-            _costly_drafts(monkeypatch, sched.engine, 1)
+            _costly_drafts(monkeypatch, sched.runner, 1)
         sched.submit(prompt, 40, confidence=0.01, mode="verify")
         tokens, stats = [], None
         with torch.inference_mode():

@@ -9,7 +9,8 @@ import torch
 
 from conftest import hamburger
 from hamburger import HamburgerError
-from hamburger.inference.admission import ENTRIES_PER_TOKEN, MIN_SAMPLES, EntriesEstimate
+from hamburger.inference.admission import MIN_SAMPLES, EntriesEstimate
+from hamburger.inference.modes import COMPRESS
 from hamburger.inference.scheduler import Scheduler
 from hamburger.inference.stats import kv_bytes_per_entry
 
@@ -71,14 +72,14 @@ def test_kv_memory_sizes_the_rows():
 
 def test_the_estimate_is_the_prior_until_replies_are_measured_then_their_high_percentile():
     est = EntriesEstimate(window=48)
-    assert est.rate("compress") == ENTRIES_PER_TOKEN["compress"] and est.rate("verify") == 1.0
+    assert est.rate("compress") == COMPRESS.entries_prior and est.rate("verify") == 1.0
     # compress: the window's 48 tokens one entry each, then the rate
     assert est.reply_entries("compress", 40) == 40
     assert est.reply_entries("compress", 148) == 48 + 75
     assert est.reply_entries("trust", 100) == 100 and est.reply_entries("verify", 100) == 100
     for i in range(MIN_SAMPLES - 1):
         est.observe("compress", 48 + 100, 48 + 40 + i)  # rates 0.40..0.46
-    assert est.rate("compress") == ENTRIES_PER_TOKEN["compress"]
+    assert est.rate("compress") == COMPRESS.entries_prior
     est.observe("compress", 48 + 10, 48 + 1)  # too short past the window to teach anything
     est.observe("compress", 48 + 100, 48 + 50)
     assert est.rate("compress") == pytest.approx(0.50)  # 8 rates: the 90th percentile (nearest rank) is the highest

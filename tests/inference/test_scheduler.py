@@ -190,14 +190,14 @@ def test_rows_are_compacted_when_a_request_leaves():
     ids = [sched.submit(p, n, confidence=0.3) for _, p, n in jobs]
     out: dict[int, list] = {}
     passes = []  # (rows a one-slot feeding pass computed, requests running); prompts here are >= 2 tokens
-    base = sched.engine.base_pass
+    base = sched.runner.base_pass
 
     def counted(embeds, *args, **kw):
         if embeds.shape[1] == 1:
             passes.append((embeds.shape[0], sched.running))
         return base(embeds, *args, **kw)
 
-    sched.engine.base_pass = counted
+    sched.runner.base_pass = counted
     while sched.has_work():
         for ev in sched.step():
             out.setdefault(ev.id, []).append(ev)
@@ -222,7 +222,7 @@ class OracleScheduler(Scheduler):
         self.depth = self.depth + 1 if micro else 0
         if micro:
             for i, req in enumerate(self.rows[: len(h)]):
-                if req is not None and req.mode == "verify":
+                if req is not None and req.mode.per_token:
                     want = self.expected[tuple(req.prompt)]
                     j = len(req.tokens) + len(self.batch.pending[i]) + self.depth  # emitted so far, then token 0
                     if j < len(want):
@@ -249,7 +249,7 @@ def test_verify_requests_equal_the_base_beside_trust_requests(arch, rows):
         for ev in sched.step():
             out.setdefault(ids[ev.id], []).append(ev)
         held = [r for r in sched.rows if r is not None]  # verify rows hold an entry per token, trust rows per step
-        assert sched.kv_entries() == sum(len(r.prompt) + (len(r.tokens) if r.mode == "verify" else len(r.steps))
+        assert sched.kv_entries() == sum(len(r.prompt) + (len(r.tokens) if r.mode.per_token else len(r.steps))
                                          for r in held)
         step += 1
         assert step < 500
@@ -303,7 +303,7 @@ def test_compress_requests_equal_compress_mode_alone(arch, rows, window):
             out.setdefault(ids[ev.id], []).append(ev)
         # entries held: the prompt's, then one per step (trust, compress) or one per token (verify)
         held = [r for r in sched.rows if r is not None]
-        assert sched.kv_entries() == sum(len(r.prompt) + (len(r.tokens) if r.mode == "verify" else len(r.steps))
+        assert sched.kv_entries() == sum(len(r.prompt) + (len(r.tokens) if r.mode.per_token else len(r.steps))
                                          + r.stats.window_entries for r in held)
         windowed += sum(r.stats.window_entries for r in held)
         step += 1

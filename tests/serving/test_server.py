@@ -561,9 +561,9 @@ def test_serve_passes_its_mode_lookup_and_access_log_on(monkeypatch):
 
 def test_the_servers_mode_and_lookup_are_its_own_not_the_checkpoints(model, monkeypatch):
     """`serve --mode verify`: requests that name no mode run verify; one that names trust runs trust. `--lookup`
-    reaches the scheduler's engine and leaves the model's config alone. Compress without a merger: refused."""
+    reaches the scheduler's runner and leaves the model's config alone. Compress without a merger: refused."""
     service = Service(model, "tiny", max_batch_size=2, max_len=64, default_mode="verify", lookup=2)
-    assert service.scheduler.engine.lookup == 2 and model.config.lookup == 0
+    assert service.scheduler.runner.lookup == 2 and model.config.lookup == 0
     modes = []
     submit = service.scheduler.submit
     monkeypatch.setattr(service.scheduler, "submit", lambda *a, **kw: modes.append(kw["mode"]) or submit(*a, **kw))
@@ -571,8 +571,8 @@ def test_the_servers_mode_and_lookup_are_its_own_not_the_checkpoints(model, monk
         body = {"model": "tiny", "prompt": "w3 w4", "max_tokens": 3}
         assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 200
         assert httpx.post(srv.url + "/v1/completions", json={**body, "mode": "trust"}).status_code == 200
-    assert modes == ["verify", "trust"]
-    assert Service(model, "tiny", max_len=64).default_mode == model.config.default_mode == "trust"
+    assert [m.name for m in modes] == ["verify", "trust"]  # resolved once, at the service, into `Mode`s
+    assert Service(model, "tiny", max_len=64).default_mode.name == model.config.default_mode == "trust"
     with pytest.raises(HamburgerError, match="compress mode needs a KV merger"):
         Service(model, "tiny", max_len=64, default_mode="compress")
 

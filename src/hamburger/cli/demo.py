@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from hamburger.cli.common import (
     add_engine_args,
@@ -16,6 +17,9 @@ from hamburger.cli.common import (
     say_start,
 )
 from hamburger.errors import HamburgerError
+
+if TYPE_CHECKING:
+    from hamburger.inference.modes import Mode
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -51,7 +55,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     engines = {"base": make_engine(HamburgerModel.plain(model.base, model.tokenizer), args.engine, args.compile),
                "hamburger": make_engine(model, args.engine, args.compile, lookup=args.lookup)}
     mode, confidence = resolve_mode(model, args.mode, args.confidence, engines["hamburger"])
-    say_start(args, model, trained, scheme, mode)
+    say_start(args, model, trained, scheme, mode.name)
     console = Console()
     if args.chat:
         return _chat(console, engines, confidence, args.max_new_tokens, mode)
@@ -60,7 +64,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _prompts(console, args: argparse.Namespace, model, engines: dict, confidence: float, mode: str) -> None:
+def _prompts(console, args: argparse.Namespace, model, engines: dict, confidence: float, mode: Mode) -> None:
     """The prompts side by side, then (unless --no-table) the closing table of every mode on them."""
     from hamburger.evaluation.demo import PROMPTS, mode_table, run_modes, side_by_side
     from hamburger.model.base import encode_chat
@@ -81,12 +85,13 @@ def _prompts(console, args: argparse.Namespace, model, engines: dict, confidence
                       "step. tok/fwd: tokens per base forward.[/dim]")
 
 
-def _hints(console, args: argparse.Namespace, model, ham, scheme: str, mode: str) -> None:
+def _hints(console, args: argparse.Namespace, model, ham, scheme: str, mode: Mode) -> None:
     """The closing hints: a faster scheme where one applies, the other modes."""
+    from hamburger.inference.modes import TRUST, VERIFY
     from hamburger.kernels.qlinear import fp16_unavailable
 
     device = next(model.parameters()).device
-    if mode == "verify" and getattr(ham, "draft_rows", 1) == 0:
+    if mode is VERIFY and getattr(ham, "draft_rows", 1) == 0:
         console.print("[dim]Verify mode drafted nothing here: with float32 weights on a CPU a base pass over a few "
                       "positions costs about as much as that many passes, so drafts cannot pay. --quantize fp16 "
                       "decodes both lanes about 2.3x faster and lets verify mode draft (make demo "
@@ -94,16 +99,16 @@ def _hints(console, args: argparse.Namespace, model, ham, scheme: str, mode: str
     elif scheme == "none" and device.type == "cpu" and fp16_unavailable(device) is None:
         console.print("[dim]On a CPU, --quantize fp16 decodes both lanes about 2.3x faster (float16 weights, "
                       "float32 compute; see the README).[/dim]")
-    if mode == "trust":
+    if mode is TRUST:
         console.print("[dim]--mode verify gives exactly the base's text: the base checks the micro-step "
                       "decoder's drafts (make demo ARGS=\"--mode verify\").[/dim]")
-    elif mode == "verify" and args.no_table:
+    elif mode is VERIFY and args.no_table:
         console.print("[dim]--mode trust is HAMburger as in the paper: drafts kept unchecked and each step smashed "
                       "into one KV entry (on this checkpoint about one token per step, close to the base's text "
                       "but not equal).[/dim]")
 
 
-def _chat(console, engines: dict, confidence: float, max_new_tokens: int, mode: str) -> int:
+def _chat(console, engines: dict, confidence: float, max_new_tokens: int, mode: Mode) -> int:
     """Typed prompts side by side until an empty line or the end of input."""
     from hamburger.evaluation.demo import side_by_side
 

@@ -78,7 +78,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     prompt = _prompt_ids(tokenizer, args.text, args.raw, args.system)
     engine = make_engine(model, args.engine, args.compile, lookup=args.lookup)
     mode = resolve_mode(model, args.mode, args.confidence, engine)[0]
-    say_start(args, model, trained, scheme, mode)
+    say_start(args, model, trained, scheme, mode.name)
     gen = engine.stream([prompt], max_new_tokens=args.max_new_tokens, confidence=args.confidence, sampling=sampling,
                         mode=mode)
     text = TextStream(tokenizer, args.stop or [])
@@ -97,7 +97,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     out = gen.output()
     stats = out.stats
     if args.json:
-        print(json.dumps({"model": args.model, "hamburger": trained, "mode": mode, "quantize": scheme,
+        print(json.dumps({"model": args.model, "hamburger": trained, "mode": mode.name, "quantize": scheme,
                           "text": text.text, "stopped": text.stopped, "steps": out.steps[0], **stats.to_dict()}))
     else:
         print()

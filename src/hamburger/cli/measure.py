@@ -173,7 +173,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.from_json:
         return replot(args)
     tasks, confidences = _check_eval_args(args)
-    modes = parse_modes(args.mode)
+    from hamburger.inference.modes import COMPRESS, TRUST, VERIFY, parse_mode
+
+    modes = [parse_mode(m) for m in parse_modes(args.mode)]
     items = {task: load_items(task, args) for task in tasks}  # bad prompt files fail before the model loads
     for task, found in items.items():
         if not found:
@@ -182,18 +184,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if trained:
         base_system = HamburgerModel.plain(model.base, model.tokenizer)  # the same base weights, one token per step
         systems = [("base", 1.0, "trust")]
-        if "trust" in modes:
-            systems += [(f"hamburger@{c:g}", c, "trust") for c in confidences or [model.config.default_confidence]]
-        for mode in ("verify", "compress"):  # drafts checked by the base: one system at the verify confidence
+        if TRUST in modes:
+            systems += [(f"hamburger@{c:g}", c, TRUST.name) for c in confidences or [model.config.default_confidence]]
+        for mode in (VERIFY, COMPRESS):  # drafts checked by the base: one system at the verify confidence
             if mode in modes:
-                systems.append((f"{mode}@{model.config.verify_confidence:g}", model.config.verify_confidence, mode))
-        if "compress" in modes:
+                conf = mode.default_confidence(model)
+                systems.append((f"{mode.name}@{conf:g}", conf, mode.name))
+        if any(m.merged for m in modes):
             check_merger(model)  # before any task runs
     else:
         print(f"note: {args.model} is a base model, not a HAMburger checkpoint: evaluating the base only",
               file=sys.stderr)
         base_system, systems = model, [("base", 1.0, "trust")]
-    say_start(args, model, trained, scheme, ",".join(modes))
+    say_start(args, model, trained, scheme, ",".join(m.name for m in modes))
     rows: list[dict] = []
     per_item: list[dict] = []
     with Progress(console=Console(stderr=True), disable=args.quiet or not sys.stderr.isatty()) as progress:

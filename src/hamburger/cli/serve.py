@@ -99,7 +99,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # uvicorn re-raises the SIGTERM it handled after its graceful shutdown; a no-op handler makes that a clean exit 0.
     signal.signal(signal.SIGTERM, lambda *_: None)
     if not args.quiet:
-        run = describe_run(model, trained, scheme, args.quantize == "auto", service.default_mode, args.lookup)
+        run = describe_run(model, trained, scheme, args.quantize == "auto", service.default_mode.name, args.lookup)
         sched = service.scheduler
         print(f"hamburger: serving {args.model} on http://{args.host}:{args.port}/v1 ({sched.batch.size} rows x "
               f"{sched.max_len} KV entries, {sched.kv_bytes() / 1e6:.0f} MB"

@@ -126,12 +126,13 @@ async def _run(url: str, bodies: list[dict], concurrency: int, api_key: str | No
 
 def _bodies(run: ServeBench, model_name: str, mode: str) -> list[dict]:
     from hamburger.evaluation.bench_systems import bench_messages
+    from hamburger.inference.modes import parse_mode
 
     pool = [m for name in run.sets for m in bench_messages(name, run.requests)]
     if not pool:
         raise HamburgerError("no prompts: check --sets")
     extra = {"confidence": run.confidence} if run.confidence is not None else {}
-    if mode != "trust":
+    if parse_mode(mode).checked:  # the unchecked mode, trust, is the server's default
         extra["mode"] = mode
     if run.max_tokens:  # 0: none sent, the server gives what the row holds
         extra["max_tokens"] = run.max_tokens
@@ -143,8 +144,10 @@ def _bodies(run: ServeBench, model_name: str, mode: str) -> list[dict]:
 
 def bench_model(run: ServeBench, name: str, levels: list[int]) -> list[dict]:
     """The rows of one model: served in-process (or at `run.url`) in each of `run.modes` at each concurrency level."""
+    from hamburger.inference.modes import TRUST, parse_mode
+
     modes = list(run.modes)
-    label = lambda mode: name if modes == ["trust"] else f"{name} [{mode}]"
+    label = lambda mode: name if [parse_mode(m) for m in modes] == [TRUST] else f"{name} [{mode}]"
     bodies = {m: _bodies(run, "default" if run.url is None else name, m) for m in modes}
     log = lambda s: print(f"bench-serve: {s}", file=sys.stderr, flush=True)
     if run.url is not None:

@@ -206,10 +206,10 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
                                                                 mode="trust"))
     if name in ("hamburger_verify", "hamburger_compress"):
         engine = Engine(hamburger_model, compile=compile, draft_rows=draft_rows, lookup=lookup)
-        mode = name.removeprefix("hamburger_")
-        if mode == "compress":
-            from hamburger.inference.engine import check_merger
+        from hamburger.inference.modes import check_merger, parse_mode
 
+        mode = parse_mode(name.removeprefix("hamburger_"))
+        if mode.merged:
             check_merger(hamburger_model)
         return lambda prompts, n: kept(prompts, engine.generate(prompts, max_new_tokens=n, mode=mode,
                                                                 confidence=verify_confidence))

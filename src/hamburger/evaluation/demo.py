@@ -18,6 +18,7 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from hamburger.inference.modes import TRUST, Mode, parse_mode
 from hamburger.inference.stats import GenerationStats
 
 PROMPTS = (
@@ -93,8 +94,10 @@ def render(prompt: str, lanes: list[Lane], speedup: str = "", legend: str = "") 
 
 
 def side_by_side(console: Console, prompt: str, messages: list[dict], engines: dict, confidence: float,
-                 max_new_tokens: int, mode: str = "trust") -> tuple[Lane, Lane]:
+                 max_new_tokens: int, mode: Mode | str = TRUST) -> tuple[Lane, Lane]:
     from hamburger.model.base import encode_chat
+
+    mode = parse_mode(mode)
 
     base_engine, ham_engine = engines["base"], engines["hamburger"]
     tokenizer = ham_engine.model.tokenizer
@@ -102,17 +105,17 @@ def side_by_side(console: Console, prompt: str, messages: list[dict], engines: d
     base = Lane("base model", iter(base_engine.stream([ids], max_new_tokens=max_new_tokens,
                                                                             confidence=1.0)),
                 tokenizer, len(ids), colour_steps=False)
-    title = f"HAMburger{'' if mode == 'trust' else ' ' + mode} @ {confidence:g}"
-    lookup = getattr(ham_engine, "lookup", 0) if mode != "trust" else 0
+    title = f"HAMburger{' ' + mode.name if mode.checked else ''} @ {confidence:g}"
+    lookup = getattr(ham_engine, "lookup", 0) if mode.lookup else 0
     if lookup:
         title += " + lookup"
     legend = ("base: one token per forward. " + title + {
         "verify": " (exactly the base's text)", "compress": " (checked against a base whose past steps are merged)",
-    }.get(mode, "") + ": coloured runs of text came from one forward."
+    }.get(mode.name, "") + ": coloured runs of text came from one forward."
         + (" Drafts come from the micro-step decoder, or, where the last tokens occurred before (in the prompt, "
            "the reply or the base's stored replies), from what followed them there." if lookup else ""))
     ham = Lane(title, iter(ham_engine.stream([ids], max_new_tokens=max_new_tokens, confidence=confidence, mode=mode)),
-               tokenizer, len(ids), colour_steps=True, unmerged=mode == "verify")
+               tokenizer, len(ids), colour_steps=True, unmerged=mode.per_token)
     with Live(render(prompt, [base, ham], legend=legend), console=console, refresh_per_second=8) as live:
         while not (base.done and ham.done):
             for lane in (base, ham):
@@ -147,7 +150,7 @@ def run_modes(engines: dict, ids: list[int], max_new_tokens: int) -> list[ModeRu
     model = engines["hamburger"].model
     runs = []
     for system, mode in MODE_ROWS:
-        if mode == "compress" and model.merger is None:
+        if mode is not None and parse_mode(mode).merged and model.merger is None:
             continue
         engine = engines["base"] if mode is None else engines["hamburger"]
         out = engine.generate([ids], max_new_tokens=max_new_tokens, **({} if mode is None else {"mode": mode}))

@@ -28,6 +28,8 @@ def plot_eval(rows: list[dict], directory: str | Path, title: str = "") -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from hamburger.inference.modes import COMPRESS, TRUST, VERIFY
+
     tasks = list(dict.fromkeys(r["task"] for r in rows))
     fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.8), squeeze=False)
     for ax, task in zip(axes[0], tasks):
@@ -35,13 +37,14 @@ def plot_eval(rows: list[dict], directory: str | Path, title: str = "") -> Path:
         base = next((r for r in task_rows if r["system"] == "base"), None)
         key, label = ("quality", task_rows[0].get("metric") or "quality") if task_rows[0].get("quality") is not None \
             else ("nll", "base-NLL per token (lower is better)")
-        for mode, style, color in (("trust", "o-", "C1"), ("compress", "s", "C2"), ("verify", "^", "C3")):
-            points = sorted((r for r in task_rows if r["system"] != "base" and r.get("mode", "trust") == mode),
+        for mode, style, color in ((TRUST, "o-", "C1"), (COMPRESS, "s", "C2"), (VERIFY, "^", "C3")):
+            points = sorted((r for r in task_rows if r["system"] != "base"
+                             and r.get("mode", TRUST.name) == mode.name),
                             key=lambda r: r["confidence"])
             if not points:
                 continue
             xs, ys = [compression(r) for r in points], [r[key] for r in points]
-            ax.plot(xs, ys, style, color=color, label="trust mode (HAMburger)" if mode == "trust" else f"{mode} mode")
+            ax.plot(xs, ys, style, color=color, label=f"{mode} mode" if mode.checked else "trust mode (HAMburger)")
             for r, x, y in zip(points, xs, ys):
                 ax.annotate(f"{r['confidence']:g}", (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
         if base is not None:

@@ -9,9 +9,8 @@ beside others) in a pass of at most `prefill_tokens` padded tokens. Two rules ch
 * `prefill_groups` (all at once): every request that has a free row now, prefilled shortest first in as many
   passes as the budget needs; all get their first token in this step.
 
-Measured on 2 CPU cores (docs/server.md, "Prefill in groups"): a burst of 32 gets its median first token in
-1.44 s with the first rule and 1.99-2.07 s with the second, whose slowest tenth is served sooner (about 2.0 s
-against 2.33 s).
+On a burst of requests the first rule gives the lower median time to the first token and the second the lower
+slowest tenth (benchmarks/scheduler_prefill.py; docs/server.md, "Prefill in groups").
 """
 
 from __future__ import annotations
@@ -26,21 +25,17 @@ import torch
 from hamburger.errors import HamburgerError
 from hamburger.inference.draft_policy import RowDrafts
 from hamburger.inference.lookup import NgramIndex
+from hamburger.inference.modes import BY_NAME, TRUST, Mode, parse_mode
 from hamburger.inference.sampling import SamplingParams
 from hamburger.inference.stats import GenerationStats
 
-# Padded prompt tokens per prefill pass. Measured on 2 CPU cores, 32 chat prompts at once
-# (benchmarks/scheduler_prefill.py): 256-1024 -> 1.5x faster than one by one; 4096 pads 62 % and is slower; with
-# interleaved admission 256 gives the lowest median time to the first token.
+# Padded prompt tokens per prefill pass: passes of a few hundred tokens beat prompts one by one, much larger ones
+# pad too much; with interleaved admission this gives the lowest median time to the first token
+# (benchmarks/scheduler_prefill.py, a burst of chat prompts).
 PREFILL_TOKENS = 256
 # Interleaved admission takes the shortest waiting prompts first, but a request passed over this many times goes
 # first (no prompt waits forever behind a stream of shorter ones).
 MAX_PASSED = 8
-# KV entries a reply is expected to take per generated token when a request is admitted, before any reply of its
-# mode has been measured: one per token in verify mode; one per step in trust and compress mode, which is at most
-# one per token (trust's default takes about one token a step: 1.0 is its safe bound) and 0.45-0.65 for compress
-# on the default checkpoint past its exact window (docs/RESULTS.md), bounded up to 0.75.
-ENTRIES_PER_TOKEN = {"trust": 1.0, "verify": 1.0, "compress": 0.75}
 # Learning the rate from served replies: once a mode has MIN_SAMPLES measured replies (of at least MIN_TOKENS tokens
 # past its window), requests are admitted at the QUANTILE-th percentile of their rates (the last SAMPLES_KEPT): most
 # replies then fit their estimate, and one that does not ends where its row's entries run out ("length").
@@ -48,54 +43,58 @@ MIN_SAMPLES, MIN_TOKENS, QUANTILE, SAMPLES_KEPT = 8, 16, 90, 256
 
 
 class EntriesEstimate:
-    """The KV entries a reply of T tokens is expected to take, per mode: one per token in verify mode; in trust and
-    compress mode `rate(mode)` per token, after compress mode's first `window` tokens (the checkpoint's merge
-    window: its recent steps stay unmerged, one entry per token). The rate is the prior (ENTRIES_PER_TOKEN, or
-    `fixed`) until the mode has MIN_SAMPLES measured replies (`observe`), then the QUANTILE-th percentile of their
-    rates; modes given in `fixed` keep their rate."""
+    """The KV entries a reply of T tokens is expected to take, per mode: one per token in a mode that keeps one per
+    token (`Mode.per_token`: verify); in the others `rate(mode)` per token, after a merging mode's first `window`
+    tokens (the checkpoint's merge window: its recent steps stay unmerged, one entry per token). The rate is the
+    prior (`Mode.entries_prior`, or `fixed`) until the mode has MIN_SAMPLES measured replies (`observe`), then the
+    QUANTILE-th percentile of their rates; modes given in `fixed` (by name) keep their rate. A mode is a `Mode` or
+    its name."""
 
     def __init__(self, window: int = 0, fixed: dict[str, float] | None = None) -> None:
         for mode, rate in (fixed or {}).items():
-            if mode not in ENTRIES_PER_TOKEN or not 0 < rate <= 1:
+            if mode not in BY_NAME or not 0 < rate <= 1:
                 raise HamburgerError(f"entries_per_token: a rate in (0, 1] for trust, verify or compress, got "
                                      f"{mode}={rate}")
         self.window, self.fixed = max(0, window), dict(fixed or {})
-        self.samples: dict[str, deque[float]] = {m: deque(maxlen=SAMPLES_KEPT) for m in ("trust", "compress")}
+        self.samples: dict[str, deque[float]] = {m.name: deque(maxlen=SAMPLES_KEPT) for m in BY_NAME.values()
+                                                 if not m.per_token}
         self._lock = threading.Lock()  # the model thread observes while the server's thread reads the rate
 
-    def rate(self, mode: str) -> float:
+    def rate(self, mode: Mode | str) -> float:
         """Entries per generated token (past the window) that a request of `mode` is admitted at."""
-        if mode in self.fixed:
-            return self.fixed[mode]
+        mode = parse_mode(mode)
+        if mode.name in self.fixed:
+            return self.fixed[mode.name]
         with self._lock:
-            ranked = sorted(self.samples.get(mode, ()))
+            ranked = sorted(self.samples.get(mode.name, ()))
         if len(ranked) < MIN_SAMPLES:
-            return ENTRIES_PER_TOKEN[mode]
+            return mode.entries_prior
         return ranked[min(len(ranked) - 1, math.ceil(QUANTILE / 100 * len(ranked)) - 1)]
 
-    def _window(self, mode: str) -> int:
-        return self.window if mode == "compress" else 0
+    def _window(self, mode: Mode | str) -> int:
+        return self.window if parse_mode(mode).merged else 0
 
-    def reply_entries(self, mode: str, tokens: int) -> int:
+    def reply_entries(self, mode: Mode | str, tokens: int) -> int:
         """The entries expected of a reply of `tokens` tokens."""
         w = min(tokens, self._window(mode))
         return w + math.ceil((tokens - w) * self.rate(mode))
 
-    def need(self, prompt_len: int, tokens: int, mode: str) -> int:
+    def need(self, prompt_len: int, tokens: int, mode: Mode | str) -> int:
         """The entries a request is expected to take: its prompt's and its reply's."""
         return prompt_len + self.reply_entries(mode, tokens)
 
-    def room(self, entries: int, mode: str) -> int:
+    def room(self, entries: int, mode: Mode | str) -> int:
         """The longest reply expected to fit in `entries` entries."""
         w = min(entries, self._window(mode))
         return w + math.floor((entries - w) / self.rate(mode) + 1e-9)
 
-    def observe(self, mode: str, tokens: int, entries: int) -> None:
+    def observe(self, mode: Mode | str, tokens: int, entries: int) -> None:
         """A finished reply of `tokens` tokens that took `entries` KV entries (its prompt's excluded)."""
+        mode = parse_mode(mode)
         past = tokens - self._window(mode)
-        if mode in self.samples and past >= MIN_TOKENS:
+        if mode.name in self.samples and past >= MIN_TOKENS:
             with self._lock:
-                self.samples[mode].append(min(1.0, max(0.05, (entries - (tokens - past)) / past)))
+                self.samples[mode.name].append(min(1.0, max(0.05, (entries - (tokens - past)) / past)))
 
 
 @dataclass
@@ -107,7 +106,7 @@ class RequestEvent:
     finished: bool
     finish_reason: str | None
     stats: GenerationStats
-    mode: str
+    mode: Mode
 
 
 @dataclass
@@ -118,7 +117,7 @@ class Request:
     confidence: float
     sampling: SamplingParams
     eos: set[int]
-    mode: str = "trust"
+    mode: Mode = TRUST
     row: int = -1
     tokens: list[int] = field(default_factory=list)
     drafting: RowDrafts = field(default_factory=RowDrafts)  # verify mode: whether its drafts pay (draft_policy.py)

@@ -35,7 +35,7 @@ def feed_checked(runner: ModelRunner, rows: RowBatch, n: int) -> None:
     row is checked under the merger's bias on its merged entries; then its decided step [t0, kept drafts]
     becomes one entry at the step's first slot (`verify.merge_step`)."""
     model, dev = runner.model, rows.states.device
-    live, checked = rows.live[:n], rows.verify[:n] & rows.live[:n]
+    live, checked = rows.live[:n], rows.checked[:n] & rows.live[:n]
     width = 1 + int(rows.n_drafts[:n].max())
     step_len = rows.step_len[:n]
     embeds = model.embed(rows.step_tok[:n, :width])
@@ -58,7 +58,7 @@ def feed_checked(runner: ModelRunner, rows: RowBatch, n: int) -> None:
                                          compress, rows.merged_len, window), 1)
     if window is not None:
         for req in rows.requests[:n]:
-            if req is not None and req.mode == "compress":
+            if req is not None and req.mode.merged:
                 req.stats.window_entries = sum(m - 1 for _, m, _ in req.window_steps)
     record_kept(runner, rows, n, kept, checked.nonzero().squeeze(1).tolist())
 
@@ -94,7 +94,7 @@ def record_kept(runner: ModelRunner, rows: RowBatch, n: int, kept: torch.Tensor,
     costs, drafted = runner.step_costs(n), rows.n_drafts[:n].tolist()
     for i in checked:
         req = rows.requests[i]
-        if req.mode == "verify" and drafted[i]:  # the draft policy learns what this row's drafts keep
+        if req.mode.paced and drafted[i]:  # the draft policy learns what this row's drafts keep
             req.drafting.observe(drafted[i], kept_l[i], req.looked > 0, costs, rows.drafts)
         if req.looked:
             req.stats.lookup_drafts += req.looked
@@ -132,8 +132,8 @@ def drafts_wanted(runner: ModelRunner, rows: RowBatch, n: int) -> list[tuple[int
     most = runner.k - 1
     few = runner.draft_rows is None or n <= runner.draft_rows
     costs = runner.step_costs(n)
-    return [(0, 0) if r is None or r.mode == "trust" or (r.mode == "verify" and not few)
-            else r.drafting.wants(costs, rows.drafts, most) if (r.mode == "verify" and runner.draft_policy
+    return [(0, 0) if r is None or not r.mode.checked or (r.mode.paced and not few)
+            else r.drafting.wants(costs, rows.drafts, most) if (r.mode.paced and runner.draft_policy
                                                                 and r.sampling.greedy)
             else (rows.drafts, most) for r in rows.requests[:n]]
 

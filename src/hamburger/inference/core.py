@@ -18,10 +18,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from hamburger.inference.kv import KVCache, MicroContext
 from hamburger.inference.sampling import continues
 
 if TYPE_CHECKING:
-    from hamburger.inference.kv import KVCache
     from hamburger.inference.runner import ModelRunner
 
 # pick(h, active, micro) -> (n,) token ids: `h` (n, d) the states that predict them, `active` (n,) the rows
@@ -32,26 +32,13 @@ Pick = Callable[[torch.Tensor, torch.Tensor, bool], torch.Tensor]
 LookupFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-@dataclass
-class MicroContext:
-    """What a micro-step decoder with context (`micro_context` > 0) reads of the base: the base's cache (its
-    rows those of the macro-step), the entries each row may see (n, end) and the position of the state the
-    features come from (n,); the micro inputs take the positions after it. In trust mode the entries are
-    smashed slots and in compress mode merged ones (read without the merger's bias): the decoder was trained
-    on unmerged text, so there its drafts are an approximation, which verify and compress modes check."""
-
-    cache: KVCache
-    visible: torch.Tensor
-    base_pos: torch.Tensor
-
-
-def micro_context(engine: ModelRunner, cache: KVCache, used: torch.Tensor | list[int] | int, base_pos: torch.Tensor,
+def micro_context(runner: ModelRunner, cache: KVCache, used: torch.Tensor | list[int] | int, base_pos: torch.Tensor,
                   valid: torch.Tensor | None = None) -> MicroContext | None:
     """The context of a macro-step, None for a decoder without one. A row's entries in use are its first `used`
     slots ((n,), a list, or one int for every row), less those `valid` (n, >= end) marks False (left padding); the
     decoder sees the latest `micro_context` of them, as in training (`train-drafter --micro-context`)."""
-    window = engine.model.micro.context
-    if not window or engine.k == 1:
+    window = runner.model.micro.context
+    if not window or runner.k == 1:
         return None
     used = torch.as_tensor(used, device=base_pos.device).expand(base_pos.shape[0])
     end = int(used.max())
@@ -69,22 +56,22 @@ class MicroRun:
     (t_0 first, then each micro token) and returns the normed state (n, d) that predicts the next one.
     """
 
-    def __init__(self, engine: ModelRunner, feats: list[torch.Tensor], cache: KVCache,
+    def __init__(self, runner: ModelRunner, feats: list[torch.Tensor], cache: KVCache,
                  context: MicroContext | Callable[[], MicroContext | None] | None = None) -> None:
-        self.engine, self.feats, self.cache, self.context, self.fed = engine, feats, cache, context, 0
+        self.runner, self.feats, self.cache, self.context, self.fed = runner, feats, cache, context, 0
 
     def __call__(self, tok: torch.Tensor) -> torch.Tensor:
-        micro = self.engine.model.micro
+        micro = self.runner.model.micro
         if callable(self.context):  # made on the first micro-step (none on a step without one)
             self.context = self.context()
-        x = self.engine.model.embed(tok)[:, None]
+        x = self.runner.model.embed(tok)[:, None]
         if self.fed == 0:
             normed = [norm(f) for f, norm in zip(self.feats, micro.feature_norms)]
             x, start = torch.cat([torch.stack(normed, 1), x], 1), 0
         else:
             start = micro.num_features + self.fed
         self.fed += 1
-        return self.engine.micro_pass(x, self.cache, start, self.context)
+        return self.runner.micro_pass(x, self.cache, start, self.context)
 
 
 @dataclass
@@ -109,7 +96,7 @@ class Limits:
         return (tok[:, None] == self.eos).any(-1) | (gen_len >= self.max_new)
 
 
-def macro_step(engine: ModelRunner, states: list[torch.Tensor], live: torch.Tensor, gen_len: torch.Tensor, limits: Limits,
+def macro_step(runner: ModelRunner, states: list[torch.Tensor], live: torch.Tensor, gen_len: torch.Tensor, limits: Limits,
                pick: Pick, cache: KVCache | None, forced_len: torch.Tensor | None = None,
                context: MicroContext | Callable[[], MicroContext | None] | None = None, lookup: LookupFn | None = None, lookup_width: int = 0):
     """One macro-step over n rows: token 0 from the base's head, then micro-steps while any live row's step goes on.
@@ -126,7 +113,7 @@ def macro_step(engine: ModelRunner, states: list[torch.Tensor], live: torch.Tens
     rows that ended.
     The one host sync per micro-step is `go_on.any()`; nothing per token.
     """
-    model, k = engine.model, engine.k
+    model, k = runner.model, runner.k
     h0, feats = states[0], states[1:]
     tok = pick(h0, live, False)
     width = max(k - 1, lookup_width if lookup is not None else 0)  # lookup drafts may run past K-1
@@ -146,7 +133,7 @@ def macro_step(engine: ModelRunner, states: list[torch.Tensor], live: torch.Tens
     if not bool(go_on.any()):  # no row runs a micro-step (lookup drafts only, or none): no stop head either
         return step_tok, step_len, ended
     go_on &= _goes_on(model.stop_logits(h0, limits.path), step_len, forced_len, limits, reach)
-    run = MicroRun(engine, feats, cache, context)
+    run = MicroRun(runner, feats, cache, context)
     for i in range(1, k):
         if not bool(go_on.any()):  # the one host sync per micro-step: does any step go on?
             break

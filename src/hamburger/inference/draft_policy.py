@@ -38,8 +38,8 @@ KEPT_PRIOR = 1.0  # a new row's micro-step record starts at this many kept draft
 KEPT_RATE = 0.35  # the running mean's weight on the latest drafting step
 MAX_WAIT = 16  # the longest wait between probes of a row that stopped drafting
 # A new row probes micro-step drafts only after this many steps: a probe costs about a quarter of a plain step and
-# short replies rarely repay it (measured on `make demo`'s prompts: its 31-token reply at 0.97x the base with the
-# first probe at once, 1.00x from the fourth step).
+# short replies rarely repay it (`make demo`'s short reply was slower than the base with the first probe at once,
+# not from the fourth step; benchmarks/verify_ab.py measures a reply beside its base).
 MICRO_START = 4
 LOOKUP_RATE = 0.15  # the lookup record's decay per drafting step: about the last 7 count
 

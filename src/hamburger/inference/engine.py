@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from hamburger.errors import HamburgerError
 from hamburger.inference.admission import PREFILL_TOKENS
 from hamburger.inference.checked_rows import Drafter
-from hamburger.inference.modes import check_merger, resolve_mode
+from hamburger.inference.modes import TRUST, Mode, check_merger, resolve_mode
 from hamburger.inference.reference import (
     Generation,
     GenerationOutput,
@@ -60,7 +60,7 @@ class EngineGeneration:
     sampling: SamplingParams
     eos_token_ids: set[int]
     forced_steps: list[list[int]] | None = None
-    mode: str = "trust"
+    mode: Mode = TRUST
     tokens: list[list[int]] = field(init=False)
     steps: list[list[int]] = field(init=False)
     stats: GenerationStats = field(init=False)
@@ -69,7 +69,7 @@ class EngineGeneration:
         n = len(self.prompts)
         self.tokens, self.steps = [[] for _ in range(n)], [[] for _ in range(n)]
         self.stats = GenerationStats(sequences=n, prompt_tokens=sum(len(p) for p in self.prompts),
-                                     unmerged=self.mode == "verify")
+                                     unmerged=self.mode.per_token)
 
     def __iter__(self) -> Iterator[StepEvent]:
         return timed(self._run(), self.stats)
@@ -134,7 +134,7 @@ class Engine(ModelRunner):
     def stream(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256, confidence: float | None = None,
         sampling: SamplingParams | None = None, forced_steps: Sequence[Sequence[int]] | None = None,
-        eos_token_ids: set[int] | None = None, mode: str | None = None,
+        eos_token_ids: set[int] | None = None, mode: str | Mode | None = None,
     ) -> EngineGeneration:
         """`mode`: "trust" (HAMburger: drafts kept, steps smashed), "verify" (the base checks every draft and
         the output is exactly the base's) or "compress" (verify against a base whose past steps are each merged
@@ -142,7 +142,7 @@ class Engine(ModelRunner):
         `confidence` None takes the checkpoint's default for that mode (verify's for compress: it drafts the same)."""
         prompts, forced_steps = check_request(prompts, max_new_tokens, forced_steps, self.k)
         mode, confidence = resolve_mode(self.model, mode, confidence)
-        if mode != "trust" and forced_steps is not None:
+        if mode.checked and forced_steps is not None:
             raise HamburgerError(f"forced steps replay trust-mode step lengths: they do not apply to {mode} mode")
         return EngineGeneration(self, prompts, int(max_new_tokens), confidence, sampling or SamplingParams(),
                                 eos_ids(self.model) if eos_token_ids is None else set(eos_token_ids), forced_steps,
@@ -161,7 +161,7 @@ class ReferenceEngine:
     def __init__(self, model: HamburgerModel) -> None:
         self.model = model
 
-    def stream(self, prompts: Sequence[Sequence[int]], mode: str | None = None, **kwargs) -> Generation:
+    def stream(self, prompts: Sequence[Sequence[int]], mode: str | Mode | None = None, **kwargs) -> Generation:
         resolve_mode(self.model, mode, kwargs.get("confidence"), self)
         return reference_stream(self.model, prompts, **kwargs)
 

@@ -64,6 +64,19 @@ class CacheView(KVCache):
         self.k, self.v = parent.k[:, rows], parent.v[:, rows]
 
 
+@dataclass
+class MicroContext:
+    """What a micro-step decoder with context (`micro_context` > 0) reads of the base: the base's cache (its
+    rows those of the macro-step), the entries each row may see (n, end) and the position of the state the
+    features come from (n,); the micro inputs take the positions after it. In trust mode the entries are
+    smashed slots and in compress mode merged ones (read without the merger's bias): the decoder was trained
+    on unmerged text, so there its drafts are an approximation, which verify and compress modes check."""
+
+    cache: KVCache
+    visible: torch.Tensor
+    base_pos: torch.Tensor
+
+
 def layer_forward(layer, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, index: int,
                   start: int | RowSlots, mask: torch.Tensor, adapters: AdapterPass | None = None) -> torch.Tensor:
     """One decoder layer of the base's own type over (B, T, d) at cache slots start..start+T-1 (with the slot

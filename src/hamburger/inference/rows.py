@@ -15,7 +15,6 @@ import torch
 from hamburger.errors import HamburgerError
 from hamburger.inference.admission import Request, RequestEvent
 from hamburger.inference.kv import KVCache
-from hamburger.inference.modes import CHECKED
 from hamburger.inference.stats import kv_bytes_per_entry
 
 if TYPE_CHECKING:
@@ -37,7 +36,7 @@ def rows_in(kv_memory: int, runner: ModelRunner, max_len: int) -> int:
 
 # The per-row tensors (dimension 0 is the row), all moved together by `compact`.
 ROW_TENSORS = ("states", "step_tok", "step_len", "cache_len", "gen_len", "prompt_len", "max_new", "confidence",
-               "live", "verify", "compress", "n_drafts", "next_t0", "eos", "merged_len")
+               "live", "checked", "compress", "n_drafts", "next_t0", "eos", "merged_len")
 
 
 class RowBatch:
@@ -47,7 +46,8 @@ class RowBatch:
     - step_tok (rows, 1 + drafts), step_len: the last macro-step's tokens (a checked row's token 0 and drafts);
     - cache_len: entries in use (the next write slot); prompt_len, gen_len: tokens of the prompt and generated;
     - max_new, confidence, eos (rows, E; -1 pads): the request's limits; live: still generating;
-    - verify, compress: checked rows (their micro tokens are drafts), compress rows (steps merged);
+    - checked, compress: rows whose micro tokens are drafts (verify and compress mode), rows whose steps are
+      merged (compress mode);
     - n_drafts: drafts in step_tok[1 : 1 + n] waiting for the next base pass; next_t0: a checked row's token 0
       from its last check pass (greedy: the base's choice after the kept drafts; sampled: drawn by the
       acceptance; -1: none, as after a prefill);
@@ -65,7 +65,7 @@ class RowBatch:
         zeros = lambda dt=torch.long: torch.zeros(size, dtype=dt, device=device)
         self.step_len, self.cache_len, self.gen_len, self.prompt_len = zeros(), zeros(), zeros(), zeros()
         self.max_new, self.n_drafts, self.confidence = zeros(), zeros(), zeros(torch.float32)
-        self.live, self.verify, self.compress = zeros(torch.bool), zeros(torch.bool), zeros(torch.bool)
+        self.live, self.checked, self.compress = zeros(torch.bool), zeros(torch.bool), zeros(torch.bool)
         self.next_t0 = torch.full((size,), -1, dtype=torch.long, device=device)
         self.eos = torch.full((size, 1), -1, dtype=torch.long, device=device)
         self.merged_len = torch.zeros(size, slots, dtype=torch.long, device=device)
@@ -106,7 +106,7 @@ class RowBatch:
         req.row, self.requests[row] = row, req
         for name, value in (("cache_len", prompt_len), ("prompt_len", prompt_len), ("gen_len", 0),
                             ("max_new", req.max_new_tokens), ("confidence", req.confidence), ("live", True),
-                            ("verify", req.mode in CHECKED), ("compress", req.mode == "compress"),
+                            ("checked", req.mode.checked), ("compress", req.mode.merged),
                             ("n_drafts", 0), ("next_t0", -1), ("merged_len", 0)):
             getattr(self, name)[row] = value
         self.pending[row], self.ended_early[row] = [], False

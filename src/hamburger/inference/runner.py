@@ -14,10 +14,9 @@ import torch.nn.functional as F
 
 from hamburger.errors import HamburgerError
 from hamburger.inference import draft_policy as draft_policy_mod
-from hamburger.inference.core import MicroContext
 from hamburger.inference.draft_policy import StepCosts
 from hamburger.inference.fast_layer import FastUsable, decode_layers, rope_tables
-from hamburger.inference.kv import KVCache, RowSlots, layer_forward
+from hamburger.inference.kv import KVCache, MicroContext, RowSlots, layer_forward
 from hamburger.inference.lookup import reply_store
 from hamburger.inference.native_layers import micro_native_layers
 from hamburger.inference.native_layers import native_layers as make_native
@@ -30,10 +29,10 @@ SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 
 
 def auto_draft_rows(model: HamburgerModel) -> int:
-    """`draft_rows` "auto": DRAFT_ROWS on a GPU and on a CPU with packed weights (a pass of 4 positions costs 1.08x
-    one of 1 with fp16, 1.22x with int8/int4 in bfloat16, where verify mode runs at 1.9-2.0x its base at batch 1;
-    docs/quantize.md), 0 on a CPU with float32/bfloat16 weights (2 positions 1.55x, 3 positions 1.92x: torch's small
-    CPU matmuls run row by row)."""
+    """`draft_rows` "auto": DRAFT_ROWS on a GPU and on a CPU with packed weights (there a pass of a few positions
+    costs little more than one of 1, so drafts pay), 0 on a CPU with float32/bfloat16 weights (a pass of 2 or 3
+    positions costs nearly 2 or 3 passes: torch's small CPU matmuls run row by row). benchmarks/verify_costs.py
+    measures the cost of a pass by positions; docs/quantize.md."""
     device = next(model.parameters()).device
     if device.type != "cpu" or any(isinstance(m, QuantizedLinear) for m in model.base.modules()):
         return DRAFT_ROWS
@@ -50,7 +49,7 @@ def check_supported(model: HamburgerModel) -> None:
 def head_rows(model: HamburgerModel, rows: torch.Tensor) -> torch.Tensor:
     """The LM head's weights at `rows`, as the head multiplies with them. An fp16 head tied to a float input
     embedding: the embedding's rows rounded to float16, the values it was packed from (a test), without unpacking
-    the whole head (0.24 s of the default's start)."""
+    the whole head (which showed in the default's start-up: benchmarks/startup.py)."""
     head, emb = model.base.get_output_embeddings(), model.base.get_input_embeddings()
     if (isinstance(head, Fp16Linear) and getattr(model.base.config, "tie_word_embeddings", False)
             and isinstance(emb, torch.nn.Embedding) and emb.weight.shape == (head.out_features, head.in_features)):
@@ -83,7 +82,7 @@ class ModelRunner:
         self.draft_policy = draft_policy_mod.ON_BY_DEFAULT if draft_policy is None else draft_policy
         self.lookup_drafts = LOOKUP_DRAFTS
         self._reply_tokens = model.reply_tokens if self.lookup else None
-        reply_store(self._reply_tokens)  # built now (once per model, ~0.04 s), not inside the first drafting step
+        reply_store(self._reply_tokens)  # built now (once per model), not inside the first drafting step
         self._step_costs: dict[int, StepCosts] = {}
         # Micro-steps choose among the checkpoint's shortlist (if it has one): a head of |shortlist| rows
         # instead of the whole vocabulary. Token 0 of every step always uses the full head.
@@ -146,7 +145,7 @@ class ModelRunner:
     @property
     def store(self):
         """The checkpoint's stored replies, where a row's own history offers no lookup draft (`lookup.ReplyStore`),
-        indexed at the first lookup rather than before the first token (0.23 s of the default's start)."""
+        indexed at the first lookup rather than before the first token (benchmarks/startup.py)."""
         return reply_store(self._reply_tokens)
 
     def step_costs(self, rows: int) -> StepCosts:

@@ -46,8 +46,8 @@ class Warpers(list):
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """`logits.argmax(-1)`: the same indices (each row's first maximal value, NaN first), through `max`, whose CPU
-    kernel is 2-5x faster over a few vocabulary-long rows (float32: verify mode's (1, 4, 49152) logits 0.16 against
-    0.31-3.6 ms, one row 26 against 73 us); argmax for other dtypes (float16's `max` is the slower one)."""
+    kernel is the faster one over a few vocabulary-long rows of float32 (benchmarks/step_profile.py times a step's
+    parts); argmax for other dtypes (float16's `max` is the slower one)."""
     return logits.max(-1).indices if logits.dtype == torch.float32 else logits.argmax(-1)
 
 

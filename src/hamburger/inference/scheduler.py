@@ -40,13 +40,12 @@ from hamburger.inference.checked_rows import Drafter, drafts_wanted, feed_checke
 from hamburger.inference.core import Limits, macro_step, micro_context
 from hamburger.inference.kv import CacheView, KVCache, RowSlots
 from hamburger.inference.lookup import NgramIndex
-from hamburger.inference.modes import CHECKED, resolve_mode
+from hamburger.inference.modes import TRUST, Mode, parse_mode, resolve_mode
 from hamburger.inference.rows import RowBatch, rows_in
 from hamburger.inference.runner import ModelRunner
 from hamburger.inference.sampling import SamplingParams, greedy_tokens, sample
 from hamburger.inference.stats import GenerationStats
 from hamburger.model.base import eos_ids
-from hamburger.model.config import MODES
 from hamburger.model.hamburger_model import HamburgerModel
 
 DECODE_THREADS_ROWS = 16  # decode passes of at most this many rows run on `decode_threads`
@@ -74,13 +73,13 @@ class Scheduler:
                  draft_policy: bool | None = None, lookup: int | None = None, runner: ModelRunner | None = None,
                  drafter: Drafter | None = None, kv_memory: int | None = None,
                  entries_per_token: dict[str, float] | None = None) -> None:
-        self.engine = runner or ModelRunner(model, draft_rows=draft_rows, draft_policy=draft_policy, lookup=lookup)
+        self.runner = runner or ModelRunner(model, draft_rows=draft_rows, draft_policy=draft_policy, lookup=lookup)
         if decode_threads is not None and decode_threads < 1:
             raise HamburgerError(f"decode_threads must be >= 1 (or None: torch's setting), got {decode_threads}")
         # Small decode passes with `decode_threads` torch threads; prefill and large decode passes with the threads
         # torch had here.
         self.decode_threads, self.prefill_threads = decode_threads, torch.get_num_threads()
-        self.model, self.k, self.drafter = model, self.engine.k, drafter
+        self.model, self.k, self.drafter = model, self.runner.k, drafter
         cfg = model.base.config
         self.context = getattr(cfg, "max_position_embeddings", None) or 2048
         self.max_len = min(max_len or self.context, self.context)
@@ -91,8 +90,8 @@ class Scheduler:
         self.prefill_tokens, self.interleave_prefill = prefill_tokens, interleave_prefill
         self.entries = EntriesEstimate(getattr(model.config, "merge_window", 0) or 0, entries_per_token)
         if kv_memory is not None:
-            max_batch_size = rows_in(kv_memory, self.engine, self.max_len)
-        self.batch = RowBatch.for_model(self.engine, max_batch_size, self.max_len)
+            max_batch_size = rows_in(kv_memory, self.runner, self.max_len)
+        self.batch = RowBatch.for_model(self.runner, max_batch_size, self.max_len)
         self.default_eos = eos_ids(model)
         self.passes = 0  # base passes run (prefills and decode passes): a fixed batch's `base_forwards`
         self._depth = 0  # micro-steps into the current macro-step (which draft a pick makes)
@@ -120,7 +119,7 @@ class Scheduler:
 
     def submit(self, prompt_ids: list[int], max_new_tokens: int | None, confidence: float | None = None,
                sampling: SamplingParams | None = None, eos_token_ids: set[int] | None = None,
-               mode: str = "trust", forced_steps: list[int] | None = None) -> int:
+               mode: str | Mode = TRUST, forced_steps: list[int] | None = None) -> int:
         """Queue a request; returns its id. Raises HamburgerError when it cannot fit in a row. `max_new_tokens` None:
         until EOS or the row's entries (or the model's context) run out.
 
@@ -139,14 +138,12 @@ class Scheduler:
         if len(prompt) + max_new_tokens > self.context:
             raise HamburgerError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
                                  f"model's context of {self.context} tokens")
-        if mode not in MODES:  # a mode must be named here (the service resolves the server's default)
-            raise HamburgerError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
-        mode, conf = resolve_mode(self.model, mode, confidence)
+        mode, conf = resolve_mode(self.model, parse_mode(mode), confidence)  # named here: no default
         need = len(prompt) + 1 if fill else self.entries.need(len(prompt), max_new_tokens, mode)
         if need > self.max_len:
             raise HamburgerError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({max_new_tokens}) need about {need} "
                                  f"KV entries in {mode} mode; a row holds {self.max_len}")
-        if forced_steps is not None and mode != "trust":
+        if forced_steps is not None and mode.checked:
             raise HamburgerError(f"forced steps replay trust-mode step lengths: they do not apply to {mode} mode")
         sampling = sampling or SamplingParams()
         eos = self.default_eos if eos_token_ids is None else set(eos_token_ids)
@@ -198,7 +195,7 @@ class Scheduler:
                 self._measure_entries(events)
                 # The decode work of a step (its base pass and its micro-steps, not the prefill): what the draft
                 # policy weighs a drafting step against a plain one by.
-                self.engine.step_costs(self.batch.span()).observe(width - 1, self._micro_calls,
+                self.runner.step_costs(self.batch.span()).observe(width - 1, self._micro_calls,
                                                                   fed_s + time.perf_counter() - start)
         return events
 
@@ -236,8 +233,8 @@ class Scheduler:
         if n == 0:
             return
         with self._base_lora(self.rows[:n]):
-            if any(r is not None and r.mode in CHECKED for r in self.rows[:n]):
-                feed_checked(self.engine, self.batch, n)
+            if any(r is not None and r.mode.checked for r in self.rows[:n]):
+                feed_checked(self.runner, self.batch, n)
             else:
                 self._feed_trust(n)
         self.passes += 1
@@ -259,7 +256,7 @@ class Scheduler:
         mask = (torch.arange(end, device=slots.device)[None] <= slots[:, None])[:, None, None]
         same = n == 1 or bool((slots == slots[0]).all())
         where = int(slots[0]) if same else RowSlots(slots[:, None], end)
-        states = self.engine.base_pass(embeds, positions, CacheView(b.cache, slice(0, n)), where, mask,
+        states = self.runner.base_pass(embeds, positions, CacheView(b.cache, slice(0, n)), where, mask,
                                        (step_len > 1)[:, None])
         b.states[:n] = torch.stack(states, 1)
         b.cache_len[:n] += live.long()
@@ -271,7 +268,7 @@ class Scheduler:
             return nullcontext()
         if not self.model.config.lora_rank:  # a plain model over a LoRA checkpoint's base: the untouched base
             return self.model.base_lora(False)
-        trust = [r is not None and r.mode == "trust" for r in reqs]
+        trust = [r is not None and r.mode.base_lora for r in reqs]
         if all(trust) or not any(trust):
             return self.model.base_lora(bool(trust and trust[0]))
         return self.model.base_lora(torch.tensor(trust, device=self.batch.live.device))
@@ -280,8 +277,8 @@ class Scheduler:
         """Fill free rows from the queue. Interleaved (the default): one pass of at most `prefill_tokens` padded
         tokens per step, of the shortest waiting prompts (a request passed over `MAX_PASSED` times goes first,
         oldest first), so each pass's requests get their first token in its step and running requests wait for
-        one pass per step, not for a whole burst (a burst of 32 on 2 cores: TTFT p50 1.44 s against 2.07 s, p90
-        2.33 s against 2.07 s). Otherwise every free row is filled now, FIFO, the prompts prefilled shortest first
+        one pass per step, not for a whole burst (a lower median time to the first token, a higher
+        slowest tenth: benchmarks/scheduler_prefill.py). Otherwise every free row is filled now, FIFO, the prompts prefilled shortest first
         in such passes, and all get their first token in this step."""
         free = self.batch.free_rows()
         with self._lock:
@@ -311,7 +308,7 @@ class Scheduler:
         c = b.cache
         scratch = KVCache(c.k.shape[0], m, c.k.shape[2], width, c.k.shape[4], c.k.dtype, dev)
         with self._base_lora(reqs):
-            states = self.engine.base_pass(self.model.embed(ids), positions, scratch, 0, mask, last=False)
+            states = self.runner.base_pass(self.model.embed(ids), positions, scratch, 0, mask, last=False)
         self.passes += 1
         at, rows_t = torch.tensor(lens, device=dev) - 1, torch.tensor(rows, device=dev)
         c.k[:, rows_t, :, :width], c.v[:, rows_t, :, :width] = scratch.k, scratch.v
@@ -320,10 +317,10 @@ class Scheduler:
             b.add(req, row, p)
             req.started = start
             req.stats = GenerationStats(sequences=1, prompt_tokens=p, base_forwards=1, row_forwards=1,
-                                        unmerged=req.mode == "verify")
+                                        unmerged=req.mode.per_token)
             req.rng, req.warpers = req.sampling.generator(dev), req.sampling.warpers()
-            if req.mode in CHECKED and self.engine.lookup:
-                req.index = NgramIndex(req.prompt, self.engine.lookup)
+            if req.mode.lookup and self.runner.lookup:
+                req.index = NgramIndex(req.prompt, self.runner.lookup)
 
     # --- one macro-step over the live rows ----------------------------------------------------------------------
 
@@ -332,11 +329,11 @@ class Scheduler:
         so a request draws the same random numbers as when it runs alone). Sampled checked rows: token 0 is the
         one the last pass's acceptance drew, and each draft's distribution is kept for the next acceptance."""
         self._depth = self._depth + 1 if micro else 0
-        if (not micro and all(r is None or r.mode in CHECKED for r in self.rows[: len(h)])  # no sync for trust rows
+        if (not micro and all(r is None or r.mode.checked for r in self.rows[: len(h)])  # no sync for trust rows
                 and bool(((given := self.batch.next_t0[: len(h)]) >= 0).logical_or(~active).all())):
             return given.clamp(min=0)  # every decoding row is checked: its check pass chose token 0 already
-        shortlist = micro and self.engine.vocab is not None
-        logits = self.engine.short_logits(h) if shortlist else self.model.lm_head(h)
+        shortlist = micro and self.runner.vocab is not None
+        logits = self.runner.short_logits(h) if shortlist else self.model.lm_head(h)
         tok = greedy_tokens(logits)
         sampled = [(i, r) for i, r in enumerate(self.rows[: len(h)]) if r is not None and not r.sampling.greedy]
         if sampled:
@@ -344,19 +341,19 @@ class Scheduler:
             for i, req in sampled:
                 if not on[i]:
                     continue
-                if req.mode in CHECKED and not micro and given[i] >= 0:
+                if req.mode.checked and not micro and given[i] >= 0:
                     tok[i] = given[i]
-                elif req.mode in CHECKED and micro:
+                elif req.mode.checked and micro:
                     probs = torch.softmax(req.warpers(logits[i : i + 1].float()), -1)
                     tok[i] = torch.multinomial(probs, 1, generator=req.rng)[0, 0]
                     self._keep_draft_distribution(i, probs[0])
                 else:
                     tok[i] = sample(logits[i : i + 1], req.sampling, req.rng, req.warpers)[0]
-        return self.engine.vocab[tok] if shortlist else tok
+        return self.runner.vocab[tok] if shortlist else tok
 
     def _keep_draft_distribution(self, row: int, probs: torch.Tensor) -> None:
         """A micro draft's distribution (over the shortlist, where the engine has one), over the whole vocabulary."""
-        vocab = self.engine.vocab
+        vocab = self.runner.vocab
         full = probs if vocab is None else torch.zeros(self.batch.vocab, device=probs.device).index_copy_(
             0, vocab, probs)
         self.batch.keep_distribution(row, self._depth, full)
@@ -366,9 +363,9 @@ class Scheduler:
         token 0 now; its micro tokens are drafts for the next pass (room is left for the base's token after
         them), so they do not count as generated and do not end the request."""
         b, n = self.batch, self.batch.span()
-        live, verify = b.live[:n].clone(), b.verify[:n]
-        wants = drafts_wanted(self.engine, b, n)
-        micro_len = torch.tensor([self.k - 1 if r is not None and r.mode == "trust" else m
+        live, verify = b.live[:n].clone(), b.checked[:n]
+        wants = drafts_wanted(self.runner, b, n)
+        micro_len = torch.tensor([self.k - 1 if r is not None and not r.mode.checked else m
                                   for r, (_, m) in zip(self.rows[:n], wants)], device=verify.device)
         limits = Limits(b.eos[:n], b.max_new[:n] - verify.long(), b.confidence[:n], path=verify, micro_len=micro_len)
         micro_cache = CacheView(b.micro_cache, slice(0, n)) if self.k > 1 else None
@@ -376,11 +373,11 @@ class Scheduler:
         base_pos = b.prompt_len[:n] + b.gen_len[:n] - 1  # the state each row's step starts from
 
         def ctx():  # what a micro-step decoder with context reads: made only if a micro-step runs
-            return micro_context(self.engine, CacheView(b.cache, slice(0, n)), b.cache_len[:n], base_pos)
+            return micro_context(self.runner, CacheView(b.cache, slice(0, n)), b.cache_len[:n], base_pos)
 
-        step_tok, step_len, ended = macro_step(self.engine, list(b.states[:n].unbind(1)), live, b.gen_len[:n],
+        step_tok, step_len, ended = macro_step(self.runner, list(b.states[:n].unbind(1)), live, b.gen_len[:n],
                                                limits, self._pick, micro_cache, b.forced(n), context=ctx,
-                                               lookup=step_drafts(self.engine, b, wants, self.drafter),
+                                               lookup=step_drafts(self.runner, b, wants, self.drafter),
                                                lookup_width=b.drafts)
         looked = torch.tensor([r.looked if r is not None else 0 for r in self.rows[:n]], device=step_len.device)
         self._micro_calls = int(torch.where(looked > 0, 0, step_len - 1).clamp(min=0).max()) if n else 0

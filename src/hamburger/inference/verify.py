@@ -62,10 +62,10 @@ def accept_sampled(drafts: torch.Tensor, n_drafts: torch.Tensor, q: torch.Tensor
     return kept, torch.multinomial(residual, 1, generator=generator).squeeze(1)
 
 
-def check_pass(engine: ModelRunner, embeds: torch.Tensor, first_pos: torch.Tensor, cache_len: torch.Tensor,
+def check_pass(runner: ModelRunner, embeds: torch.Tensor, first_pos: torch.Tensor, cache_len: torch.Tensor,
                cache: KVCache, merged: torch.Tensor | None = None, visible: torch.Tensor | None = None,
                merged_len: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """The base pass of verify and compress mode (the engine's and the scheduler's): (B, W, d) inputs per row
+    """The base pass of verify and compress mode (`checked_rows.feed_checked`): (B, W, d) inputs per row
     (token 0 or a trust row's smashed step, then the drafts) at positions first_pos.., written at the row's own
     slots cache_len... Each position sees its row's entries up to its own slot (and only the `visible` ones
     (B, S): a left-padded prompt's padding is hidden); with `merged_len` (B, S), the merger's bias on entries
@@ -80,12 +80,12 @@ def check_pass(engine: ModelRunner, embeds: torch.Tensor, first_pos: torch.Tenso
         mask = mask & visible[:, None, :end]
     mask = mask[:, None]
     if merged_len is not None:  # per layer: -inf where hidden, the merger's bias on merged entries
-        mask = MergedMask(engine.model.merger, mask, merged_len[:, :end], engine.dtype)
+        mask = MergedMask(runner.model.merger, mask, merged_len[:, :end], runner.dtype)
     # Rows at one cache length (one row; or a batch that has not drafted yet, none finished) write their slots as
-    # a plain slice: cheaper than a scatter (about 0.6 ms a step on the default at batch 1)
+    # a plain slice: cheaper than a scatter (benchmarks/step_profile.py)
     same = embeds.shape[0] == 1 or bool((cache_len == cache_len[0]).all())
     where = int(cache_len[0]) if same else RowSlots(slots, end)
-    return engine.base_pass(embeds, first_pos[:, None] + offsets, cache, where, mask, merged, last=False)
+    return runner.base_pass(embeds, first_pos[:, None] + offsets, cache, where, mask, merged, last=False)
 
 
 def settle(merger: KVMerger | None, states: list[torch.Tensor], kept: torch.Tensor, cache: KVCache,

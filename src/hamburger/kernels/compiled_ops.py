@@ -5,8 +5,8 @@ Two things in a pass defeat the compiler when written as plain PyTorch:
 * FBGEMM's packed float16 GEMM (`--quantize fp16`) takes its weights as an opaque object: dynamo breaks the graph
   around every call. `fp16_linear` names the packed weights by an integer key instead.
 * A KV cache write is an in-place write into a slice of the stacked cache. Traced as indexing, the compiler turns
-  it into a functional update followed by a copy back, i.e. a copy of the whole cache at every layer (measured:
-  a compiled step 1.6x slower than eager). `kv_write` (slots `start..` for every row) and `kv_scatter` (each row's
+  it into a functional update followed by a copy back, i.e. a copy of the whole cache at every layer (a
+  compiled step slower than eager: benchmarks/decode_step.py). `kv_write` (slots `start..` for every row) and `kv_scatter` (each row's
   own slots) are opaque in-place writes instead.
 
 Eager code does not use the operators (a Python-defined operator costs a few microseconds a call): `Fp16Linear`

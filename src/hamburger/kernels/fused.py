@@ -12,7 +12,7 @@ from hamburger.kernels.qlinear import MODULES, WIDE_ROWS, QuantizedLinear, carry
 
 class FusedGroup:
     """One kernel call for sibling projections that read the same input (a decoder layer's q/k/v, or its MLP's
-    gate/up), in any scheme: fewer, larger calls (fp16: 90 fewer a base step of the default, 1.06x faster;
+    gate/up), in any scheme: fewer, larger calls (benchmarks/step_profile.py counts the calls of a step;
     docs/quantize.md). Each sibling becomes a `FusedPart`, so the callers (the engine's `layers.project`,
     transformers' own attention and MLP forwards, the slot adapters' hooks) stay unchanged.
 

@@ -42,7 +42,8 @@ def int_kernel_dtype(device: torch.device | str, model_dtype: torch.dtype) -> to
     """The dtype of the activations (and of the scales) the int8/int4 kernels multiply with by default.
 
     bfloat16 on CPU, whatever the model's dtype: PyTorch's CPU int8/int4 kernels are vectorized for bfloat16
-    inputs only; float32 and float16 inputs take a scalar loop, 10-120x slower (docs/quantize.md). The layer
+    inputs only; float32 and float16 inputs take a scalar loop, an order of magnitude or more slower
+    (benchmarks/native_variants.py; docs/quantize.md). The layer
     converts its input to bfloat16 and its output back, so the rest of the model keeps its dtype. On CUDA the
     model's dtype (the int4 kernel takes bfloat16 only, checked where the layer is made).
     """

@@ -207,7 +207,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
     fuse: quantized layers that read one input (q/k/v, gate/up) share one call (`fused.fuse_projections`; False
     keeps them apart, for measuring what fusing gives). act_dtype: the activations' (and scales') dtype of
     int8/int4 layers; None = `qlinear.int_kernel_dtype` (bfloat16 on CPU, the kernels' fast path; torch.float32
-    there is exact for Q4_1 weights but 10-120x slower). wide: passes of at least `qlinear.WIDE_ROWS` rows (prefill,
+    there is exact for Q4_1 weights but much slower: docs/quantize.md). wide: passes of at least `qlinear.WIDE_ROWS` rows (prefill,
     batches of 8 or more) multiply by a bfloat16 copy of each quantized layer's weights (CPUs with native bfloat16:
     `qlinear.wide_unavailable`), one more copy of the weights in memory. Quantizing again with the same settings changes nothing;
     with other settings it raises ValueError.
@@ -225,7 +225,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
     groups = sibling_sets(model, plan["todo"]) if fuse else []  # one packing per group
     fused = {name for _, _, full, _ in groups for name in full}
     singles = [(name, want) for name, want in plan["todo"].items() if name not in fused]
-    # Made in threads (the packing kernels release the GIL: 2x on 2 cores), installed in order
+    # Made in threads (the packing kernels release the GIL), installed in order
     layers = in_threads([lambda g=g: fused_layer(g[0], g[1], MODULES[g[3]], group_size, dtype(g[3])) for g in groups]
                         + [lambda n=n, w=w: MODULES[w].from_linear(model.get_submodule(n), group_size, dtype(w))
                            for n, w in singles])
@@ -248,7 +248,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: int = 32, *, head:
 
 def in_threads(jobs: list) -> list:
     """The jobs' results in order, made on as many threads as torch computes with (the packing kernels release the
-    GIL, so layers pack side by side: FBGEMM's fp16 packing of the default takes 1.0 s instead of 2.0 on 2 cores)."""
+    GIL, so layers pack side by side; benchmarks/startup.py times the packing)."""
     workers = min(len(jobs), torch.get_num_threads())
     if workers <= 1:
         return [job() for job in jobs]

@@ -60,7 +60,8 @@ def _default_cache_path() -> Path | None:
 
 
 def _convert_default(target: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-    """Save the dequantised GGUF as a plain float32 folder: parsing the GGUF takes ~15 s, this loads in <1 s."""
+    """Save the dequantised GGUF as a plain float32 folder: parsing the GGUF is slow, this folder loads fast
+    (benchmarks/startup.py)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
@@ -122,12 +123,13 @@ def load_base(
     """Load a causal LM and its tokenizer from a hub id, a local folder, a .gguf file, or the embedded default.
 
     `decode_only`: for decoding with the fast engine, a local Llama-style base (the embedded default once converted)
-    comes as `llama.CausalLM` with `tokenizer.Tokenizer`, without importing transformers (about 2.4 s of start-up);
+    comes as `llama.CausalLM` with `tokenizer.Tokenizer`, without importing transformers (seconds of
+    start-up: benchmarks/startup.py);
     anything else, and any model for training or the reference engine, loads with transformers."""
     name, kwargs = _from_pretrained_args(ref or "default")
     if decode_only and (loaded := _load_light(name, kwargs, ref, dtype, device)) is not None:
         return loaded
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # 2.4 s: only where needed
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # slow to import: only where needed
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(name, **kwargs)

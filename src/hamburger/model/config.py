@@ -110,13 +110,12 @@ MODES = ("trust", "verify", "compress")
 
 
 # Verify mode drafts only while at most this many rows decode; beyond, a verify step is a plain base step (the
-# output is the base's either way). Measured on 2 CPU cores with fp16 weights, the shipped default with lookup
-# drafts (docs/RESULTS.md, "Verify mode and the batch"; benchmarks/verify_ab.py --batch-size B --draft-rows B):
-# 1.72x at 1 row, 1.29x at 2, 0.91x at 4, and 0.69x at 16 even with lookup drafts alone, because there a pass of
-# more positions costs nearly in proportion. "auto" (the default of `Engine`, bench
-# and serve) is this on a GPU and on a CPU with fp16-packed weights, and 0 on a CPU with float32 or bfloat16
-# weights, where even one row's pass of 2 or 3 positions costs 1.55x or 1.92x one of 1 position (torch's small
-# matmuls there run row by row; measured with benchmarks/verify_costs.py). Measure yours with bench --draft-rows.
+# output is the base's either way): drafting pays at a row or two and no more at four or more, even with lookup
+# drafts alone, because there a pass of more positions costs nearly in proportion (benchmarks/verify_ab.py
+# --batch-size B --draft-rows B; docs/RESULTS.md, "Verify mode and the batch"). "auto" (the default of `Engine`,
+# bench and serve) is this on a GPU and on a CPU with fp16-packed weights, and 0 on a CPU with float32 or bfloat16
+# weights, where even one row's pass of 2 or 3 positions costs nearly 2 or 3 passes of 1 position (torch's small
+# matmuls there run row by row; benchmarks/verify_costs.py). Measure yours with bench --draft-rows.
 DRAFT_ROWS = 2
 
 

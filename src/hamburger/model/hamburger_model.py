@@ -12,13 +12,14 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import load_file, save_file, save_model
+from safetensors.torch import save_file, save_model
 from torch import nn
 
 from hamburger.errors import HamburgerError
 from hamburger.model.base import DEFAULT_MODEL, cache_kwargs, fingerprint, load_base
 from hamburger.model.config import HamburgerConfig
 from hamburger.model.embedder import CompositionalEmbedder
+from hamburger.model.files import load_state, read_safetensors
 from hamburger.model.lora import LORA_MODES, BaseLora, inject_lora, merge_lora
 from hamburger.model.micro_decoder import MicroStepDecoder, StopHead
 from hamburger.model.slot_adapters import SlotAdapters
@@ -171,9 +172,10 @@ class HamburgerModel(nn.Module):
                     "load it with the base it was trained on"
                 )
         model = cls(base, config, tokenizer)
-        state = load_file(str(Path(directory) / WEIGHTS_NAME), device=str(device))
+        weights = Path(directory) / WEIGHTS_NAME
+        state = read_safetensors(weights, device)
         model.micro_vocab = state.pop(MICRO_VOCAB_KEY, None)
-        missing, unexpected = model.load_state_dict(state, strict=False)
+        missing, unexpected = load_state(model, state, weights, strict=False)
         missing_new = [k for k in missing if is_trained_key(k)]
         if missing_new or unexpected:
             raise HamburgerError(
@@ -182,7 +184,10 @@ class HamburgerModel(nn.Module):
         if (Path(directory) / MERGER_NAME).is_file():
             model.attach_merger(Path(directory) / MERGER_NAME)
         if (Path(directory) / REPLIES_NAME).is_file():
-            model.reply_tokens = load_file(str(Path(directory) / REPLIES_NAME))["tokens"]
+            replies = read_safetensors(Path(directory) / REPLIES_NAME)
+            if "tokens" not in replies:
+                raise HamburgerError(f"{Path(directory) / REPLIES_NAME}: no 'tokens' tensor (not a reply store)")
+            model.reply_tokens = replies["tokens"]
         return model.eval()
 
     def attach_merger(self, merger) -> None:
@@ -198,6 +203,8 @@ class HamburgerModel(nn.Module):
             path = merger
             try:
                 merger = KVMerger.load(path)
+            except HamburgerError:
+                raise
             except Exception as exc:  # noqa: BLE001 - a damaged or foreign file: one clear error
                 raise HamburgerError(f"{path} is not a KV merger ({type(exc).__name__}: {exc})") from exc
             want = merger.meta.get("base_fingerprint", "")
@@ -229,8 +236,8 @@ class HamburgerModel(nn.Module):
 
     def smash(self, step_tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """(N, K) token ids of N steps (padded) -> (N, d) one input embedding per step. Decoding skips the
-        embedder when every step has one token: it returns a one-token step's embedding untouched (0.6 ms a decode
-        step of the default on 2 CPU cores, most of trust mode's steps). Training always runs it (every parameter
+        embedder when every step has one token: it returns a one-token step's embedding untouched (most of trust mode's
+        steps; what the embedder costs a step: `hamburger bench --systems hamburger_engine`). Training always runs it (every parameter
         in the graph, as DDP expects)."""
         if not torch.is_grad_enabled() and bool((lengths == 1).all()):
             return self.embed(step_tokens[:, 0])

@@ -225,7 +225,7 @@ def add_routes(app: FastAPI, service: Service) -> None:
     async def health() -> dict:
         # The last three are for the web page: its mode and slider's start, and whether to ask for a key.
         return {"status": "ok", "running": service.scheduler.running, "waiting": service.scheduler.waiting,
-                "default_mode": service.default_mode, "default_confidence": service.default_confidence,
+                "default_mode": service.default_mode.name, "default_confidence": service.default_confidence,
                 "api_key_required": service.api_key is not None}
 
     @app.get("/", include_in_schema=False)

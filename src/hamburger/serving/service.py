@@ -17,6 +17,7 @@ from fastapi import Request
 from hamburger.errors import HamburgerError
 from hamburger.inference.admission import PREFILL_TOKENS, RequestEvent
 from hamburger.inference.engine import resolve_mode
+from hamburger.inference.modes import BY_NAME, Mode, parse_mode
 from hamburger.inference.sampling import SamplingParams
 from hamburger.inference.scheduler import Scheduler
 from hamburger.model.base import encode_chat
@@ -65,8 +66,8 @@ class Handle:
 def decode_threads(requested: int | None, device) -> int | None:
     """torch threads for the server's small decode passes (`Scheduler.decode_threads`): `requested` if given (0:
     all of torch's, no switching); by default, on a CPU, one fewer than torch's (at least 1), so the HTTP side
-    keeps a core. Measured on 2 cores with fp16 weights (docs/server.md): one request's time per token 48 -> 29 ms,
-    such passes being bound by reading the weights, not by threads. Prefill and large decode passes keep all
+    keeps a core. Such passes are bound by reading the weights, not by
+    threads, and one request's time per token drops (benchmarks/scheduler_decode.py; docs/server.md). Prefill and large decode passes keep all
     threads. None on other devices."""
     if requested is not None:
         if requested < 0:
@@ -113,7 +114,8 @@ class Service:
                                       lambda: len(s.rows) * s.max_len),
             "hamburger_kv_bytes": ("bytes the base's KV cache takes (all rows, allocated at start)", s.kv_bytes),
             **{f"hamburger_kv_entries_per_token_{m}": (f"KV entries per generated token a {m} request is admitted at",
-                                                       lambda m=m: s.entries.rate(m)) for m in ("trust", "compress")},
+                                                       lambda m=m: s.entries.rate(m))
+               for m in BY_NAME if not BY_NAME[m].per_token},
         })
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -182,11 +184,14 @@ class Service:
         self.wake.set()
         return Handle(self, rid, queue, arrival)
 
-    def resolve(self, mode: str | None, confidence: float | None) -> tuple[str, float]:
+    def resolve(self, mode: str | None, confidence: float | None) -> tuple[Mode, float]:
         """A request's mode and confidence by the one rule (`engine.resolve_mode`), with this server's defaults (its
-        mode, and its confidence for trust mode); a problem becomes a 400 naming the field at fault."""
-        mode = mode or self.default_mode
-        if confidence is None and mode == "trust":
+        mode, and its confidence for the unchecked mode, trust); a problem becomes a 400 naming the field at fault."""
+        try:
+            mode = parse_mode(mode or self.default_mode)
+        except HamburgerError as exc:
+            raise ApiError(400, f"mode={mode}: {exc}", "mode") from None
+        if confidence is None and not mode.checked:
             confidence = self.default_confidence  # the server's --confidence (verify and compress: the model's)
         try:
             return resolve_mode(self.model, mode, confidence)
