@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hamburger.model.files import read_json, read_safetensors
+
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
 REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings", "hidden_act")
@@ -234,19 +236,17 @@ def load_light(folder: str | Path, dtype: torch.dtype = torch.float32, device: s
                name: str | None = None) -> CausalLM | None:
     """The base in `folder` (config.json + safetensors) as a `CausalLM`, in `dtype` on `device`; None where this
     module does not reproduce it (then load it with transformers). Weights whose names do not match are None too."""
-    from safetensors.torch import load_file  # light, but only needed here
-
     folder = Path(folder)
     files = weight_files(folder)
     if files is None or not (folder / "config.json").is_file():
         return None
-    config = config_from(json.loads((folder / "config.json").read_text()))
+    config = config_from(read_json(folder / "config.json"))
     if config is None:
         return None
     config.name_or_path = name or str(folder)
     state = {}
     for f in files:
-        state.update(load_file(str(f), device=str(device)))
+        state.update(read_safetensors(f, device))
     with torch.device("meta"):
         model = CausalLM(config)
     want = set(model.state_dict())

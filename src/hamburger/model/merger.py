@@ -21,11 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from hamburger.errors import HamburgerError
+from hamburger.model.files import load_state
 from hamburger.model.layers import attend, project
 
 WEIGHTS = "merger.safetensors"
@@ -104,14 +105,20 @@ class KVMerger(nn.Module):
     @classmethod
     def load(cls, path: str | Path) -> KVMerger:
         """A saved merger; `.meta` keeps what it was saved with (e.g. the base's fingerprint, to check)."""
-        with safe_open(str(path), "pt") as f:
-            meta = f.metadata()
+        try:
+            with safe_open(str(path), "pt") as f:
+                meta = dict(f.metadata() or {})
+                state = {k: f.get_tensor(k) for k in f.keys()}
+        except (SafetensorError, OSError) as exc:
+            raise HamburgerError(f"{path}: not a readable safetensors file, truncated or corrupted? ({exc})") from exc
+        try:
             merger = cls(**json.loads(meta.pop("config")))
-            state = {k: f.get_tensor(k) for k in f.keys()}
-            for name in ("k_logits", "v_logits"):  # saved before per-channel weights existed: (L, kvh, K)
-                if state.get(name) is not None and state[name].dim() == 3:
-                    state[name] = state[name][..., None]
-            merger.load_state_dict(state)
+        except (KeyError, ValueError, TypeError) as exc:
+            raise HamburgerError(f"{path}: not a KV merger (its header has no valid config: {exc})") from exc
+        for name in ("k_logits", "v_logits"):  # saved before per-channel weights existed: (L, kvh, K)
+            if state.get(name) is not None and state[name].dim() == 3:
+                state[name] = state[name][..., None]
+        load_state(merger, state, path)
         merger.meta = meta
         return merger
 
