@@ -327,7 +327,7 @@ class CompressOracle(Scheduler):
     def _pick(self, h, active, micro):
         tok = super()._pick(h, active, micro)
         for i, req in enumerate(self.rows[: len(h)]):
-            if req is None or req.mode != "compress" or not bool(active[i]):
+            if req is None or not req.mode.merged or not bool(active[i]):
                 continue
             if not micro:  # token 0: the base's own; this macro-step's open step starts with it
                 self.open[i] = [int(tok[i])]
