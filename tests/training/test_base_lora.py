@@ -187,3 +187,18 @@ def test_a_checkpoint_whose_micro_decoder_reads_context_trains(tmp_path, checkpo
     gate = trainer.hamburger.micro.context_gate.detach().clone()
     trainer.fit(progress=False)
     assert not torch.equal(trainer.hamburger.micro.context_gate, gate)  # the gates learn with the rest
+
+
+def test_train_max_minutes_stops_early_evaluates_saves_and_resumes(tmp_path, checkpoint, capsys):
+    make_data(tmp_path / "data.jsonl")
+    run = tmp_path / "run"
+    common = ["train", "--data", str(tmp_path / "data.jsonl"), "--model", str(checkpoint), "--max-steps", "50",
+              "--batch-size", "4", "--no-bf16", "--eval-every", "40", "--save-every", "40", "--out", str(run)]
+    assert main([*common, "--max-minutes", "0.000001"]) == 0  # out of time after the first step
+    assert "stopped at step 1/50: --max-minutes" in capsys.readouterr().err
+    rows = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if "step" in r] == [1]  # evaluated at the stop, not only every 40 steps
+    assert json.loads((run / "state" / "trainer.json").read_text())["step"] == 1
+    assert HamburgerModel.from_pretrained(run / "hamburger")
+    assert main([*common, "--resume", "--max-minutes", "0.000001"]) == 0
+    assert json.loads((run / "state" / "trainer.json").read_text())["step"] == 2

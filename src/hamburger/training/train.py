@@ -246,17 +246,8 @@ class Trainer:
                     said = time.perf_counter()  # a log file gets a plain line a minute instead of a live bar
                     print(f"step {self.step}/{self.total_steps} {info} elapsed {said - t0:.0f}s", file=sys.stderr,
                           flush=True)
-                if self.held and (self.step % a.eval_every == 0 or self.step == self.total_steps):
-                    metrics = self.evaluate()
-                    self.log({"step": self.step, **metrics, "tokens_per_s": rate})
-                    if a.report_to != "none":
-                        self.acc.log({f"eval/{k}": v for k, v in metrics.items()}, step=self.step)
                 out_of_time = a.max_minutes > 0 and time.perf_counter() - t0 > 60 * a.max_minutes
-                if out_of_time and self.held and self.step % a.eval_every:
-                    metrics = self.evaluate()
-                    self.log({"step": self.step, **metrics, "tokens_per_s": rate})
-                if self.step % a.save_every == 0 or self.step == self.total_steps or out_of_time:
-                    self.save()
+                metrics = self.checkpoint(rate, out_of_time) or metrics
                 if out_of_time:
                     print(f"stopped at step {self.step}/{self.total_steps}: --max-minutes {a.max_minutes:g} reached",
                           file=sys.stderr, flush=True)
@@ -264,6 +255,20 @@ class Trainer:
         self.record_process()
         if a.report_to != "none":
             self.acc.end_training()
+        return metrics
+
+    def checkpoint(self, rate: float, last: bool) -> dict[str, float] | None:
+        """After an optimizer step: evaluate and save where due (every step of the schedule's end, or `last`, a
+        run stopped early); the metrics if it evaluated."""
+        a, metrics = self.args, None
+        end = last or self.step == self.total_steps
+        if self.held and (self.step % a.eval_every == 0 or end):
+            metrics = self.evaluate()
+            self.log({"step": self.step, **metrics, "tokens_per_s": rate})
+            if a.report_to != "none":
+                self.acc.log({f"eval/{k}": v for k, v in metrics.items()}, step=self.step)
+        if self.step % a.save_every == 0 or end:
+            self.save()
         return metrics
 
     def record_process(self) -> None:
