@@ -16,7 +16,7 @@ import sys
 
 import torch
 
-import hamburger.inference.checked_rows as cr
+import hamburger.inference.verify as cr
 from hamburger.evaluation.bench_systems import SETS, bench_messages
 from hamburger.inference.engine import Engine
 from hamburger.kernels.quantize import DEFAULT_SKIP, quantize_model

@@ -130,7 +130,7 @@ def test_a_checked_step_takes_token_0_from_its_check_pass_not_another_head(monke
     the macro-step computes it again, the same text, the base's (batches mixing trust rows, whose token 0 needs
     the head: test_scheduler's mixed-mode tests)."""
     from conftest import base_greedy
-    from hamburger.inference import checked_rows
+    from hamburger.inference import verify
     model = hamburger("llama", k=4)
     heads = [0]
     lm_head = model.lm_head
@@ -154,14 +154,14 @@ def test_a_checked_step_takes_token_0_from_its_check_pass_not_another_head(monke
 
     monkeypatch.setattr(model, "lm_head", counted)
     out, now = run()
-    accept = checked_rows.accept
+    accept = verify.accept
 
     def accept_without_token_0(runner, rows, n, checked, final, width):
         at = accept(runner, rows, n, checked, final, width)
         rows.next_t0[:n] = -1
         return at
 
-    monkeypatch.setattr(checked_rows, "accept", accept_without_token_0)
+    monkeypatch.setattr(verify, "accept", accept_without_token_0)
     before, then = run()
     passes = out.stats.base_forwards - 1  # the prefill is one
     assert then - now == passes and passes < 12  # drafts were kept: fewer passes than tokens

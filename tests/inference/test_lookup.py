@@ -12,7 +12,7 @@ import torch
 from conftest import PAD, base_greedy, exact_marginals, hamburger, random_merger, run_staggered, tv
 from hamburger import HamburgerError, SamplingParams
 from hamburger.cli import main
-from hamburger.inference import checked_rows
+from hamburger.inference import verify
 from hamburger.inference.core import Limits, macro_step
 from hamburger.inference.engine import Engine
 from hamburger.inference.kv import KVCache
@@ -58,7 +58,7 @@ def test_bad_settings_are_refused():
 
 
 def test_lookup_rows_take_the_lookup_drafts_and_run_no_micro_step(monkeypatch):
-    """`macro_step` with a lookup: a row with lookup drafts takes them (capped by its room) and only the other
+    """`macro_step` with a proposer: a row with its drafts takes them (capped by its room) and only the other
     rows run micro-steps; when every row has some, the micro-step decoder never runs."""
     model = hamburger("llama", k=4)
     engine = Engine(model, draft_rows=None)
@@ -76,18 +76,21 @@ def test_lookup_rows_take_the_lookup_drafts_and_run_no_micro_step(monkeypatch):
         calls.clear()
         drafts = torch.tensor([f + [0] * (3 - len(f)) for f in found])
 
-        def lookup(tok, rows, room, drafts=drafts, found=found):
-            return drafts, torch.tensor([len(f) for f in found])
+        class Found:  # a proposer that found `found` for the rows
+            def propose(self, tok, rows, room, drafts=drafts, found=found):
+                return drafts, torch.tensor([len(f) for f in found])
 
-        limits = Limits(torch.full((1, 1), -1), torch.tensor([3, 10]), 0.0001, path=True)  # row 0: room for 2
+        limits = Limits(torch.full((1, 1), -1), torch.tensor([4, 10]), 0.0001, drafting=True)  # row 0: room for 2
         gen_len = torch.zeros(2, dtype=torch.long)
-        tok, n, _ = macro_step(engine, states, torch.ones(2, dtype=torch.bool), gen_len, limits, pick,
-                               micro_cache, lookup=lookup)
-        assert tok[0, :3].tolist() == [3, 11, 12] and n[0] == 3  # the lookup's drafts, cut to the room
+        step = macro_step(engine, states, torch.ones(2, dtype=torch.bool), gen_len, limits, pick, micro_cache,
+                          proposer=Found())
+        tok = step.tokens
+        assert tok[0, :3].tolist() == [3, 11, 12] and step.drafts[0] == 2  # the proposer's drafts, cut to the room
+        assert step.emitted.tolist() == [1, 1] and gen_len.tolist() == [1, 1]  # drafts are not emitted tokens
         if micro_runs:
-            assert len(calls) == 3 and n[1] == 4  # row 1 drafted by micro-steps (confidence ~0: every one)
+            assert len(calls) == 3 and step.drafts[1] == 3 and step.micro_calls == 3  # row 1: micro-steps drafted
         else:
-            assert not calls and tok[1, :3].tolist() == [3, 21, 22] and n[1] == 3
+            assert not calls and tok[1, :3].tolist() == [3, 21, 22] and step.drafts[1] == 2
 
 
 # --- verify and compress mode on tiny models ----------------------------------------------------------------------
@@ -209,20 +212,20 @@ def test_verify_lookup_drafts_run_past_k_minus_1_and_compress_keeps_k_minus_1():
     engine = Engine(model, draft_rows=None)
     assert engine.lookup_drafts > model.config.max_step_tokens - 1
     widest = {}
-    original = checked_rows.check_pass
+    original = verify.check_pass
 
     def spy(engine_, embeds, *args, **kwargs):
         widest[mode] = max(widest.get(mode, 0), embeds.shape[1])
         return original(engine_, embeds, *args, **kwargs)
 
-    checked_rows.check_pass = spy
+    verify.check_pass = spy
     try:
         for mode in ("verify", "compress"):
             out = engine.generate([prompt], max_new_tokens=30, confidence=1.0, mode=mode)
             if mode == "verify":
                 assert out.tokens[0] == base_greedy(model, prompt, 30)
     finally:
-        checked_rows.check_pass = original
+        verify.check_pass = original
     assert widest["compress"] <= 3 < widest["verify"]  # t0 + K-1; verify: more lookup drafts than K-1
     sched = Scheduler(model, max_batch_size=2, max_len=64, draft_rows=None)
     out = run_staggered(sched, [(0, prompt, 30, "verify")], confidence=1.0)

@@ -16,7 +16,7 @@ from hamburger.inference.engine import Engine
 from hamburger.inference.fast_layer import rope_tables
 from hamburger.inference.kv import KVCache, RowSlots
 from hamburger.inference.native_layers import NATIVE_ROWS, NativeLayers, _close_to
-from hamburger.inference.verify import MergedMask
+from hamburger.inference.merge import MergedMask
 from hamburger.kernels import native
 from hamburger.kernels.qlinear import Int8Linear
 from hamburger.kernels.quantize import quantize_model

@@ -225,12 +225,13 @@ def test_drafts_go_on_while_the_whole_draft_is_likely_kept():
     def pick(h, active, micro):
         return model.lm_head(h).argmax(-1)
 
-    def step_lengths(path, confidence=0.3):
+    def step_lengths(drafting, confidence=0.3):  # token 0 and the micro tokens (emitted, or drafts)
         cache = KVCache.for_layers(model.micro.layers, cfg, n, m + engine.k, engine.dtype, engine.device)
-        limits = Limits(torch.full((1, 1), -1), 100, confidence, path=path)
+        limits = Limits(torch.full((1, 1), -1), 100, confidence, drafting=drafting)
         with torch.inference_mode():
-            return macro_step(engine, states, torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.long),
-                              limits, pick, cache)[1].tolist()
+            step = macro_step(engine, states, torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.long),
+                              limits, pick, cache)
+        return (step.emitted + step.drafts).tolist()
 
     assert step_lengths(False) == [4, 4, 4]
     assert step_lengths(True) == [3, 3, 3]

@@ -126,7 +126,7 @@ class Request:
     started: float = 0.0  # when its prefill began
     rng: torch.Generator | None = None
     warpers: object = None
-    window_steps: list = field(default_factory=list)  # compress mode: its steps not merged yet (`verify.Window`)
+    window_steps: list = field(default_factory=list)  # compress mode: its steps not merged yet (`merge.Window`)
     index: NgramIndex | None = None  # verify and compress mode with lookup drafts: its prompt and output, indexed
     looked: int = 0  # lookup drafts of its last macro-step, waiting for the pass that checks them
     passed: int = 0  # interleaved admission: prefill passes it waited through

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 
 from hamburger.errors import HamburgerError
 from hamburger.inference.admission import PREFILL_TOKENS
-from hamburger.inference.checked_rows import Drafter
+from hamburger.inference.proposers import Drafter
 from hamburger.inference.modes import TRUST, Mode, check_merger, resolve_mode
 from hamburger.inference.reference import (
     Generation,
@@ -120,7 +120,7 @@ class EngineGeneration:
 
 class Engine(ModelRunner):
     """Static-cache decoding of a `HamburgerModel` (or of its plain base with `max_step_tokens` 1) over a fixed
-    batch of prompts. `drafter`: drafts for verify and compress rows from elsewhere (`checked_rows.Drafter`) in
+    batch of prompts. `drafter`: drafts for verify and compress rows from elsewhere (`proposers.Drafter`) in
     place of the micro-step decoder and lookup; the other arguments: `ModelRunner`."""
 
     def __init__(self, model: HamburgerModel, compile: bool = False, shortlist: bool = True,

@@ -76,7 +76,7 @@ class NativeLayers:
         (x itself for the last stop, a copy for the others, made inside the one native call). `context`: the
         base's cache and the entries (B, end) bool each row may read, for layers with a context gate. `bias`:
         compress mode's merged entries, (log k (B, end), merged (B, end), a, c (layers, heads)): a score on an entry
-        that merges k tokens gains a * log k + c (`verify.MergedMask`)."""
+        that merges k tokens gains a * log k + c (`merge.MergedMask`)."""
         b, t, d = x.shape
         cos, sin = (table.reshape(b * t, self.head_dim).contiguous() for table in rope_tables(rope))
         k, v = cache.k, cache.v

@@ -178,7 +178,7 @@ class ModelRunner:
         fast = (self.fast if adapters is None and self.fast is not None and not torch.compiler.is_compiling()
                 and self.fast_usable() else None)
         feats: dict[int, torch.Tensor] = {}
-        # compress mode's mask is a function of the layer (`verify.MergedMask`): the native call takes its parts
+        # compress mode's mask is a function of the layer (`merge.MergedMask`): the native call takes its parts
         native_mask, bias = mask.native_parts() if hasattr(mask, "native_parts") else (mask, None)
         if fast and self.native is not None and self.native.takes(embeds, cache, start, native_mask):
             stops = sorted({i for i in wanted if 0 < i < depth} | {depth})  # the native layers write in place

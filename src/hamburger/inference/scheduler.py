@@ -8,7 +8,7 @@ does not depend on which others share the batch. One `step()` call:
 
 1. feeds the previous macro-step's tokens of the rows still running to the base (one slot each, at the RoPE
    position of the step's last token; a verify or compress row's token 0 and drafts as positions of their own,
-   after which a compress row's decided step becomes one merged entry: `checked_rows.feed_checked`),
+   after which a compress row's decided step becomes one merged entry: the verify step, `verify.check`),
 2. prefills newly admitted requests into free rows (right-padded, prompt positions 0..P-1; `admission`),
 3. runs one macro-step (`core.macro_step`) over every live row and reports its tokens.
 
@@ -36,14 +36,15 @@ from hamburger.inference.admission import (
     prefill_groups,
     take_shortest,
 )
-from hamburger.inference.checked_rows import Drafter, drafts_wanted, feed_checked, step_drafts
-from hamburger.inference.core import Limits, macro_step, micro_context
+from hamburger.inference import verify
+from hamburger.inference.core import Limits, RowPicker, macro_step, micro_context
 from hamburger.inference.kv import CacheView, KVCache, RowSlots
 from hamburger.inference.lookup import NgramIndex
 from hamburger.inference.modes import TRUST, Mode, parse_mode, resolve_mode
+from hamburger.inference.proposers import Drafter, drafts_wanted, proposer_for
 from hamburger.inference.rows import RowBatch, rows_in
 from hamburger.inference.runner import ModelRunner
-from hamburger.inference.sampling import SamplingParams, greedy_tokens, sample
+from hamburger.inference.sampling import SamplingParams
 from hamburger.inference.stats import GenerationStats
 from hamburger.model.base import eos_ids
 from hamburger.model.hamburger_model import HamburgerModel
@@ -65,7 +66,7 @@ class Scheduler:
     (`admission`; `interleave_prefill`: one pass a step, the default). `runner`: the model runner to decode with
     (its compiled passes, drafting settings and measured step costs); None: a new one with `draft_rows`,
     `draft_policy` and `lookup` (see `ModelRunner`). `drafter`: drafts for checked rows from elsewhere
-    (`checked_rows.Drafter`), in place of the micro-step decoder and lookup."""
+    (`proposers.Drafter`), in place of the micro-step decoder and lookup."""
 
     def __init__(self, model: HamburgerModel, max_batch_size: int = 8, max_len: int | None = None,
                  prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = True,
@@ -94,7 +95,7 @@ class Scheduler:
         self.batch = RowBatch.for_model(self.runner, max_batch_size, self.max_len)
         self.default_eos = eos_ids(model)
         self.passes = 0  # base passes run (prefills and decode passes): a fixed batch's `base_forwards`
-        self._depth = 0  # micro-steps into the current macro-step (which draft a pick makes)
+        self.picker = RowPicker(self.runner, self.batch)  # how each row chooses its tokens
         self._micro_calls = 0  # micro-step calls of the last macro-step (the draft policy's step costs)
         self._waiting: deque[Request] = deque()
         self._cancels: set[int] = set()
@@ -234,7 +235,7 @@ class Scheduler:
             return
         with self._base_lora(self.rows[:n]):
             if any(r is not None and r.mode.checked for r in self.rows[:n]):
-                feed_checked(self.runner, self.batch, n)
+                verify.check(self.runner, self.batch, n)
             else:
                 self._feed_trust(n)
         self.passes += 1
@@ -324,74 +325,27 @@ class Scheduler:
 
     # --- one macro-step over the live rows ----------------------------------------------------------------------
 
-    def _pick(self, h: torch.Tensor, active: torch.Tensor, micro: bool) -> torch.Tensor:
-        """Greedy rows by one argmax; sampled rows one by one with their own generator (only when active,
-        so a request draws the same random numbers as when it runs alone). Sampled checked rows: token 0 is the
-        one the last pass's acceptance drew, and each draft's distribution is kept for the next acceptance."""
-        self._depth = self._depth + 1 if micro else 0
-        if (not micro and all(r is None or r.mode.checked for r in self.rows[: len(h)])  # no sync for trust rows
-                and bool(((given := self.batch.next_t0[: len(h)]) >= 0).logical_or(~active).all())):
-            return given.clamp(min=0)  # every decoding row is checked: its check pass chose token 0 already
-        shortlist = micro and self.runner.vocab is not None
-        logits = self.runner.short_logits(h) if shortlist else self.model.lm_head(h)
-        tok = greedy_tokens(logits)
-        sampled = [(i, r) for i, r in enumerate(self.rows[: len(h)]) if r is not None and not r.sampling.greedy]
-        if sampled:
-            on, given = active.tolist(), self.batch.next_t0[: len(h)].tolist()
-            for i, req in sampled:
-                if not on[i]:
-                    continue
-                if req.mode.checked and not micro and given[i] >= 0:
-                    tok[i] = given[i]
-                elif req.mode.checked and micro:
-                    probs = torch.softmax(req.warpers(logits[i : i + 1].float()), -1)
-                    tok[i] = torch.multinomial(probs, 1, generator=req.rng)[0, 0]
-                    self._keep_draft_distribution(i, probs[0])
-                else:
-                    tok[i] = sample(logits[i : i + 1], req.sampling, req.rng, req.warpers)[0]
-        return self.runner.vocab[tok] if shortlist else tok
-
-    def _keep_draft_distribution(self, row: int, probs: torch.Tensor) -> None:
-        """A micro draft's distribution (over the shortlist, where the engine has one), over the whole vocabulary."""
-        vocab = self.runner.vocab
-        full = probs if vocab is None else torch.zeros(self.batch.vocab, device=probs.device).index_copy_(
-            0, vocab, probs)
-        self.batch.keep_distribution(row, self._depth, full)
-
     def _macro_step(self) -> list[RequestEvent]:
         """`core.macro_step` over the running rows, each with its own limits and sampler. A checked row emits
-        token 0 now; its micro tokens are drafts for the next pass (room is left for the base's token after
-        them), so they do not count as generated and do not end the request."""
+        token 0 now; its micro tokens (or a proposer's) are drafts for the next pass to check."""
         b, n = self.batch, self.batch.span()
-        live, verify = b.live[:n].clone(), b.checked[:n]
+        live, checked = b.live[:n].clone(), b.checked[:n]
         wants = drafts_wanted(self.runner, b, n)
         micro_len = torch.tensor([self.k - 1 if r is not None and not r.mode.checked else m
-                                  for r, (_, m) in zip(self.rows[:n], wants)], device=verify.device)
-        limits = Limits(b.eos[:n], b.max_new[:n] - verify.long(), b.confidence[:n], path=verify, micro_len=micro_len)
+                                  for r, (_, m) in zip(self.rows[:n], wants)], device=checked.device)
+        limits = Limits(b.eos[:n], b.max_new[:n], b.confidence[:n], drafting=checked, micro_len=micro_len)
         micro_cache = CacheView(b.micro_cache, slice(0, n)) if self.k > 1 else None
-
         base_pos = b.prompt_len[:n] + b.gen_len[:n] - 1  # the state each row's step starts from
 
         def ctx():  # what a micro-step decoder with context reads: made only if a micro-step runs
             return micro_context(self.runner, CacheView(b.cache, slice(0, n)), b.cache_len[:n], base_pos)
 
-        step_tok, step_len, ended = macro_step(self.runner, list(b.states[:n].unbind(1)), live, b.gen_len[:n],
-                                               limits, self._pick, micro_cache, b.forced(n), context=ctx,
-                                               lookup=step_drafts(self.runner, b, wants, self.drafter),
-                                               lookup_width=b.drafts)
-        looked = torch.tensor([r.looked if r is not None else 0 for r in self.rows[:n]], device=step_len.device)
-        self._micro_calls = int(torch.where(looked > 0, 0, step_len - 1).clamp(min=0).max()) if n else 0
-        drafts = torch.zeros_like(step_len)
-        if bool(verify.any()):
-            v = verify & live
-            drafts = torch.where(v, step_len - 1, 0)
-            b.gen_len[:n] -= drafts
-            t0_ends = (step_tok[:, :1] == b.eos[:n]).any(-1) | (b.gen_len[:n] >= b.max_new[:n])
-            ended = torch.where(v, t0_ends, ended)
-            step_len = torch.where(v, 1, step_len)
-            b.n_drafts[:n] = drafts
+        step = macro_step(self.runner, list(b.states[:n].unbind(1)), live, b.gen_len[:n], limits, self.picker,
+                          micro_cache, b.forced(n), context=ctx, width=b.drafts,
+                          proposer=proposer_for(self.runner, b, wants, self.drafter))
+        self._micro_calls = step.micro_calls
         # A row whose entries have run out ends here (admitted on an estimate of its entries per token: trust and
         # compress mode); its cache never holds more than `max_len` entries in use.
-        ended |= live & (b.cache_len[:n] >= self.max_len)
-        b.step_tok[:n, : step_tok.shape[1]], b.step_len[:n] = step_tok, step_len
-        return b.report(step_tok.tolist(), step_len.tolist(), ended.tolist(), drafts.tolist())  # one transfer
+        ended = step.ended | live & (b.cache_len[:n] >= self.max_len)
+        b.step_tok[:n, : step.tokens.shape[1]], b.step_len[:n], b.n_drafts[:n] = step.tokens, step.emitted, step.drafts
+        return b.report(step.tokens.tolist(), step.emitted.tolist(), ended.tolist(), step.drafts.tolist())

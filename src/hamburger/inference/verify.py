@@ -1,19 +1,23 @@
-"""Verify mode: the micro-step decoder drafts, the base checks, the output is exactly the base's.
+"""The verify step: the base checks a step's drafts, keeps the longest prefix it agrees with, and rolls the cache
+back past the rest, so verify mode's output is exactly the base's (and compress mode checks its steps the same way).
 
-After the base's own token t0, the micro-step decoder drafts up to K-1 tokens (its stop head may end a draft
-early: a draft goes on while the stop head's P(every draft so far is right), the product of its P(go on)
-over the step, exceeds `confidence`). The next base forward takes [t0, d1, .., dn] as separate positions
-(one KV entry each), keeps the longest prefix of drafts that the base agrees with, and adds the base's own
-next token, so every forward emits 1..n+1 tokens. Greedy: a draft is kept when it is the base's argmax.
-Sampling: speculative-sampling acceptance (keep d with probability min(1, p(d)/q(d)), else draw from
-max(p - q, 0)), so the output follows the base's distribution exactly.
+A checked row (verify or compress mode: `Mode.checked`) ends each macro-step with its token 0 emitted and up to n
+drafts proposed (`core.macro_step`: the micro-step decoder's tokens, or a proposer's: `proposers.py`); the drafts
+are not tokens of the reply yet. The next call's `check` runs one base pass over [t0, d1..dn] as positions of
+their own (`check_pass`), one KV entry each at the row's own slots, and then per row:
 
-Rows accept different numbers of tokens, so each row keeps its own cache length: a pass writes at each
-row's own slots (`RowSlots`) and a rejected draft's entries are simply overwritten by the next pass.
+1. **accept**: greedy rows keep a draft while it is the base's argmax (`accept_greedy`); sampled rows by
+   speculative sampling (keep d with probability min(1, p(d)/q(d)), else draw from max(p - q, 0):
+   `accept_sampled`), so the output follows the base's own distribution exactly. The base's own token after the
+   kept drafts is the row's next token 0 (`RowBatch.next_t0`): the next macro-step needs no head of its own.
+2. **roll back** (`settle`): the row's cache length advances by 1 + kept, so a rejected draft's entries lie past
+   it and the next pass overwrites them; the row's next step starts from the state at its last kept position. A
+   compress row's decided step [t0, kept drafts] becomes one entry by the KV merger (`merge.merge_step`,
+   `merge.Window`).
+3. **report** (`record_kept`): the kept drafts become the row's pending tokens (cut after EOS, which ends the
+   request), reported with this step before its token 0; the draft policy and lookup counts learn from them.
 
-This file holds the rules (acceptance, the check pass, settling a pass, merging); the decode loop that applies
-them is the scheduler's (`checked_rows.feed_checked`). Compress mode is the same loop with a KV merger: each decided step is then merged into one KV entry, and the
-drafts are checked against a base whose past steps are merged (`merge_step`, `MergedMask`).
+Trust rows in the same pass feed their last step smashed into position 0 and keep nothing else.
 """
 
 from __future__ import annotations
@@ -22,12 +26,101 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hamburger.inference.kv import KVCache, RowSlots
+from hamburger.inference.kv import CacheView, KVCache, RowSlots
+from hamburger.inference.merge import MergedMask, Window, merge_step
+from hamburger.inference.rows import RowBatch
 from hamburger.inference.sampling import greedy_tokens
 
 if TYPE_CHECKING:
     from hamburger.inference.runner import ModelRunner
     from hamburger.model.merger import KVMerger
+
+
+def check(runner: ModelRunner, rows: RowBatch, n: int) -> None:
+    """A pass of 1 + most drafts positions per row, each row at its own slots. Trust rows use position 0 (their
+    smashed step); a checked row feeds [t0, d1..dn] and keeps the longest prefix of drafts that the base agrees
+    with (`accept_greedy`; sampled rows `accept_sampled`): those are reported with this step (`rows.pending`),
+    the next token is the base's own (this step's macro-step picks it from the state after them), and the
+    entries of rejected drafts lie past the row's cache length, where the next pass overwrites them. A compress
+    row is checked under the merger's bias on its merged entries; then its decided step [t0, kept drafts]
+    becomes one entry at the step's first slot (`merge.merge_step`)."""
+    model, dev = runner.model, rows.states.device
+    live, checked = rows.live[:n], rows.checked[:n] & rows.live[:n]
+    width = 1 + int(rows.n_drafts[:n].max())
+    step_len = rows.step_len[:n]
+    embeds = model.embed(rows.step_tok[:n, :width])
+    smashed = model.smash(rows.step_tok[:n, : rows.k], step_len.clamp(min=1))
+    embeds[:, 0] = torch.where(checked[:, None], embeds[:, 0], smashed)
+    positions = (rows.prompt_len[:n] + rows.gen_len[:n] - 1).clamp(min=0)
+    compress = rows.compress[:n] & live
+    merged = torch.zeros(n, width, dtype=torch.bool, device=dev)
+    merged[:, 0] = ~checked & (step_len > 1)
+    states = check_pass(runner, embeds, positions, torch.where(live, rows.cache_len[:n], 0),
+                        CacheView(rows.cache, slice(0, n)), merged,
+                        merged_len=rows.merged_len[:n] if bool(compress.any()) else None)
+    kept = accept(runner, rows, n, checked, states[0], width)
+    window = None
+    if model.config.merge_window > 1 and bool(compress.any()):
+        window = Window(model.config.merge_window, n)
+        window.steps = [r.window_steps if r is not None else [] for r in rows.requests[:n]]  # the requests' lists
+        window.first_pos = positions
+    rows.states[:n] = torch.stack(settle(model.merger, states, kept, rows.cache, rows.cache_len[:n], live,
+                                         compress, rows.merged_len, window), 1)
+    if window is not None:
+        for req in rows.requests[:n]:
+            if req is not None and req.mode.merged:
+                req.stats.window_entries = sum(m - 1 for _, m, _ in req.window_steps)
+    record_kept(runner, rows, n, kept, checked.nonzero().squeeze(1).tolist())
+
+
+def accept(runner: ModelRunner, rows: RowBatch, n: int, checked: torch.Tensor, final: torch.Tensor,
+           width: int) -> torch.Tensor:
+    """The drafts each checked row keeps (n,) from the base's final states (n, width, d) after t0, d1..; each
+    checked row's next token 0 goes to `rows.next_t0`: a greedy row's is the base's choice after its kept drafts,
+    from these logits (so the macro-step needs no head of its own), a sampled row's is drawn by its acceptance."""
+    at = torch.zeros(n, dtype=torch.long, device=final.device)
+    which = checked.nonzero().squeeze(1)
+    logits = runner.model.lm_head(final[which])  # (rows, width, V): the base's choice after t0, d1, ..
+    at[which], rows.next_t0[which] = accept_greedy(rows.step_tok[which, 1:width], rows.n_drafts[which], logits)
+    for j, i in enumerate(which.tolist()):  # sampled rows: speculative-sampling acceptance, each its own draws
+        req = rows.requests[i]
+        if req.sampling.greedy:
+            continue
+        # Only the row's own drafts: the random numbers it draws must not depend on its neighbours' drafts.
+        nd = int(rows.n_drafts[i])
+        probs = torch.softmax(req.warpers(logits[j, : nd + 1].float()), -1)[None]  # (1, nd + 1, V)
+        q = rows.q[i : i + 1, :nd] if rows.q is not None else probs.new_zeros(1, nd, probs.shape[-1])
+        kept_i, t0 = accept_sampled(rows.step_tok[i : i + 1, 1 : 1 + nd], rows.n_drafts[i : i + 1], q, probs,
+                                    req.rng)
+        at[i], rows.next_t0[i] = kept_i[0], t0[0]
+    return at
+
+
+def record_kept(runner: ModelRunner, rows: RowBatch, n: int, kept: torch.Tensor, checked: list[int]) -> None:
+    """Each checked row's kept drafts become `pending` (cut after EOS, which ends the request early), its lookup
+    counts and draft policy learn from the pass, and its generated length grows by them."""
+    kept_l, tokens = kept.tolist(), rows.step_tok[:n].tolist()
+    added = [0] * n
+    costs, drafted = runner.step_costs(n), rows.n_drafts[:n].tolist()
+    for i in checked:
+        req = rows.requests[i]
+        if req.mode.paced and drafted[i]:  # the draft policy learns what this row's drafts keep
+            req.drafting.observe(drafted[i], kept_l[i], req.looked > 0, costs, rows.drafts)
+        if req.looked:
+            req.stats.lookup_drafts += req.looked
+            req.stats.lookup_kept += kept_l[i]
+            req.looked = 0
+        new = tokens[i][1 : 1 + kept_l[i]]
+        new = new[: next((j + 1 for j, t in enumerate(new) if t in req.eos), len(new))]  # cut after EOS
+        rows.pending[i], added[i] = new, len(new)
+        if req.index is not None:  # before this step's lookup, which follows them
+            req.index.extend(new)
+        if new and new[-1] in req.eos:
+            rows.ended_early[i] = True
+    dev = rows.gen_len.device
+    rows.gen_len[:n] += torch.tensor(added, device=dev)
+    rows.live[:n] &= ~torch.tensor(rows.ended_early[:n], device=dev)
+    rows.n_drafts[:n] = 0
 
 
 def accept_greedy(drafts: torch.Tensor, n_drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,7 +158,7 @@ def accept_sampled(drafts: torch.Tensor, n_drafts: torch.Tensor, q: torch.Tensor
 def check_pass(runner: ModelRunner, embeds: torch.Tensor, first_pos: torch.Tensor, cache_len: torch.Tensor,
                cache: KVCache, merged: torch.Tensor | None = None, visible: torch.Tensor | None = None,
                merged_len: torch.Tensor | None = None) -> list[torch.Tensor]:
-    """The base pass of verify and compress mode (`checked_rows.feed_checked`): (B, W, d) inputs per row
+    """The base pass of verify and compress mode (`check`): (B, W, d) inputs per row
     (token 0 or a trust row's smashed step, then the drafts) at positions first_pos.., written at the row's own
     slots cache_len... Each position sees its row's entries up to its own slot (and only the `visible` ones
     (B, S): a left-padded prompt's padding is hidden); with `merged_len` (B, S), the merger's bias on entries
@@ -107,83 +200,3 @@ def settle(merger: KVMerger | None, states: list[torch.Tensor], kept: torch.Tens
         merge_step(merger, cache, cache_len[merge], 1 + kept[merge], merged_len, merge)
     cache_len += live.long() * torch.where(compress, 1, 1 + kept)
     return states
-
-
-class Window:
-    """Compress mode with a recent exact window: each row's decided steps that are not merged yet (oldest
-    first, as [first slot, tokens, position of the last token]). A step is merged into one entry once it lies
-    `size` positions behind the next token (the next pass's t0), and the row's newer entries move down into the
-    freed slots (keys are rotated when written, so an entry needs no position of its own).
-
-    `first_pos` (B,): the position of each row's t0 in the pass being settled (set before `settle`)."""
-
-    def __init__(self, size: int, rows: int) -> None:
-        self.size, self.steps = size, [[] for _ in range(rows)]
-        self.first_pos: torch.Tensor | None = None
-
-    def close(self, merger: KVMerger, cache: KVCache, cache_len: torch.Tensor, merged_len: torch.Tensor,
-              compress: torch.Tensor, kept: torch.Tensor) -> None:
-        """Record each compress row's step just decided (its entries end at the row's advanced cache length)
-        and merge the steps that have left the window. `cache_len` (B,) is updated in place."""
-        lens, kept_l, pos_l = cache_len.tolist(), kept.tolist(), self.first_pos.tolist()
-        dev = cache_len.device
-        for b, on in enumerate(compress.tolist()):
-            if not on:
-                continue
-            n, steps = 1 + kept_l[b], self.steps[b]
-            steps.append([lens[b] - n, n, pos_l[b] + kept_l[b]])
-            nxt = pos_l[b] + n  # the position of the row's next t0
-            while steps and nxt - steps[0][2] >= self.size:
-                start, m, _ = steps.pop(0)
-                merge_step(merger, cache, torch.tensor([start], device=dev), torch.tensor([m], device=dev),
-                           merged_len, torch.tensor([b], device=dev))
-                if m > 1:  # move the newer entries down into the step's freed slots
-                    tail = lens[b] - (start + m)
-                    for t in (cache.k, cache.v):
-                        t[:, b, :, start + 1 : start + 1 + tail] = t[:, b, :, start + m : start + m + tail].clone()
-                    merged_len[b, start + 1 : lens[b]] = 0  # the window's entries are ordinary ones
-                    lens[b] -= m - 1
-                    for step in steps:
-                        step[0] -= m - 1
-        cache_len.copy_(torch.tensor(lens, device=dev))
-
-    def extra_entries(self) -> int:
-        """Entries the unmerged steps hold beyond one per step (what `GenerationStats.window_entries` counts)."""
-        return sum(m - 1 for steps in self.steps for _, m, _ in steps)
-
-
-class MergedMask:
-    """The attention mask of layer i as a function of i (`mask(i)`): visible (B, 1, T, S) -> (B, H, T, S) floats,
-    -inf where hidden and a*log k + c on entries that merge k tokens (`merged_len` (B, S), 0: an ordinary entry).
-    Built one layer at a time: all layers at once would be layers x heads x T x S floats per row. The native layers
-    take its parts instead (`visible`; `log_k` and `merged` (B, S), the merger's `a`, `c` (layers, heads))."""
-
-    def __init__(self, merger: KVMerger, visible: torch.Tensor, merged_len: torch.Tensor, dtype) -> None:
-        self.visible, self.dtype, self.a, self.c = visible, dtype, merger.a.detach(), merger.c.detach()
-        self.floor = torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill(~visible, float("-inf"))
-        self.log_k = torch.log(merged_len.clamp(min=1).to(self.a.dtype))  # (B, S)
-        self.merged = (merged_len > 0).to(self.a.dtype)
-
-    def native_parts(self) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """(visible, (log_k, merged, a, c)): what `NativeLayers.run` takes for this mask."""
-        return self.visible, (self.log_k, self.merged, self.a, self.c)
-
-    def __call__(self, i: int) -> torch.Tensor:
-        bias = (self.a[i][None, :, None] * self.log_k[:, None] + self.c[i][None, :, None]) * self.merged[:, None]
-        return self.floor + bias.to(self.dtype)[:, :, None]
-
-
-def merge_step(merger: KVMerger, cache: KVCache, start: torch.Tensor, lengths: torch.Tensor,
-               merged_len: torch.Tensor, rows: torch.Tensor | None = None) -> None:
-    """Replace each row's entries start..start+length-1 (every layer) by the merger's one entry at `start`; the
-    cache's rows 0..B-1, or the given `rows` (B,)."""
-    rows = torch.arange(start.shape[0], device=start.device) if rows is None else rows
-    width = int(lengths.max())
-    idx = start[:, None] + torch.minimum(torch.arange(width, device=start.device)[None], lengths[:, None] - 1)
-    # cache (L, B, kvh, S, hd)[:, rows, :, idx] -> (B, width, L, kvh, hd) -> (L, B, kvh, width, hd)
-    k = cache.k[:, rows[:, None], :, idx].permute(2, 0, 3, 1, 4)
-    v = cache.v[:, rows[:, None], :, idx].permute(2, 0, 3, 1, 4)
-    mk, mv = merger.merge_all_layers(k, v, lengths)  # (L, B, kvh, hd)
-    cache.k[:, rows, :, start] = mk.transpose(0, 1)
-    cache.v[:, rows, :, start] = mv.transpose(0, 1)
-    merged_len[rows, start] = lengths
