@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PROMPT ?= Explain in two sentences why the sky is blue.
 ARGS ?=
+# The suite runs on a worker per CPU (pytest-xdist), each with its share of torch's threads; WORKERS=0: in one process.
+WORKERS ?= auto
 
 .PHONY: setup demo generate info serve bench test test-fast clean
 
@@ -48,10 +50,10 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/hamburger bench $(ARGS)
 
 test: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q $(ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(WORKERS) $(ARGS)
 
 test-fast: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow" $(ARGS)
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -n $(WORKERS) -m "not slow" $(ARGS)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache

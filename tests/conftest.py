@@ -25,13 +25,21 @@ from hamburger.model.merger import KVMerger
 
 # A cache folder of the test run's own (converted models, native builds): the suite never reads or writes the user's
 # ~/.cache/hamburger, so a fresh machine and a warm one run the same tests, cold. Set before hamburger reads it;
-# child processes the tests start inherit it.
-TEST_CACHE = tempfile.mkdtemp(prefix="hamburger-test-cache-")
+# child processes the tests start inherit it, pytest-xdist's workers included (one conversion of the default for
+# the whole run; every write into the cache is a rename), and the process that made it removes it.
+OWN_CACHE = "HAMBURGER_TEST_CACHE" not in os.environ
+TEST_CACHE = os.environ.setdefault("HAMBURGER_TEST_CACHE", tempfile.mkdtemp(prefix="hamburger-test-cache-"))
 os.environ["HAMBURGER_CACHE"] = TEST_CACHE
+
+# Under pytest-xdist (`make test` runs a worker per CPU), each worker's torch gets its share of the threads: two
+# workers of all threads each would slow each other far more than twice.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
 
 
 def pytest_unconfigure(config):
-    shutil.rmtree(TEST_CACHE, ignore_errors=True)
+    if OWN_CACHE:
+        shutil.rmtree(TEST_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
