@@ -1,16 +1,16 @@
 """One base decode step of the fast engine, side by side: weights float32 / bfloat16 / fp16-packed (with q/k/v and
-gate/up fused, or not), eager or `torch.compile`d (the engine's `--compile`: the base pass compiled with dynamic
-shapes).
+gate/up fused, or not). (Its `--compile` option, each setting also `torch.compile`d, went with the engine's
+`--compile` on 2026-11-27: docs/engine.md.)
 
 A step is what `hamburger bench` repeats at batch 1: the base pass over one new slot after `--cached` cached
 ones, plus the full LM head. Every setting is loaded first (each its own model and cache), then they take turns:
 round after round, each setting runs `--steps` steps, so a slow spell of a shared machine falls on all of them
 alike. Reported per setting: milliseconds per step (median over the rounds), the ratio to the first setting
-(median of the per-round ratios), and for compiled settings the first call's wall time (the compilation).
-Unlike `bench`'s cost model (`bench_costs.step_costs`, which times one step at a fixed cache length), the cache
-grows by one slot per step, as in decoding: that is what makes a compiled step recompile.
+(median of the per-round ratios), and the first call's wall time. Unlike `bench`'s cost model
+(`bench_costs.step_costs`, which times one step at a fixed cache length), the cache grows by one slot per step, as in
+decoding.
 
-    python benchmarks/decode_step.py --settings float32,bfloat16,fp16 --compile     # about 8 min on 2 cores
+    python benchmarks/decode_step.py --settings float32,bfloat16,fp16
     python benchmarks/decode_step.py --settings fp16-unfused,fp16 --rounds 60      # what fusing gives
     python benchmarks/decode_step.py --settings fp16 --merged --rounds 30          # what a smashed slot adds
 
@@ -39,16 +39,16 @@ SETTINGS = {"float32": (torch.float32, "none"), "bfloat16": (torch.bfloat16, "no
 class Setting:
     """One setting's model, engine and growing cache, ready to run steps."""
 
-    def __init__(self, model_ref: str, setting: str, compile: bool, cached: int, total_steps: int,
+    def __init__(self, model_ref: str, setting: str, cached: int, total_steps: int,
                  merged: bool = False) -> None:
         dtype, scheme = SETTINGS[setting]
         model, _ = load_model(model_ref, dtype=dtype)
         model.eval()
         if scheme != "none":
             quantize_model(model, scheme, skip=DEFAULT_SKIP, fuse=not setting.endswith("-unfused"))
-        self.name, self.compile = setting + (" merged" if merged else ""), compile
+        self.name = setting + (" merged" if merged else "")
         self.merged = torch.ones(1, 1, dtype=torch.bool) if merged else None
-        self.engine = Engine(model, compile=compile)
+        self.engine = Engine(model)
         self.cache = KVCache.for_layers(self.engine.base.layers, model.base.config, 1, cached + total_steps + 8,
                                         dtype, "cpu")
         self.x = model.embed(torch.tensor([[1]])).to(dtype)
@@ -79,7 +79,6 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="default")
     p.add_argument("--settings", default="float32,bfloat16,fp16", help=f"comma list from {','.join(SETTINGS)}")
-    p.add_argument("--compile", action="store_true", help="also each setting compiled")
     p.add_argument("--merged", action="store_true", help="also each setting with the new slot a smashed step")
     p.add_argument("--cached", type=int, default=300, help="cached slots before the first timed step")
     p.add_argument("--steps", type=int, default=5, help="steps per setting per round")
@@ -91,23 +90,21 @@ def main() -> None:
     if args.steps < 1 or args.rounds < 1:
         p.error("--steps and --rounds must be >= 1")
     total = args.steps * args.rounds + 8
-    rows = [Setting(args.model, s, c, args.cached, total, merged=m) for s in settings
-            for c in ([False, True] if args.compile else [False]) for m in ([False, True] if args.merged else [False])]
+    rows = [Setting(args.model, s, args.cached, total, merged=m) for s in settings
+            for m in ([False, True] if args.merged else [False])]
     print(f"loaded {len(rows)} settings; {args.rounds} rounds of {args.steps} steps each", flush=True)
     for r in range(args.rounds):
         for row in rows:
             row.run(args.steps)
         if (r + 1) % max(1, args.rounds // 5) == 0:
-            print(f"  round {r + 1}/{args.rounds}: " + ", ".join(f"{row.name}{' compiled' if row.compile else ''} "
-                  f"{row.times[-1]:.1f} ms" for row in rows), flush=True)
+            print(f"  round {r + 1}/{args.rounds}: " + ", ".join(f"{row.name} {row.times[-1]:.1f} ms" for row in rows), flush=True)
     ref = rows[0]
     print(f"\none base decode step at batch 1 ({args.cached} cached slots, growing), {torch.get_num_threads()} threads, "
           f"{args.rounds} rounds of {args.steps} steps, settings taking turns")
-    print(f"{'setting':<20} {'mode':<9} {'first call s':>12} {'ms / step':>10} {'x ' + ref.name:>14}")
+    print(f"{'setting':<20} {'first call s':>12} {'ms / step':>10} {'x ' + ref.name:>14}")
     for row in rows:
-        mode = "compiled" if row.engine.compiled else ("eager" if not row.compile else "fell back")
         ratio = statistics.median(a / b for a, b in zip(ref.times, row.times))
-        print(f"{row.name:<20} {mode:<9} {row.first_call_s:>12.2f} {statistics.median(row.times):>10.1f} "
+        print(f"{row.name:<20} {row.first_call_s:>12.2f} {statistics.median(row.times):>10.1f} "
               f"{ratio:>13.2f}x")
 
 

@@ -50,7 +50,7 @@ class Scheme:
 
     def __init__(self, model, scheme: str, layers: str, cached: int, steps: int) -> None:
         self.name, self.model = f"{scheme} {layers}", model
-        self.engine = Engine(model, compile=False, fast_layers=layers != "modules", native_layers=layers == "native")
+        self.engine = Engine(model, fast_layers=layers != "modules", native_layers=layers == "native")
         if layers != "modules" and self.engine.fast is None:
             raise SystemExit(f"{scheme}: the fast layers do not apply to this model")
         if layers == "native" and self.engine.native is None:

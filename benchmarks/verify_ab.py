@@ -18,10 +18,8 @@ matches.
 
     python benchmarks/verify_ab.py default --quantize fp16 --variants micro,lookup,both --lookup 2    # ~15 min
     python benchmarks/verify_ab.py default --quantize fp16 --variants micro,lookup --batch-size 16 --rounds 2
-    python benchmarks/verify_ab.py default --quantize fp16 --variants both --compile     # eager against --compile
 
-`--compile` adds each system again on an engine with `compile=True` (the base and every variant), timed in the
-same turns; the first call of each compiles (reported), the warm-up absorbs it. `--module-layers` adds each system
+`--module-layers` adds each system
 again with the decoder layers run module by module (`Engine(fast_layers=False)`, the engine before its fast layers).
 
     python benchmarks/verify_ab.py default --quantize fp16 --variants both --module-layers --max-new-tokens 256
@@ -62,7 +60,6 @@ def main() -> None:
                    help="the variants' engines draft only in batches of at most N rows ('all': always; default auto)")
     p.add_argument("--batch-size", type=int, default=1,
                    help="decode the prompts in batches of this many (cycled to fill the last), a batch per turn")
-    p.add_argument("--compile", action="store_true", help="also every system compiled (Engine(compile=True))")
     p.add_argument("--module-layers", action="store_true",
                    help="also every system with the decoder layers module by module (Engine(fast_layers=False))")
     a = p.parse_args()
@@ -79,14 +76,12 @@ def main() -> None:
     plain = HamburgerModel.plain(model.base, model.tokenizer)
     conf = a.confidence if a.confidence is not None else model.config.verify_confidence
     settings = {"micro": (0, conf), "lookup": (a.lookup, 1.0), "both": (a.lookup, conf)}
-    kinds = {"": (False, True)}  # (compile, fast_layers)
-    if a.compile:
-        kinds[", compiled"] = (True, True)
+    kinds = {"": True}  # fast_layers
     if a.module_layers:
-        kinds[", module layers"] = (False, False)
-    bases = {c: Engine(plain, compile=on, fast_layers=fast) for c, (on, fast) in kinds.items()}
-    engines = {(v, c): Engine(model, lookup=settings[v][0], draft_rows=a.draft_rows, compile=on, fast_layers=fast)
-               for v in variants for c, (on, fast) in kinds.items()}
+        kinds[", module layers"] = False
+    bases = {c: Engine(plain, fast_layers=fast) for c, fast in kinds.items()}
+    engines = {(v, c): Engine(model, lookup=settings[v][0], draft_rows=a.draft_rows, fast_layers=fast)
+               for v in variants for c, fast in kinds.items()}
     sets = [s.strip() for s in a.sets.split(",")]
     prompts = [encode_chat(model.tokenizer, m) for s in sets for m in bench_messages(s, a.prompts_per_set)]
     b = a.batch_size
@@ -106,7 +101,7 @@ def main() -> None:
     with torch.inference_mode():
         for name, fn in runs.items():
             start = time.perf_counter()
-            fn([p[:16] for p in units[0]])  # warm up (and compile)
+            fn([p[:16] for p in units[0]])  # warm up
             print(f"warm-up {name}: {time.perf_counter() - start:.1f} s", flush=True)
         for r in range(a.rounds):
             spent, tokens = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)

@@ -109,18 +109,13 @@ def add_engine_arg(parser: Options) -> None:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """--engine, --compile, --mode, --lookup: how a decoding command decodes."""
+    """--engine, --mode, --lookup: how a decoding command decodes."""
     group = parser.add_argument_group("decoding")
     add_engine_arg(group)
-    add_compile_arg(group)
     add_mode_arg(group)
     add_lookup_arg(group)
 
 
-def add_compile_arg(parser: Options) -> None:
-    parser.add_argument("--compile", action="store_true", help="torch.compile the fast engine's passes (base and "
-                        "micro-steps): 1.2-1.3x faster steps on a CPU after minutes of compiling at first use "
-                        "(docs/engine.md)")
 
 
 def add_mode_arg(parser: Options, what: str = "default: the checkpoint's") -> None:

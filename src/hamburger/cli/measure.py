@@ -14,7 +14,6 @@ from hamburger.cli.common import (
     DEFAULT_TASKS,
     MAX_NEW_TOKENS,
     TASKS,
-    add_compile_arg,
     add_decode_threads_arg,
     add_engine_arg,
     add_lookup_arg,
@@ -93,7 +92,6 @@ def register_bench(sub: argparse._SubParsersAction) -> None:
                         "weights on a CPU (measured on 2 cores); 'all': at every batch size")
     add_lookup_arg(p)
     p.add_argument("--runs", type=int, default=3, help="timed runs per system (the median is reported)")
-    add_compile_arg(p)
     p.add_argument("--forced-steps", default=None, metavar="SEGMENTED_JSONL",
                    help="adds the system hamburger_forced: step lengths drawn from this data's segmentation")
     p.add_argument("--profile", action="store_true", help="also profile macro-steps of 2 tokens (torch.profiler)")
@@ -300,10 +298,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     messages = [m for name in sets for m in bench_messages(name, args.prompts_per_set)]
     prompts = [encode_chat(model.tokenizer, m) for m in messages]
     result = run_bench(model, prompts, systems, batch_sizes, confidences, args.max_new_tokens, args.runs,
-                       args.compile, log=log, forced=forced, verify_confidence=args.verify_confidence,
+                       log=log, forced=forced, verify_confidence=args.verify_confidence,
                        schemes=schemes, load_quantized=load_quantized, draft_rows=args.draft_rows, lookup=args.lookup)
     result.update(model=args.model, dtype=args.dtype, sets=sets, prompts=len(prompts), runs=args.runs,
-                  max_new_tokens=args.max_new_tokens, compile=args.compile, quantize=schemes,
+                  max_new_tokens=args.max_new_tokens, quantize=schemes,
                   draft_rows="all" if args.draft_rows is None else args.draft_rows,
                   group_size=args.group_size)
     if args.profile:

@@ -70,7 +70,7 @@ def agreement(reference: dict, other: dict) -> dict:
 
 
 def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str], batch_sizes: Sequence[int],
-              confidences: Sequence[float], max_new: int, runs: int, compile: bool = False,
+              confidences: Sequence[float], max_new: int, runs: int,
               log: Callable[[str], None] = lambda s: None, forced: ForcedSteps | None = None,
               verify_confidence: float | None = None, schemes: Sequence[str] = ("none",),
               load_quantized: Callable[[str], object] | None = None, draft_rows: int | str | None = "auto",
@@ -101,7 +101,7 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
         weights = {"hamburger": model_bytes(model), "base": model_bytes(model.base)}
 
         def make(name: str, conf: float | None, record: dict, model=model, plain=plain):
-            return make_system(name, model, plain, conf or 1.0, compile, forced, verify_confidence, record,
+            return make_system(name, model, plain, conf or 1.0, forced, verify_confidence, record,
                                draft_rows, lookup)
 
         jobs, labels, planned = plan_jobs(make, scheme, schemes, systems, prompts, batch_sizes, confidences, main_conf,

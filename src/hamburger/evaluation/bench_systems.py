@@ -180,7 +180,7 @@ class ForcedSteps:
         return [[rng.choice(self.lengths) for _ in range(max_new_tokens)] for _ in range(rows)]
 
 
-def make_system(name: str, hamburger_model, plain_model, confidence: float, compile: bool,
+def make_system(name: str, hamburger_model, plain_model, confidence: float,
                 forced: ForcedSteps | None = None, verify_confidence: float | None = None,
                 record: dict | None = None, draft_rows: int | str | None = "auto", lookup: int | None = None,
                 ) -> Callable[[list[list[int]], int], GenerationStats]:
@@ -200,12 +200,12 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
     if name == "hamburger_forced":
         if forced is None:
             raise HamburgerError("the hamburger_forced system needs --forced-steps SEGMENTED_JSONL")
-        engine = Engine(hamburger_model, compile=compile)
+        engine = Engine(hamburger_model)
         return lambda prompts, n: kept(prompts, engine.generate(prompts, max_new_tokens=n,
                                                                 forced_steps=forced.draw(len(prompts), n),
                                                                 mode="trust"))
     if name in ("hamburger_verify", "hamburger_compress"):
-        engine = Engine(hamburger_model, compile=compile, draft_rows=draft_rows, lookup=lookup)
+        engine = Engine(hamburger_model, draft_rows=draft_rows, lookup=lookup)
         from hamburger.inference.modes import check_merger, parse_mode
 
         mode = parse_mode(name.removeprefix("hamburger_"))
@@ -218,7 +218,7 @@ def make_system(name: str, hamburger_model, plain_model, confidence: float, comp
     if name not in engines:
         raise HamburgerError(f"unknown system {name!r}: choose from {', '.join(SYSTEMS)}")
     cls, model = engines[name]
-    engine = cls(model, compile=compile) if cls is Engine else cls(model)
+    engine = cls(model)
     conf = confidence if name in HAMBURGER else 1.0
     return lambda prompts, n: kept(prompts, engine.generate(prompts, max_new_tokens=n, confidence=conf, mode="trust"))
 

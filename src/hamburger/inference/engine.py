@@ -123,11 +123,11 @@ class Engine(ModelRunner):
     batch of prompts. `drafter`: drafts for verify and compress rows from elsewhere (`proposers.Drafter`) in
     place of the micro-step decoder and lookup; the other arguments: `ModelRunner`."""
 
-    def __init__(self, model: HamburgerModel, compile: bool = False, shortlist: bool = True,
+    def __init__(self, model: HamburgerModel, shortlist: bool = True,
                  draft_rows: int | str | None = "auto", lookup: int | None = None,
                  draft_policy: bool | None = None, drafter: Drafter | None = None, fast_layers: bool = True,
                  native_layers: bool = True) -> None:
-        super().__init__(model, compile=compile, shortlist=shortlist, draft_rows=draft_rows, lookup=lookup,
+        super().__init__(model, shortlist=shortlist, draft_rows=draft_rows, lookup=lookup,
                          draft_policy=draft_policy, fast_layers=fast_layers, native_layers=native_layers)
         self.drafter = drafter
 
@@ -155,7 +155,6 @@ class Engine(ModelRunner):
 class ReferenceEngine:
     """The transformers reference path (`reference.stream`) behind the engine's interface: any architecture."""
 
-    compiled = False
     trust_only = True  # `resolve_mode` refuses verify and compress mode for it
 
     def __init__(self, model: HamburgerModel) -> None:
@@ -169,8 +168,7 @@ class ReferenceEngine:
         return drain(self.stream(prompts, **kwargs))
 
 
-def make_engine(model: HamburgerModel, kind: str = "auto", compile: bool = False,
-                draft_rows: int | str | None = "auto", lookup: int | None = None,
+def make_engine(model: HamburgerModel, kind: str = "auto", draft_rows: int | str | None = "auto", lookup: int | None = None,
                 draft_policy: bool | None = None) -> Engine | ReferenceEngine:
     """`fast` (static caches, Llama-style decoders), `reference` (any model), or `auto`: fast where supported.
     `draft_rows`, `lookup`, `draft_policy`: see `ModelRunner`."""
@@ -179,4 +177,4 @@ def make_engine(model: HamburgerModel, kind: str = "auto", compile: bool = False
     supported = getattr(model.base.config, "model_type", "") in SUPPORTED
     if kind == "reference" or (kind == "auto" and not supported):
         return ReferenceEngine(model)
-    return Engine(model, compile=compile, draft_rows=draft_rows, lookup=lookup, draft_policy=draft_policy)
+    return Engine(model, draft_rows=draft_rows, lookup=lookup, draft_policy=draft_policy)

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from hamburger.kernels import compiled_ops
 from hamburger.model.layers import attend, project
 from hamburger.model.slot_adapters import AdapterPass
 
@@ -40,15 +39,12 @@ class KVCache:
     def update(self, layer: int, start: int | RowSlots, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write (B, h, T, hd) at slots start.. (the same for every row, or each row's own `RowSlots`) and
         return the keys and values of slots 0..end-1."""
-        compiling = torch.compiler.is_compiling()  # in-place writes as operators then (compiled_ops.py says why)
-        if isinstance(start, RowSlots):  # rows at different cache lengths (verify mode)
-            (compiled_ops.kv_scatter if compiling else compiled_ops.scatter_slots)(self.k, self.v, layer,
-                                                                                 start.slots, k, v)
+        if isinstance(start, RowSlots):  # rows at different cache lengths (verify mode): each row's own slots
+            rows = torch.arange(k.shape[0], device=k.device)[:, None]
+            self.k[layer, rows, :, start.slots] = k.transpose(1, 2)
+            self.v[layer, rows, :, start.slots] = v.transpose(1, 2)
             end = start.end
-        elif compiling:
-            compiled_ops.kv_write(self.k, self.v, layer, start, k, v)
-            end = start + k.shape[2]
-        else:  # eager: the layer's views written and read with `narrow` (half the operators of indexing)
+        else:  # the layer's views written and read with `narrow` (half the operators of indexing)
             keys, values = self.k.select(0, layer), self.v.select(0, layer)
             end = start + k.shape[2]
             keys.narrow(2, start, k.shape[2]).copy_(k)

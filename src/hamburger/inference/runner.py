@@ -1,13 +1,11 @@
 """The model runner: a `HamburgerModel`'s base and micro-step decoder run over static KV caches.
 
 In the spirit of gpt-fast, for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3): the base's own modules
-(projections, norms, MLPs, rotary embedding) do the math, this file owns the passes (eager or compiled), the
+(projections, norms, MLPs, rotary embedding) do the math, this file owns the passes, the
 micro-step shortlist head and the drafting settings; `scheduler.py` owns the rows and the loop.
 """
 
 from __future__ import annotations
-
-import warnings
 
 import torch
 import torch.nn.functional as F
@@ -58,11 +56,11 @@ def head_rows(model: HamburgerModel, rows: torch.Tensor) -> torch.Tensor:
 
 
 class ModelRunner:
-    """The two networks of a `HamburgerModel` over static caches: base passes and micro-step passes (optionally
-    compiled), the micro-step shortlist head, and the settings and measured step costs of drafting. The decode
+    """The two networks of a `HamburgerModel` over static caches: base passes and micro-step passes, the micro-step
+    shortlist head, and the settings and measured step costs of drafting. The decode
     loop (`scheduler.Scheduler`) calls these; `Engine` is this plus the fixed-batch `generate`."""
 
-    def __init__(self, model: HamburgerModel, compile: bool = False, shortlist: bool = True,
+    def __init__(self, model: HamburgerModel, shortlist: bool = True,
                  draft_rows: int | str | None = "auto", lookup: int | None = None,
                  draft_policy: bool | None = None, fast_layers: bool = True, native_layers: bool = True) -> None:
         """`draft_rows`: verify mode drafts only in batches of at most this many rows (None: always; 0: never;
@@ -104,43 +102,12 @@ class ModelRunner:
         self.base = model.base.base_model
         self.fast = decode_layers(self.base) if fast_layers else None
         self.fast_usable = FastUsable(self.fast) if self.fast is not None else None
-        self.native = make_native(self.base, self.fast) if native_layers and not compile else None
+        self.native = make_native(self.base, self.fast) if native_layers else None
         # the micro-step decoder's layers in one native call too, where they match its module-by-module pass
         self.micro_native = micro_native_layers(model.micro, self.base.config, self.native)
         if self.micro_native is not None and not self._micro_native_close():
             self.micro_native = None
         self.k = model.config.max_step_tokens
-        self.compiled = False
-        # What --compile compiles: every base pass (the slot adapters inline in smashed ones) and every micro-step.
-        self._layers_fn = self._compile(self._layers) if compile else self._layers
-        self._micro_fn = self._compile(self._micro_layers) if compile else self._micro_layers
-
-    def _compile(self, fn):
-        """`fn` compiled (dynamic shapes: the cache grows each step), falling back to eager if compiling fails.
-
-        torch.compile is lazy, so failures (no C++ compiler, an unsupported op) show at the first call. Each kind
-        of pass compiles once (about a minute each on 2 CPU cores): the prefill, a step, a step with a smashed
-        slot (the slot adapters inline), verify mode's multi-position passes.
-        """
-        try:
-            # One graph per kind of pass (prefill, step, smashed step at every or some rows, verify passes...).
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 32)
-            compiled = torch.compile(fn, dynamic=True)
-        except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to eager
-            warnings.warn(f"torch.compile is unavailable ({exc}); running eagerly", stacklevel=2)
-            return fn
-        self.compiled = True
-
-        def run(*args):
-            if self.compiled:
-                try:
-                    return compiled(*args)
-                except Exception as exc:  # noqa: BLE001
-                    warnings.warn(f"torch.compile failed ({type(exc).__name__}: {exc}); running eagerly", stacklevel=2)
-                    self.compiled = False
-            return fn(*args)
-
-        return run
 
     @property
     def store(self):
@@ -165,18 +132,16 @@ class ModelRunner:
         layer, or a function of the layer index (compress mode's merged entries carry a per-layer bias).
         `merged` (B, T): the slot adapters act there (inline, in the engine's own layer code)."""
         adapters = self.model.slot_adapters.inline(merged)
-        return self._layers_fn(embeds, positions, cache, start, mask, last, adapters)
+        return self._layers(embeds, positions, cache, start, mask, last, adapters)
 
     def _layers(self, embeds, positions, cache: KVCache, start: int | RowSlots, mask, last: bool,
                 adapters: list[AdapterPass] | None) -> list[torch.Tensor]:
-        """The base's layers and final norm (what --compile compiles); `adapters`: the slot adapters of each layer."""
+        """The base's layers and final norm; `adapters`: the slot adapters of each layer."""
         model, base = self.model, self.base
         wanted = model.micro.feature_layers if self.k > 1 else []
         depth = len(base.layers)
         rope = base.rotary_emb(embeds, positions)
-        # the fast layers eagerly (a compiled pass fuses the module-by-module layers itself)
-        fast = (self.fast if adapters is None and self.fast is not None and not torch.compiler.is_compiling()
-                and self.fast_usable() else None)
+        fast = self.fast if adapters is None and self.fast is not None and self.fast_usable() else None
         feats: dict[int, torch.Tensor] = {}
         # compress mode's mask is a function of the layer (`merge.MergedMask`): the native call takes its parts
         native_mask, bias = mask.native_parts() if hasattr(mask, "native_parts") else (mask, None)
@@ -204,7 +169,7 @@ class ModelRunner:
 
         With a `context`, each micro layer also attends to the base's entries of the layer it was copied from
         (`MicroContext.visible` of them), and the inputs take the positions after the features' state."""
-        return self._micro_fn(x, cache, start, context)
+        return self._micro_layers(x, cache, start, context)
 
     def _micro_native_pass(self, x: torch.Tensor, cache: KVCache, start: int,
                            context: MicroContext | None) -> torch.Tensor | None:
@@ -248,7 +213,7 @@ class ModelRunner:
 
     def _micro_layers(self, x: torch.Tensor, cache: KVCache, start: int, context: MicroContext | None,
                       native: bool = True) -> torch.Tensor:
-        if native and self.micro_native is not None and not torch.compiler.is_compiling():
+        if native and self.micro_native is not None:
             out = self._micro_native_pass(x, cache, start, context)
             if out is not None:
                 return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from hamburger.kernels import compiled_ops, native
+from hamburger.kernels import native
 from hamburger.kernels.qbase import (
     FP16_MM,
     INT4_MM_CPU,
@@ -308,7 +308,6 @@ class Fp16Linear(Fp16Weights):
             self.bias32, self._desc, self.packed = b, None, None
         else:
             self.packed = torch.ops.quantized.linear_prepack_fp16(weight.detach().float().contiguous(), b)
-        self.key = compiled_ops.register_fp16(self)  # names the weights inside a compiled pass
 
     @property
     def packed_nbytes(self) -> int:
@@ -336,8 +335,6 @@ class Fp16Linear(Fp16Weights):
         return FP16_MM(x, self.packed)
 
     def _mm(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.compiler.is_compiling():  # the weights are opaque to the compiler: an operator by key
-            return compiled_ops.fp16_linear(x, self.key)
         if self.native:
             return self.eager_mm(x.reshape(-1, self.in_features)).view(*x.shape[:-1], -1)
         return FP16_MM(x, self.packed)

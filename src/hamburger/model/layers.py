@@ -33,7 +33,7 @@ def project(layer, x: torch.Tensor, rope, adapters: AdapterPass | None = None) -
 
 def attention(layer, q, keys, values, mask: torch.Tensor) -> torch.Tensor:
     """The layer's attention (its scale, grouped query heads) under a mask -> (B, heads, T, hd)."""
-    attn = layer.self_attn  # grouped query heads from the module (a compiled pass's head counts are symbolic)
+    attn = layer.self_attn  # grouped query heads from the module
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
                                           enable_gqa=getattr(attn, "num_key_value_groups", 1) != 1)
 

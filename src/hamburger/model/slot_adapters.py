@@ -15,7 +15,7 @@ weights stay as they were. Two ways apply them, both only to a pass with merged 
 - the fast engine's own layer code applies them inline (`inline`, `layers.project` / `finish`): per layer, sibling
   adapters that read one input (q/k/v, gate/up) share one down GEMM, and each up-projection adds into the base's
   output in one `addmm` with the scale folded in (11 small ops a layer; no hooks, whose registration and slower
-  call path cost milliseconds a smashed step of the default; compiled inline under `--compile`);
+  call path cost milliseconds a smashed step of the default);
 - the transformers path (training, the reference decoder) gets forward hooks on the base's linear layers for the
   pass (`gated` installs and removes them: a hooked module takes PyTorch's slower call path), one module each.
 """
