@@ -1,7 +1,10 @@
 """The OpenAI wire format the server speaks: request bodies, their validation, errors, and response shapes.
 
 Validation happens here, before anything reaches the model, and every problem becomes an `ApiError`
-whose body is OpenAI's: {"error": {"message", "type", "param", "code"}}.
+whose body is OpenAI's: {"error": {"message", "type", "param", "code"}}. The request models are also the request
+bodies of the OpenAPI schema (`schemas`): what the schema adds beyond their types (the refused fields, a message's
+required content, the ranges checked outside pydantic) says what `check` and the service decide, and
+tests/serving/test_openapi.py holds the two to the same answers.
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.json_schema import models_json_schema
+
+REF = "#/components/schemas/{model}"  # where the OpenAPI document keeps the models of this module, by class name
 
 
 class ApiError(Exception):
@@ -22,6 +28,18 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+# The statuses the completion endpoints answer with an error object, and when (the OpenAPI schema documents them).
+ERRORS = {
+    400: "an invalid request: malformed JSON, a wrong type, a value out of range, a missing field, an unsupported "
+         "field, a mode the model cannot run, messages its chat template refuses, or a prompt or max_tokens beyond "
+         "the context (code context_length_exceeded)",
+    401: "a missing or wrong API key, when the server has one (code invalid_api_key)",
+    404: "an unknown model (code model_not_found)",
+    429: "too many requests waiting for a batch row (code queue_full); retry later",
+    500: "the model failed on this request's batch, or another fault of the server; see the server log",
+}
 
 
 class _Body(BaseModel):
@@ -48,6 +66,14 @@ def _neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
     return any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
 
 
+def _document_unsupported(schema: dict[str, Any]) -> None:
+    """The refused fields in a model's JSON schema too, each with the values `_refuse_unsupported` lets pass (JSON
+    schema's equality is `_neutral`'s: false is not 0). A declared field of the same name is left as it is."""
+    for name, neutral in UNSUPPORTED.items():
+        schema["properties"].setdefault(name, {"enum": list(neutral), "description": "not supported by this server: "
+                                               "accepted only as one of these values, which ask for nothing"})
+
+
 def _refuse_unsupported(fields: dict[str, Any] | None, where: str = "") -> None:
     for name, value in (fields or {}).items():
         if name in UNSUPPORTED and not _neutral(value, neutral := UNSUPPORTED[name]):
@@ -62,28 +88,42 @@ class StreamOptions(_Body):
     include_usage: bool = False
 
 
+_AT_LEAST_ONE = {"minimum": 1}  # documented here, checked by `_Sampling.check` in its own words
+
+
 class _Sampling(_Body):
-    model: str
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    model_config = ConfigDict(json_schema_extra=_document_unsupported)
+
+    model: str = Field(description="a name from GET /v1/models (another is a 404)")
+    max_tokens: int | None = Field(None, json_schema_extra=_AT_LEAST_ONE, description=(
+        "new tokens at most; default: the rest of the row; beyond the row's room for this prompt (its KV entries "
+        "less the prompt's, in the request's mode) a 400 context_length_exceeded"))
+    max_completion_tokens: int | None = Field(None, json_schema_extra=_AT_LEAST_ONE,
+                                              description="max_tokens under its newer name; wins when both are sent")
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="0, null or below 1e-5: greedy")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stream: bool | None = False
+    # torch's generators take seeds in this range; past it, a sampled request failed its whole batch
+    seed: int | None = Field(None, ge=-2**63, le=2**64 - 1)
+    stop: str | list[str] | None = Field(None, description="text that ends the reply (not included in it)")
+    stream: bool | None = Field(False, description="server-sent events, one per macro-step, then data: [DONE]")
     stream_options: StreamOptions | None = None
-    confidence: float | None = None  # HAMburger's extra: P(continue) a step needs to take another token
-    # HAMburger's extra: "trust" (steps smashed, drafts kept), "verify" (drafts checked: the base's exact output) or
-    # "compress" (drafts checked by a base that reads each past step as one merged KV entry; a 400 when the model
-    # has no KV merger); None: the model's default mode
-    mode: Literal["trust", "verify", "compress"] | None = None
-    # vLLM's extra: go on past the end-of-sequence token (to max_tokens, a stop string or the row's KV entries), as
-    # load and capacity benchmarks ask
-    ignore_eos: bool = False
+    confidence: float | None = Field(None, json_schema_extra={"exclusiveMinimum": 0, "maximum": 1}, description=(
+        "HAMburger's extra: the P(continue) a step needs to take another token; default: the server's (trust) or "
+        "the checkpoint's (verify, compress)"))
+    mode: Literal["trust", "verify", "compress"] | None = Field(None, description=(
+        "HAMburger's extra: trust (steps smashed, drafts kept), verify (drafts checked: the base's exact output) or "
+        "compress (drafts checked by a base that reads each past step as one merged KV entry; a 400 when the model "
+        "has no KV merger); default: the server's (serve --mode, else the checkpoint's)"))
+    ignore_eos: bool = Field(False, description=(
+        "vLLM's extra: go on past the end-of-sequence token (to max_tokens, a stop string or the row's KV entries), "
+        "as load and capacity benchmarks ask"))
 
     def check(self) -> None:
-        """Nothing asked for that would be silently ignored (the schema cannot say it)."""
+        """Nothing asked for that would be silently ignored, and no limit below one (the types cannot say it)."""
         _refuse_unsupported(self.model_extra)
+        for name in ("max_tokens", "max_completion_tokens"):
+            if (value := getattr(self, name)) is not None and value <= 0:
+                raise ApiError(400, f"{name} must be >= 1, got {value}", name)
 
     def limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -93,7 +133,20 @@ class _Sampling(_Body):
         return [s for s in stops if s]
 
 
+def _document_message(schema: dict[str, Any]) -> None:
+    """A message's schema as `Message.check` decides: content required, a string or a list of text parts (the
+    model takes null and a missing content so that `check` can say what is wrong); the refused fields."""
+    text_part = {"type": "object", "properties": {"type": {"const": "text"}, "text": {"type": "string"}},
+                 "required": ["type", "text"]}
+    schema["required"] = ["role", "content"]
+    schema["properties"]["content"] = {"title": "Content", "anyOf": [
+        {"type": "string"}, {"type": "array", "items": text_part}]}
+    _document_unsupported(schema)
+
+
 class Message(_Body):
+    model_config = ConfigDict(json_schema_extra=_document_message)
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[dict[str, Any]] | None = None  # None here so that `check` can say what is wrong
 
@@ -122,8 +175,15 @@ class ChatRequest(_Sampling):
             message.check(f"messages.{i}")
 
 
+# What `prompt_value` and the service take: a non-empty string, one string in a list, or token ids (each below the
+# model's vocabulary size).
+_PROMPTS = {"anyOf": [{"type": "string", "minLength": 1},
+                      {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+                      {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]}
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int]
+    prompt: str | list[str] | list[int] = Field(json_schema_extra=_PROMPTS)
 
     def prompt_value(self) -> str | list[int]:
         if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
@@ -170,6 +230,132 @@ def check_limits(prompt_tokens: int, max_tokens: int | None, context: int, param
                        f"context of {context} KV entries{where}: at most {room} new tokens with this prompt",
                        "max_tokens", "context_length_exceeded")
     return max_tokens
+
+
+class _Shape(BaseModel):
+    """A response shape, for the schema: `Reply` and `ApiError` build the objects, these say what they hold (no
+    other keys: tests/serving/test_openapi.py checks every answer against them)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ErrorDetail(_Shape):
+    message: str
+    type: str = Field(description="invalid_request_error, rate_limit_error or server_error")
+    param: str | None = Field(description="the field at fault, as a dotted path (messages.0.content)")
+    code: str | None
+
+
+class ErrorResponse(_Shape):
+    error: ErrorDetail
+
+
+class Usage(_Shape):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    macro_steps: int = Field(description="HAMburger's: base forwards after the prefill")
+    tokens_per_step: float = Field(description="HAMburger's: completion tokens per macro-step")
+    kv_entries: int = Field(description="HAMburger's: KV-cache entries per layer the request held at its end")
+
+
+Finish = Literal["stop", "length"]
+
+
+class AssistantMessage(_Shape):
+    role: Literal["assistant"]
+    content: str
+
+
+class ChatChoice(_Shape):
+    index: int
+    message: AssistantMessage
+    logprobs: None
+    finish_reason: Finish
+
+
+class ChatCompletion(_Shape):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class StepInfo(_Shape):
+    """Non-standard, ignored by OpenAI's clients: the macro-step of a streamed chunk."""
+
+    tokens: int = Field(description="the step's tokens")
+    prompt_tokens: int
+
+
+class Delta(_Shape):
+    role: Literal["assistant"] = Field("assistant", description="in the first chunk only")
+    content: str
+
+
+class ChatChunkChoice(_Shape):
+    index: int
+    delta: Delta
+    logprobs: None
+    finish_reason: Finish | None = Field(description="null until the last step's chunk")
+
+
+class ChatCompletionChunk(_Shape):
+    """One server-sent event of a chat stream: a macro-step's text, or with stream_options.include_usage, after the
+    last step, empty choices and the usage."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = Field(None, description="in the last chunk only, with stream_options.include_usage")
+    hamburger: StepInfo | None = Field(None, description="in each step's chunk")
+
+
+class TextChoice(_Shape):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: Finish
+
+
+class TextCompletion(_Shape):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+
+
+class TextChunkChoice(TextChoice):
+    finish_reason: Finish | None = Field(description="null until the last step's chunk")
+
+
+class TextCompletionChunk(_Shape):
+    """One server-sent event of a completions stream, as `ChatCompletionChunk`."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[TextChunkChoice]
+    usage: Usage | None = Field(None, description="in the last chunk only, with stream_options.include_usage")
+    hamburger: StepInfo | None = Field(None, description="in each step's chunk")
+
+
+REQUESTS = (ChatRequest, CompletionRequest)
+RESPONSES = (ChatCompletion, ChatCompletionChunk, TextCompletion, TextCompletionChunk, ErrorResponse)
+
+
+def schemas() -> dict[str, dict]:
+    """The JSON schemas of the request and response models and of those they hold, by class name, referring to each
+    other at `REF`: OpenAPI's components. The request models' are the very schemas of the models `parse` uses."""
+    models = [(m, "validation") for m in REQUESTS] + [(m, "serialization") for m in RESPONSES]
+    return models_json_schema(models, ref_template=REF)[1]["$defs"]
 
 
 class Reply:

@@ -35,11 +35,19 @@ from hamburger.errors import HamburgerError
 from hamburger.inference.admission import RequestEvent
 from hamburger.inference.stops import TextStream
 from hamburger.serving.openai_api import (
+    ERRORS,
+    REF,
     ApiError,
+    ChatCompletion,
+    ChatCompletionChunk,
     ChatRequest,
     CompletionRequest,
+    ErrorResponse,
     Reply,
+    TextCompletion,
+    TextCompletionChunk,
     parse,
+    schemas,
     usage,
 )
 from hamburger.serving.service import Handle, Service, T
@@ -130,9 +138,11 @@ async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None
     return None
 
 
-async def _complete(service: Service, request: Request, chat: bool) -> Response:
+async def _complete(service: Service, request: Request, schema: type[ChatRequest | CompletionRequest]) -> Response:
+    """One completion request, its body parsed with `schema` (the body the OpenAPI schema documents)."""
     service.check_key(request)
-    body = parse(await request.body(), ChatRequest if chat else CompletionRequest)
+    chat = schema is ChatRequest
+    body = parse(await request.body(), schema)
     prompt = service.chat_prompt(body) if chat else service.completion_prompt(body)
     handle = service.open(prompt, body, "messages" if chat else "prompt")
     reply = Reply(chat, body.model)
@@ -189,7 +199,38 @@ def create_app(service: Service, access_log: bool = False) -> FastAPI:
         app.add_middleware(AccessLog)
     add_error_handlers(app)
     add_routes(app, service)
+    add_schemas(app)
     return app
+
+
+def add_schemas(app: FastAPI) -> None:
+    """/openapi.json with the request and response models among its components, where the completion routes' request
+    bodies and answers refer to them (`_documented`): FastAPI only adds the models of parameters it parses itself."""
+    generate = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            generate().setdefault("components", {}).setdefault("schemas", {}).update(schemas())
+        return app.openapi_schema
+
+    app.openapi = openapi
+
+
+def _documented(schema: type, reply: type, chunk: type) -> dict:
+    """A completion route's OpenAPI: its request body, `schema` (the model its handler parses the body with, not a
+    FastAPI parameter: the project's own 400s answer a bad body), `reply` as JSON or, with stream, `chunk` events
+    (then data: [DONE]; an error object mid-stream is an event too), and the error statuses it answers with."""
+    def ref(model: type) -> dict:
+        return {"$ref": REF.format(model=model.__name__)}
+
+    events = {"type": "string", "description": f"server-sent events, `data: ` and a {chunk.__name__} (or an "
+              f"{ErrorResponse.__name__}) as JSON each, then `data: [DONE]`", "x-event-data": ref(chunk)}
+    ok = {"description": f"a {reply.__name__}, or with stream: true a stream of {chunk.__name__} events",
+          "content": {"application/json": {"schema": ref(reply)}, "text/event-stream": {"schema": events}}}
+    errors = {status: {"description": why, "content": {"application/json": {"schema": ref(ErrorResponse)}}}
+              for status, why in ERRORS.items()}
+    body = {"required": True, "content": {"application/json": {"schema": ref(schema)}}}
+    return {"responses": {200: ok, **errors}, "openapi_extra": {"requestBody": body}}
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -242,13 +283,17 @@ def add_routes(app: FastAPI, service: Service) -> None:
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "hamburger"} for name in service.names]
         return {"object": "list", "data": data}
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> Response:
-        return await _complete(service, request, chat=True)
+    add_completion_route(app, service, "/v1/chat/completions", ChatRequest, ChatCompletion, ChatCompletionChunk)
+    add_completion_route(app, service, "/v1/completions", CompletionRequest, TextCompletion, TextCompletionChunk)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await _complete(service, request, chat=False)
+
+def add_completion_route(app: FastAPI, service: Service, path: str, schema: type, reply: type, chunk: type) -> None:
+    """POST `path`: its body parsed with `schema`, the very model its documented request body is generated from, so
+    the two cannot differ."""
+
+    @app.post(path, name=path.removeprefix("/v1/").replace("/", "_"), **_documented(schema, reply, chunk))
+    async def complete(request: Request) -> Response:
+        return await _complete(service, request, schema)
 
 
 class BackgroundServer:
