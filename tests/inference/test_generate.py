@@ -175,6 +175,16 @@ def test_bad_sampling_params():
             SamplingParams(**kwargs)
 
 
+def test_a_vanishing_temperature_is_greedy():
+    """Logits divided by a temperature of 1e-40 overflow to infinities and the sampler fails: below 1e-5 is greedy
+    (the server's fuzzing found it), with the same tokens as temperature 0."""
+    model = hamburger("llama", k=4)
+    assert SamplingParams(1e-40).greedy and not SamplingParams(1e-4).greedy
+    kw = dict(max_new_tokens=6, eos_token_ids=set())
+    assert (generate(model, [PROMPTS[0]], sampling=SamplingParams(1e-40), **kw).tokens
+            == generate(model, [PROMPTS[0]], **kw).tokens)
+
+
 
 def test_slot_adapters_act_on_merged_slots_only():
     """Zeroing the adapters changes logits after merged steps, and nothing before the first merge."""

@@ -51,9 +51,14 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(-1).indices if logits.dtype == torch.float32 else logits.argmax(-1)
 
 
+# A temperature below this samples greedily (as vLLM's does): logits divided by less can overflow to infinities, and
+# a sampler fed those fails.
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 = greedy; top_k 0 and top_p 1.0 switch those filters off."""
+    """temperature 0 (or below `MIN_TEMPERATURE`) = greedy; top_k 0 and top_p 1.0 switch those filters off."""
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -70,7 +75,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < MIN_TEMPERATURE
 
     def warpers(self) -> Warpers:
         """Temperature, then top-k, then top-p (transformers' order and arithmetic, without importing it)."""

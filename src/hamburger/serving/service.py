@@ -32,9 +32,6 @@ from hamburger.serving.openai_api import (
 from hamburger.serving.prometheus import ServerMetrics
 
 T = TypeVar("T")
-# A temperature below this samples greedily (as vLLM's does): the logits divided by less can overflow to infinities,
-# and a sampler fed those fails the whole batch, not just the request.
-MIN_TEMPERATURE = 1e-5
 
 
 class Handle:
@@ -175,8 +172,7 @@ class Service:
         if self.scheduler.waiting >= self.max_queue:
             raise ApiError(429, f"the server is busy ({self.max_queue} requests waiting); retry later",
                            kind="rate_limit_error", code="queue_full")
-        temperature = body.temperature if (body.temperature or 0.0) >= MIN_TEMPERATURE else 0.0
-        sampling = SamplingParams(temperature, 1.0 if body.top_p is None else body.top_p, 0, body.seed)
+        sampling = SamplingParams(body.temperature or 0.0, 1.0 if body.top_p is None else body.top_p, 0, body.seed)
         arrival = time.perf_counter()
         try:  # the admission estimate may have moved since `limit` was checked (a reply finished meanwhile)
             # no max_tokens: until EOS or the row's entries run out (a compress row holds more than its estimate)
