@@ -63,7 +63,8 @@ def register_distill(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--sources", default="gsm,chat,code",
                    help=f"comma list of {', '.join(BUILTIN_SOURCES)} and/or JSONL files")
     p.add_argument("--split", default="train", choices=("train", "heldout"), help="which prompts of the sources")
-    p.add_argument("--out", required=True, help="JSONL to append to (an existing file is resumed, never truncated)")
+    p.add_argument("--out", required=True, help="JSONL to append to (an existing file is resumed; at the end its rows "
+                   "are put in the prompts' order)")
     add_model_args(p)
     add_quantize_args(p, default="none")  # the training data: the float base's replies unless asked otherwise
     add_engine_arg(p)
@@ -79,7 +80,8 @@ def register_distill(sub: argparse._SubParsersAction) -> None:
 def register_segment(sub: argparse._SubParsersAction) -> None:
     p = command(sub, "segment", "cut distilled replies into steps by the base's entropy")
     add_run_args(p, "JSONL of chats (`messages`, or `prompt` + `response`)",
-                 "JSONL of {id, input_ids, prompt_len, steps}; a summary lands beside it", resume=False)
+                 "JSONL of {id, input_ids, prompt_len, steps}; a summary lands beside it (a killed run, run again, "
+                 "goes on from OUT.partN)", resume=False)
     add_model_args(p)
     p.add_argument("--max-step-tokens", type=int, default=4, help="K: the most tokens of a step")
     p.add_argument("--abs-threshold", type=float, default=0.05,
@@ -228,7 +230,16 @@ def cmd_segment(args: argparse.Namespace) -> int:
     from accelerate import PartialState
 
     from hamburger.model.base import fingerprint
-    from hamburger.training.segment import Thresholds, check_unique_ids, join_segment_parts, read_chats, segment_rows
+    from hamburger.training.segment import (
+        Thresholds,
+        check_unique_ids,
+        join_segment_parts,
+        open_part,
+        part_header,
+        part_writer,
+        read_chats,
+        segment_rows,
+    )
     from hamburger.training.teacher import TeacherWriter, teacher_dir
 
     th = Thresholds(args.max_step_tokens, args.abs_threshold, args.rel_threshold)
@@ -250,6 +261,9 @@ def cmd_segment(args: argparse.Namespace) -> int:
     model, _, _ = load_model(args)
     mine = rows[state.process_index :: state.num_processes]
     part = out.with_name(f"{out.name}.part{state.process_index}")
+    header = part_header(Path(args.data), th, model, batch_size=args.batch_size,
+                         include_unfinished=args.include_unfinished, processes=state.num_processes)
+    done = open_part(part, header, resume=not args.teacher_top_k)  # a killed run's batches (not with a teacher cache)
     building = cache.with_name(cache.name + ".tmp")
     writer = None
     if args.teacher_top_k:
@@ -257,11 +271,11 @@ def cmd_segment(args: argparse.Namespace) -> int:
             shutil.rmtree(building)  # a crashed run's leftovers
         state.wait_for_everyone()
         writer = TeacherWriter(building, args.teacher_top_k, fingerprint(model.base), f"part{state.process_index}")
-    done = segment_rows(model, mine, th, args.batch_size, progress=state.is_local_main_process,
-                        include_unfinished=args.include_unfinished, teacher=writer, teacher_k=args.teacher_top_k)
+    segment_rows(model, mine, th, args.batch_size, progress=state.is_local_main_process,
+                 include_unfinished=args.include_unfinished, teacher=writer, teacher_k=args.teacher_top_k, done=done,
+                 write=part_writer(part))
     if writer is not None:
         writer.flush()
-    part.write_text("".join(json.dumps(ex) + "\n" for ex in done))
     state.wait_for_everyone()
     if state.is_main_process:
         summary = join_segment_parts(out, state.num_processes, th, building if writer is not None else None,
@@ -331,6 +345,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_train_drafter(args: argparse.Namespace) -> int:
     import torch
 
+    from hamburger.training.atomic import settle_dir
     from hamburger.training.drafter import DrafterTrainer, adapt_micro
 
     dargs = DrafterArgs(**{f: getattr(args, f) for f in DrafterArgs.__dataclass_fields__})
@@ -351,6 +366,8 @@ def cmd_train_drafter(args: argparse.Namespace) -> int:
     for line in adapt_micro(model, dargs.micro_context, dargs.micro_layers, args.model):
         print(line, file=sys.stderr)
     saved = out / "state" / "trainer.json"
+    if args.resume:
+        settle_dir(saved.parent)  # a save killed between its renames: finish it before reading
     if args.resume and saved.is_file() and json.loads(saved.read_text())["args"].get("draft_stop_head"):
         dargs.draft_stop_head = True  # the run being resumed trains a draft stop head
     if dargs.draft_stop_head and model.draft_stop_head is None:

@@ -3,7 +3,9 @@
 Output: JSONL, one row per prompt: `id`, `source`, `messages` (the prompt turns plus the assistant's
 reply), `answer` (reference, where the source has one), `finished` (the reply ended with EOS) and
 `response_ids` (the exact tokens generated, so segmentation needs no re-tokenisation).
-Rows are appended as replies end, so an interrupted run resumes where it stopped.
+Rows are appended as replies end, a finished group at a time, so an interrupted run resumes where it stopped (a kill
+loses only the replies in flight; a torn last line is cut off on resume), and once every prompt has its row the file
+is put in the prompts' order, so a run killed and resumed ends with the same file as one never stopped.
 
 The replies come from the fast engine's continuous-batching scheduler where the base is supported (static
 batches on the transformers reference path otherwise, or with `--engine reference`), in the order they end.
@@ -35,24 +37,23 @@ from hamburger.inference.sampling import SamplingParams
 from hamburger.inference.scheduler import Scheduler
 from hamburger.model.base import encode_chat
 from hamburger.model.hamburger_model import HamburgerModel
+from hamburger.training.atomic import append_jsonl, read_lines, write_text
 from hamburger.training.sources import Prompt
 
 
 def done_ids(path: Path) -> set[str]:
-    """Ids already written by an earlier (possibly interrupted) run; a torn last line is dropped."""
-    if not path.exists():
-        return set()
-    ids, lines = set(), path.read_text(encoding="utf-8").splitlines(keepends=True)
-    good = []
-    for line in lines:
-        try:
-            ids.add(json.loads(line)["id"])
-            good.append(line)
-        except (ValueError, KeyError):
-            break
-    if len(good) != len(lines):  # cut a partial line left by a crash, keep everything before it
-        path.write_text("".join(good), encoding="utf-8")
-    return ids
+    """Ids already written by an earlier (possibly interrupted) run; a torn last line is cut off (`read_lines`)."""
+    return {row["id"] for row in map(json.loads, read_lines(path)) if "id" in row}
+
+
+def put_in_prompt_order(path: Path, prompts: list[Prompt]) -> None:
+    """Rewrite `path` (atomically) with the rows of `prompts` in their order, after any rows of other prompts: the
+    rows were appended as replies ended, an order that depends on where an interrupted run stopped."""
+    lines = read_lines(path)
+    rank = {p.id: i for i, p in reversed(list(enumerate(prompts)))}
+    ordered = sorted(lines, key=lambda line: rank.get(json.loads(line).get("id"), -1))
+    if ordered != lines:
+        write_text(path, b"".join(ordered).decode("utf-8"))
 
 
 def replies(model: HamburgerModel, prompts: list[list[int]], batch_size: int, max_new_tokens: int,
@@ -84,12 +85,20 @@ def replies(model: HamburgerModel, prompts: list[list[int]], batch_size: int, ma
             yield done
 
 
+def reply_row(p: Prompt, reply_ids: list[int], tokenizer, eos: set[int]) -> dict:
+    """The output row of prompt `p` answered with `reply_ids`."""
+    reply = tokenizer.decode(reply_ids, skip_special_tokens=True).strip()
+    return {"id": p.id, "source": p.source, "messages": p.messages + [{"role": "assistant", "content": reply}],
+            "answer": p.answer, "finished": bool(reply_ids) and reply_ids[-1] in eos, "response_ids": reply_ids}
+
+
 def distill(
     model: HamburgerModel, prompts: list[Prompt], out: Path, batch_size: int = 32, max_new_tokens: int = 256,
     sampling: SamplingParams | None = None, progress: bool = True, engine: str = "auto",
 ) -> dict[str, int]:
-    """Generate the base model's replies for `prompts` not yet in `out`, appending a row per reply as it finishes.
-    `engine`: as `make_engine`'s kind (auto: the fast engine where the base is supported)."""
+    """Generate the base model's replies for `prompts` not yet in `out`, appending a row per reply as it finishes,
+    then put the file in the prompts' order. `engine`: as `make_engine`'s kind (auto: the fast engine where the base
+    is supported)."""
     tok, eos = model.tokenizer, eos_ids(model)
     skip = done_ids(out)
     todo = [p for p in prompts if p.id not in skip]
@@ -100,26 +109,21 @@ def distill(
     out.parent.mkdir(parents=True, exist_ok=True)
     columns = (TextColumn("distill"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tps]} tok/s"),
                TimeRemainingColumn())
-    with Progress(*columns, disable=not progress, console=Console(stderr=True)) as bar, out.open("a", encoding="utf-8") as f:
+    with Progress(*columns, disable=not progress, console=Console(stderr=True)) as bar:
         task = bar.add_task("distill", total=len(encoded), tps="-")
         t0 = said = time.perf_counter()
         for group in replies(model, [ids for _, ids in encoded], batch_size, max_new_tokens,
                              sampling or SamplingParams(), engine):
-            for i, reply_ids in group:
-                p = encoded[i][0]
-                finished = bool(reply_ids) and reply_ids[-1] in eos
-                reply = tok.decode(reply_ids, skip_special_tokens=True).strip()
-                row = {"id": p.id, "source": p.source, "messages": p.messages + [{"role": "assistant", "content": reply}],
-                       "answer": p.answer, "finished": finished, "response_ids": reply_ids}
-                f.write(json.dumps(row, ensure_ascii=False) + "\n")
-                counts["written"] += 1
-                counts["unfinished"] += not finished
-                counts["tokens"] += len(reply_ids)
-            f.flush()
+            rows = [reply_row(encoded[i][0], reply_ids, tok, eos) for i, reply_ids in group]
+            append_jsonl(out, rows)
+            counts["written"] += len(rows)
+            counts["unfinished"] += sum(not row["finished"] for row in rows)
+            counts["tokens"] += sum(len(row["response_ids"]) for row in rows)
             now = time.perf_counter()
             bar.update(task, advance=len(group), tps=f"{counts['tokens'] / max(now - t0, 1e-9):.0f}")
             if progress and not bar.console.is_terminal and (now - said > 60 or counts["written"] == len(encoded)):
                 said = now  # a log file gets a plain line a minute instead of a live bar
                 print(f"distill {counts['written']}/{len(encoded)} prompts, {counts['tokens']} tokens, "
                       f"{counts['tokens'] / (now - t0):.0f} tok/s, elapsed {now - t0:.0f}s", file=sys.stderr, flush=True)
+    put_in_prompt_order(out, prompts)
     return counts

@@ -32,6 +32,7 @@ from transformers import DynamicCache
 from hamburger.errors import HamburgerError
 from hamburger.model.hamburger_model import HamburgerModel
 from hamburger.training.args import DrafterArgs
+from hamburger.training.atomic import replace_dir, settle_dir, staging, write_text
 from hamburger.training.examples import read_examples, split_eval
 from hamburger.training.precision import bf16_autocast
 from hamburger.training.tracking import Tracker
@@ -233,16 +234,25 @@ class DrafterTrainer:
                 for k, v in getattr(self.model, name).state_dict().items()}
 
     def save(self) -> None:
-        state = self.out / "state"
-        state.mkdir(parents=True, exist_ok=True)
-        save_file(self.trained_state(), state / "trained.safetensors")
+        """state/ (to resume) and hamburger/ (the checkpoint), each written whole beside itself and swapped in
+        (`training.atomic`): a kill leaves the last complete ones."""
+        state, ship = self.out / "state", self.out / "hamburger"
+        settle_dir(state)
+        settle_dir(ship)
+        new = staging(state)
+        new.mkdir(parents=True)
+        save_file(self.trained_state(), new / "trained.safetensors")
         torch.save({"optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict(),
-                    "rng": self.gen.get_state(), "torch_rng": torch.get_rng_state()}, state / "optimizer.pt")
-        (state / "trainer.json").write_text(json.dumps({"step": self.step, "args": asdict(self.args)}))
-        self.model.save_pretrained(self.out / "hamburger")
+                    "rng": self.gen.get_state(), "torch_rng": torch.get_rng_state()}, new / "optimizer.pt")
+        write_text(new / "trainer.json", json.dumps({"step": self.step, "args": asdict(self.args)}))
+        replace_dir(state)
+        self.model.save_pretrained(staging(ship))
+        replace_dir(ship)
 
     def resume(self) -> bool:
         state = self.out / "state"
+        settle_dir(state)  # a kill between a swap's renames: finish it
+        settle_dir(self.out / "hamburger")
         if not (state / "trainer.json").is_file():
             return False
         weights = load_file(state / "trained.safetensors")

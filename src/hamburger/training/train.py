@@ -9,6 +9,8 @@ this module itself (a seeded permutation per epoch, length-bucketed so a batch h
 length; each global batch is split over the processes), so a run resumes exactly from (epoch, batch) with
 the optimizer, scheduler and RNG states that accelerate saves. The resumable state holds only the weights
 that train (the base is reloaded from its reference, and checked by fingerprint) unless the base trains too.
+A save writes `state/` and `hamburger/` whole beside themselves and swaps them in (`training.atomic`), so a run
+killed at any point resumes from its last complete save, to the same weights as a run never stopped.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from hamburger.model.hamburger_model import (
     is_trained_key,
 )
 from hamburger.training.args import BASE_TRAINING, TrainArgs
+from hamburger.training.atomic import read_lines, replace_dir, settle_dir, staging, write_text
 from hamburger.training.data import collate, cut_steps
 from hamburger.training.examples import (
     attach_teacher,
@@ -155,17 +158,33 @@ class Trainer:
         models.clear()  # loaded: accelerate goes on with the optimizer, scheduler and RNG states
 
     def save(self) -> None:
-        """Resumable state (trained weights, optimizer, scheduler, RNG) plus a plain HAMburger checkpoint to ship."""
+        """Resumable state (trained weights, optimizer, scheduler, RNG) plus a plain HAMburger checkpoint to ship.
+
+        Each is written whole as `NAME.new/` (`trainer.json`, the step, last) and then swapped in: a kill at any
+        point leaves the last complete `state/` and `hamburger/`, never a half-written file under their names."""
+        state, ship = self.out / "state", self.out / "hamburger"
+        if self.acc.is_main_process:
+            settle_dir(state)
+            settle_dir(ship)
         self.acc.wait_for_everyone()
-        self.acc.save_state(str(self.out / "state"))
+        self.acc.save_state(str(staging(state)))
+        self.acc.wait_for_everyone()  # every process's files written before the folder moves
         if self.acc.is_main_process:
             row = {"step": self.step, "args": asdict(self.args), "base_in_state": self.base_in_state,
                    "base_fingerprint": self.hamburger.config.base_fingerprint}
-            (self.out / "state" / "trainer.json").write_text(json.dumps(row))
-            self.acc.unwrap_model(self.model).save_pretrained(self.out / "hamburger")
+            write_text(staging(state) / "trainer.json", json.dumps(row))
+            replace_dir(state)
+            self.acc.unwrap_model(self.model).save_pretrained(staging(ship))
+            replace_dir(ship)
         self.acc.wait_for_everyone()
 
     def resume(self) -> bool:
+        """Continue from the last complete save in `out` (False: there is none): its weights, optimizer, scheduler, RNG
+        and step; the log keeps only the rows up to that step, as a run never stopped would have them."""
+        if self.acc.is_main_process:
+            settle_dir(self.out / "state")  # a kill between a swap's renames: finish it
+            settle_dir(self.out / "hamburger")
+        self.acc.wait_for_everyone()
         state = self.out / "state" / "trainer.json"
         if not state.is_file():
             return False
@@ -181,7 +200,18 @@ class Trainer:
                                      "resume with the same --model")
         self.acc.load_state(str(self.out / "state"))
         self.step = saved["step"]
+        if self.acc.is_main_process:
+            self.trim_log()
         return True
+
+    def trim_log(self) -> None:
+        """Drop the log rows of steps after the resumed one (the killed run's, which this run logs again) and a
+        torn last line."""
+        log = self.out / "log.jsonl"
+        lines = read_lines(log)
+        keep = [line for line in lines if json.loads(line).get("step", 0) <= self.step]
+        if keep != lines:
+            write_text(log, b"".join(keep).decode("utf-8"))
 
     # --- the loop ------------------------------------------------------------------------------------
 
@@ -276,7 +306,7 @@ class Trainer:
         model = self.acc.unwrap_model(self.model)
         digest = {name: fingerprint(getattr(model, name), samples_per_tensor=1 << 30) for name in NEW_MODULES}
         row = {"process": self.acc.process_index, "seen": self.seen, "weights": digest}
-        (self.out / f"process-{self.acc.process_index}.json").write_text(json.dumps(row))
+        write_text(self.out / f"process-{self.acc.process_index}.json", json.dumps(row))
 
     def evaluate(self) -> dict[str, float]:
         self.model.eval()

@@ -17,6 +17,7 @@ from hamburger.errors import HamburgerError
 from hamburger.model.base import fingerprint
 from hamburger.model.merger import WEIGHTS, KVMerger, Layout, forward_layout
 from hamburger.training.args import MergerArgs
+from hamburger.training.atomic import replace_dir, settle_dir, staging, write_text
 from hamburger.training.examples import read_examples, split_eval
 from hamburger.training.tracking import Tracker
 
@@ -135,16 +136,24 @@ class MergerTrainer:
         return loss.item()
 
     def save(self) -> None:
-        state = self.out / "state"
-        state.mkdir(parents=True, exist_ok=True)
-        self.merger.save(self.out / WEIGHTS, base=str(getattr(self.base.config, "hamburger_ref", "")),
+        """The merger's weights (through a temporary file) and state/ (written whole beside itself and swapped in,
+        `training.atomic`): a kill leaves the last complete ones."""
+        state, weights = self.out / "state", self.out / WEIGHTS
+        settle_dir(state)
+        new = staging(state)
+        new.mkdir(parents=True)
+        tmp = weights.with_name(weights.name + ".tmp")
+        self.merger.save(tmp, base=str(getattr(self.base.config, "hamburger_ref", "")),
                          base_fingerprint=self.fingerprint)
+        tmp.replace(weights)
         torch.save({"merger": self.merger.state_dict(), "optimizer": self.opt.state_dict(),
-                    "scheduler": self.sched.state_dict(), "rng": self.gen.get_state()}, state / "state.pt")
-        (state / "trainer.json").write_text(json.dumps({"step": self.step, "args": asdict(self.args)}))
+                    "scheduler": self.sched.state_dict(), "rng": self.gen.get_state()}, new / "state.pt")
+        write_text(new / "trainer.json", json.dumps({"step": self.step, "args": asdict(self.args)}))
+        replace_dir(state)
 
     def resume(self) -> bool:
         state = self.out / "state"
+        settle_dir(state)  # a kill between a swap's renames: finish it
         if not (state / "trainer.json").is_file():
             return False
         saved = torch.load(state / "state.pt", weights_only=True)
