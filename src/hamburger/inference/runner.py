@@ -125,6 +125,38 @@ class ModelRunner:
 
     # --- the two networks ------------------------------------------------------------------------------
 
+    def prefill(self, prompts: list[list[int]], cache: KVCache, rows: torch.Tensor) -> torch.Tensor:
+        """The prompts, unmerged and right-padded, in one pass at positions 0..P-1, their entries written into
+        slots 0..P-1 of the cache's `rows` (m,). Causal attention keeps each prompt's real positions from seeing
+        its padding, and the padding's entries lie past the row's cache length, where the next step overwrites
+        them and no mask reaches. Returns each prompt's states at its last token, (m, 1 + features, d)."""
+        dev, lens = self.device, [len(p) for p in prompts]
+        m, width = len(prompts), max(lens)
+        ids = torch.zeros(m, width, dtype=torch.long, device=dev)
+        for i, prompt in enumerate(prompts):
+            ids[i, : lens[i]] = torch.tensor(prompt, dtype=torch.long)
+        positions = torch.arange(width, device=dev)[None].expand(m, -1)
+        mask = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None, None]
+        c = cache
+        scratch = KVCache(c.k.shape[0], m, c.k.shape[2], width, c.k.shape[4], c.k.dtype, dev)
+        states = self.base_pass(self.model.embed(ids), positions, scratch, 0, mask, last=False)
+        c.k[:, rows, :, :width], c.v[:, rows, :, :width] = scratch.k, scratch.v
+        at = torch.tensor(lens, device=dev) - 1
+        return torch.stack([s[torch.arange(m, device=dev), at] for s in states], 1)
+
+    def trust_pass(self, step_tok: torch.Tensor, step_len: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                   slots: torch.Tensor) -> torch.Tensor:
+        """Each row's last step (`step_tok` (n, K), `step_len` (n,) of them) smashed into one entry at its own slot
+        `slots` (n,) and RoPE position `positions` (n,) (a slice where every row is at one slot, as at batch 1):
+        the states after it, (n, 1 + features, d)."""
+        n, step_len = step_tok.shape[0], step_len.clamp(min=1)
+        embeds = self.model.smash(step_tok, step_len)[:, None]
+        end = int(slots.max()) + 1
+        mask = (torch.arange(end, device=slots.device)[None] <= slots[:, None])[:, None, None]
+        same = n == 1 or bool((slots == slots[0]).all())
+        where = int(slots[0]) if same else RowSlots(slots[:, None], end)
+        return torch.stack(self.base_pass(embeds, positions[:, None], cache, where, mask, (step_len > 1)[:, None]), 1)
+
     def base_pass(self, embeds, positions, cache: KVCache, start: int | RowSlots, mask, merged=None,
               last: bool = True) -> list[torch.Tensor]:
         """Base pass over (B, T, d) at cache slots start.. -> [final normed state, feature_1 .. feature_m] at the

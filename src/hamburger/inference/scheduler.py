@@ -28,6 +28,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from hamburger.errors import HamburgerError
+from hamburger.inference import verify
 from hamburger.inference.admission import (
     PREFILL_TOKENS,
     EntriesEstimate,
@@ -36,9 +37,8 @@ from hamburger.inference.admission import (
     prefill_groups,
     take_shortest,
 )
-from hamburger.inference import verify
 from hamburger.inference.core import Limits, RowPicker, macro_step, micro_context
-from hamburger.inference.kv import CacheView, KVCache, RowSlots
+from hamburger.inference.kv import CacheView
 from hamburger.inference.lookup import NgramIndex
 from hamburger.inference.modes import TRUST, Mode, parse_mode, resolve_mode
 from hamburger.inference.proposers import Drafter, drafts_wanted, proposer_for
@@ -245,22 +245,12 @@ class Scheduler:
                 req.stats.row_forwards += 1
 
     def _feed_trust(self, n: int) -> None:
-        """Trust rows only: each row's last step smashed into one entry at its own slot (a slice where every row
-        is at one length, as at batch 1)."""
+        """Trust rows only: each row's last step smashed into one entry at its own slot (`ModelRunner.trust_pass`)."""
         b = self.batch
-        live = b.live[:n]
-        step_len = b.step_len[:n].clamp(min=1)
-        embeds = self.model.smash(b.step_tok[:n, : self.k], step_len)[:, None]
-        positions = (b.prompt_len[:n] + b.gen_len[:n] - 1).clamp(min=0)[:, None]
-        slots = torch.where(live, b.cache_len[:n], 0)
-        end = int(slots.max()) + 1
-        mask = (torch.arange(end, device=slots.device)[None] <= slots[:, None])[:, None, None]
-        same = n == 1 or bool((slots == slots[0]).all())
-        where = int(slots[0]) if same else RowSlots(slots[:, None], end)
-        states = self.runner.base_pass(embeds, positions, CacheView(b.cache, slice(0, n)), where, mask,
-                                       (step_len > 1)[:, None])
-        b.states[:n] = torch.stack(states, 1)
-        b.cache_len[:n] += live.long()
+        positions = (b.prompt_len[:n] + b.gen_len[:n] - 1).clamp(min=0)
+        b.states[:n] = self.runner.trust_pass(b.step_tok[:n, : self.k], b.step_len[:n], positions,
+                                              CacheView(b.cache, slice(0, n)), torch.where(b.live[:n], b.cache_len[:n], 0))
+        b.cache_len[:n] += b.live[:n].long()
 
     def _base_lora(self, reqs: list[Request | None]) -> AbstractContextManager[None]:
         """The base's LoRA (a checkpoint trained with `--base-training lora`) on for the trust rows `reqs` of a pass
@@ -295,26 +285,14 @@ class Scheduler:
 
     def _prefill(self, reqs: list[Request], rows: list[int]) -> None:
         """The prompts, unmerged and right-padded, in one pass at positions 0..P-1 into slots 0..P-1 of their
-        rows. Causal attention keeps each prompt's real positions from seeing its padding, and the padding's
-        entries lie past the row's cache length, where the next step overwrites them and no mask reaches."""
+        rows (`ModelRunner.prefill`), then the rows start their requests."""
         b = self.batch
         dev, start = b.states.device, time.perf_counter()
-        lens = [len(r.prompt) for r in reqs]
-        m, width = len(reqs), max(lens)
-        ids = torch.zeros(m, width, dtype=torch.long, device=dev)
-        for i, req in enumerate(reqs):
-            ids[i, : lens[i]] = torch.tensor(req.prompt, dtype=torch.long)
-        positions = torch.arange(width, device=dev)[None].expand(m, -1)
-        mask = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None, None]
-        c = b.cache
-        scratch = KVCache(c.k.shape[0], m, c.k.shape[2], width, c.k.shape[4], c.k.dtype, dev)
+        rows_t = torch.tensor(rows, device=dev)
         with self._base_lora(reqs):
-            states = self.runner.base_pass(self.model.embed(ids), positions, scratch, 0, mask, last=False)
+            b.states[rows_t] = self.runner.prefill([r.prompt for r in reqs], b.cache, rows_t)
         self.passes += 1
-        at, rows_t = torch.tensor(lens, device=dev) - 1, torch.tensor(rows, device=dev)
-        c.k[:, rows_t, :, :width], c.v[:, rows_t, :, :width] = scratch.k, scratch.v
-        b.states[rows_t] = torch.stack([s[torch.arange(m, device=dev), at] for s in states], 1)
-        for req, row, p in zip(reqs, rows, lens):
+        for req, row, p in zip(reqs, rows, [len(r.prompt) for r in reqs]):
             b.add(req, row, p)
             req.started = start
             req.stats = GenerationStats(sequences=1, prompt_tokens=p, base_forwards=1, row_forwards=1,
