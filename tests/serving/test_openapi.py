@@ -1,53 +1,35 @@
 """The OpenAPI schema at /openapi.json: it documents both completion endpoints' request bodies (the very models their
 handlers parse with) and answers, and a schema-driven fuzz holds the server to it.
 
-The fuzz draws request bodies from the documented request schemas (`from_schema`), then often spoils them
-(a value of any JSON type, a huge or odd-unicode string, an extra or refused field, a field removed, the JSON cut
-short) and sends them in process to the tiny random model. Each answer must be no 5xx, and either a response that
-its documented model accepts or a documented error object; a body the schema rejects must be refused, and one it
-accepts may only fail on what a schema cannot know (the context, the chat template, the vocabulary, the model
-name, a mode the model lacks).
+The fuzz draws request bodies from the documented request schemas, then often spoils them (a value of any JSON type,
+a huge or odd-unicode string, an extra or refused field, a field removed, the JSON cut short) and sends them in
+process to the tiny random model. Each answer must be no 5xx, and either a response that its documented model
+accepts or a documented error object; a body the schema rejects must be refused, and one it accepts may only fail
+on what a schema cannot know (the context, the chat template, the vocabulary, the model name, a mode the model
+lacks). The generator and the checks are in schema_strategies.py, shared with benchmarks/fuzz_server.py (the long
+fuzz of `hamburger serve` on the embedded default).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections import Counter
+from pathlib import Path
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from jsonschema import Draft202012Validator, validators
-from referencing import Registry, Resource
-from referencing.jsonschema import DRAFT202012
-from test_server import CONFIDENCE, KEY, messages
+from schema_strategies import ENDPOINTS, answer_problem, cases, checkers, refusal_problem, request_schemas
+from test_server import CONFIDENCE, KEY, messages, slow_steps
 
 import hamburger.serving.server as server_module
 from conftest import hamburger
-from hamburger.serving.openai_api import (
-    ERRORS,
-    REF,
-    UNSUPPORTED,
-    ChatCompletion,
-    ChatCompletionChunk,
-    ChatRequest,
-    CompletionRequest,
-    ErrorResponse,
-    TextCompletion,
-    TextCompletionChunk,
-)
-from hamburger.serving.server import Service, create_app
+from hamburger.serving.openai_api import ERRORS, REF, ChatRequest, ErrorResponse
+from hamburger.serving.server import BackgroundServer, Service, create_app
 
-# path: (the model its handler parses the body with, its answer, its stream's events)
-ENDPOINTS = {"/v1/chat/completions": (ChatRequest, ChatCompletion, ChatCompletionChunk),
-             "/v1/completions": (CompletionRequest, TextCompletion, TextCompletionChunk)}
-# What a body the schema accepts may still be refused for (the field named by the error's param): the context, the
-# chat template, the vocabulary (messages, prompt, max_tokens), an unknown model, compress without a KV merger.
-BEYOND_THE_SCHEMA = {"messages", "prompt", "max_tokens", "model", "mode"}
-# The checker's "integer" is a JSON integer: strict, the server refuses 5.0 where JSON Schema would take it.
-_Checker = validators.extend(Draft202012Validator, type_checker=Draft202012Validator.TYPE_CHECKER.redefine(
-    "integer", lambda _, value: isinstance(value, int) and not isinstance(value, bool)))
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +46,9 @@ def doc(client) -> dict:
 
 
 @pytest.fixture(scope="module")
-def check(doc) -> dict[str, Draft202012Validator]:
+def check(doc) -> dict:
     """A validator per component of the OpenAPI document, by name, its references resolved within the document."""
-    registry = Registry().with_resource("urn:openapi", Resource(contents=doc, specification=DRAFT202012))
-    return {name: _Checker({"$ref": f"urn:openapi#/components/schemas/{name}"}, registry=registry)
-            for name in doc["components"]["schemas"]}
+    return checkers(doc)
 
 
 def ref(model: type) -> dict:
@@ -110,142 +90,8 @@ def test_the_handlers_parse_with_the_documented_models(client, doc, monkeypatch)
         assert parsed.pop() is schema and documented == REF.format(model=schema.__name__)
 
 
-def first_error(validator: Draft202012Validator, value) -> str | None:
-    return next((error.message[:300] for error in validator.iter_errors(value)), None)
-
-
-def answer_problem(doc: dict, check: dict, path: str, resp, stream: bool) -> str | None:
-    """What is wrong with an answer: a 5xx, an undocumented status or body, a stream that is not chunks then
-    [DONE]; None when nothing is."""
-    _, reply, chunk = ENDPOINTS[path]
-    if resp.status_code >= 500 or str(resp.status_code) not in doc["paths"][path]["post"]["responses"]:
-        return f"status {resp.status_code}: {resp.text[:300]}"
-    if resp.status_code != 200:
-        return first_error(check["ErrorResponse"], resp.json())
-    if not stream:
-        reply.model_validate(resp.json())
-        return first_error(check[reply.__name__], resp.json())
-    events = [e.removeprefix("data: ") for e in resp.text.split("\n\n") if e]
-    if events[-1] != "[DONE]":
-        return f"the stream ends with {events[-1][:200]}"
-    for event in events[:-1]:
-        chunk.model_validate_json(event)  # an error object mid-stream fails here: the stream's 5xx
-        if error := first_error(check[chunk.__name__], json.loads(event)):
-            return f"event {event[:200]}: {error}"
-    return None
-
-
-def refusal_problem(check: dict, path: str, raw: bytes, resp) -> str | None:
-    """What is wrong with the status given the schema's verdict on the body; None when nothing is."""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        body = None
-    if not isinstance(body, dict):
-        return None if resp.status_code == 400 else f"a body that is no JSON object got {resp.status_code}"
-    refused = first_error(check[ENDPOINTS[path][0].__name__], body)
-    if refused is not None and resp.status_code not in (400, 404):
-        return f"the schema refuses it ({refused}) but the server answered {resp.status_code}"
-    if refused is None and resp.status_code != 200 and resp.json()["error"]["param"] not in BEYOND_THE_SCHEMA:
-        return f"the schema accepts it but the server refused it: {resp.text[:300]}"
-    return None
-
-
-JSON = st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-                    | st.text(max_size=20), lambda inner: st.lists(inner, max_size=3)
-                    | st.dictionaries(st.text(max_size=8), inner, max_size=3), max_leaves=6)
-ODD = st.text(st.characters(codec="utf-8"), min_size=1, max_size=30) | st.sampled_from(
-    ["\u202e\u0000\ufeff", "w1\u0301\u200d w2", "\U0001f354" * 50, "<|im_start|>user\nw1<|im_end|>", "\\u0000"])
-HUGE = st.sampled_from(["w3 ", "x", "\U0001f600", "é "]).map(lambda s: s * 30_000)
-
-
-def from_schema(schema: dict, components: dict) -> st.SearchStrategy:
-    """Values that `schema` allows, for the keywords the documented schemas use; `components` resolves references.
-    (hypothesis-jsonschema does this in full, but no longer runs with current hypothesis.)"""
-    if "$ref" in schema:
-        return st.deferred(lambda: from_schema(components[schema["$ref"].rsplit("/", 1)[1]], components))
-    if "anyOf" in schema:  # the keywords beside anyOf (a minimum, say) hold for each of its schemas
-        outer = {k: v for k, v in schema.items() if k != "anyOf"}
-        return st.one_of([from_schema({**outer, **arm}, components) for arm in schema["anyOf"]])
-    if "enum" in schema or "const" in schema:
-        return st.sampled_from(schema["enum"]) if "enum" in schema else st.just(schema["const"])
-    kind = schema["type"]
-    if kind in ("null", "boolean", "string"):
-        return {"null": st.none(), "boolean": st.booleans(),
-                "string": st.text(min_size=schema.get("minLength", 0), max_size=12)}[kind]
-    if kind == "integer":
-        return st.integers(schema.get("minimum"), schema.get("maximum"))
-    if kind == "number":
-        low = schema.get("exclusiveMinimum", schema.get("minimum"))
-        return st.floats(low, schema.get("maximum"), exclude_min="exclusiveMinimum" in schema, allow_nan=False,
-                         allow_infinity=False)
-    if kind == "array":
-        return st.lists(from_schema(schema["items"], components), min_size=schema.get("minItems", 0),
-                        max_size=min(schema.get("maxItems", 3), 3))
-    return _object(schema, components)
-
-
-def _object(schema: dict, components: dict) -> st.SearchStrategy:
-    """Its required properties, some of the others, and perhaps an unknown one where the schema allows those."""
-    props = {name: from_schema(sub, components) for name, sub in schema.get("properties", {}).items()}
-    required = set(schema.get("required", ()))
-    known = st.fixed_dictionaries({k: v for k, v in props.items() if k in required},
-                                  optional={k: v for k, v in props.items() if k not in required})
-    if schema.get("additionalProperties") is not True:
-        return known
-    unknown = st.dictionaries(st.text(max_size=8).filter(lambda k: k not in props), JSON, max_size=1)
-    return st.tuples(known, unknown).map(lambda pair: {**pair[1], **pair[0]})
-
-
-STRINGS = {"/v1/chat/completions": ["model", "stop", "mode"], "/v1/completions": ["model", "stop", "prompt"],
-           "message": ["content", "role", "name"]}  # where a huge or odd string goes
-
-
-@st.composite
-def spoilt(draw, body: dict, path: str) -> dict:
-    """`body` as drawn, or with one thing changed: a value of any type, a huge or odd string, an extra or refused
-    field, a field removed; in a message, or in the body."""
-    in_message = "messages" in body and draw(st.booleans())
-    target = body["messages"][0] if in_message else body
-    how = draw(st.sampled_from(["none", "none", "value", "huge", "odd", "extra", "refused", "remove"]))
-    if how == "value":
-        target[draw(st.sampled_from(sorted(target)))] = draw(JSON)
-    elif how in ("huge", "odd"):
-        key = draw(st.sampled_from(STRINGS["message" if in_message else path]))
-        target[key] = draw(HUGE if how == "huge" else ODD)
-    elif how == "extra":
-        target[draw(st.text(min_size=1, max_size=12))] = draw(JSON)
-    elif how == "refused":
-        target[draw(st.sampled_from(sorted(UNSUPPORTED)))] = draw(JSON)
-    elif how == "remove":
-        target.pop(draw(st.sampled_from(sorted(target))))
-    return body
-
-
-@st.composite
-def cases(draw, schemas: dict) -> tuple[str, bytes, bool]:
-    """(path, raw body, stream): a body the schema allows, its model mostly the served one and its max_tokens
-    small, then perhaps spoilt; sometimes cut short, or a JSON value that is no object."""
-    path = draw(st.sampled_from(sorted(ENDPOINTS)))
-    body = draw(schemas[path])
-    body["model"] = draw(st.sampled_from(["tiny", "tiny", "tiny", "default", body["model"]]))
-    for limit in ("max_tokens", "max_completion_tokens"):
-        if limit in body and (body[limit] is None or body[limit] > 6):
-            body[limit] = draw(st.integers(1, 6))
-    body.setdefault("max_tokens", draw(st.integers(1, 6)))
-    body = draw(spoilt(body, path))
-    raw = json.dumps(body, ensure_ascii=draw(st.booleans())).encode()
-    shape = draw(st.sampled_from(["object"] * 18 + ["cut short", "no object"]))
-    if shape == "cut short":
-        return path, raw[: draw(st.integers(0, len(raw) - 1))], False
-    if shape == "no object":
-        return path, json.dumps(draw(JSON.filter(lambda v: not isinstance(v, dict)))).encode(), False
-    return path, raw, body.get("stream") is True
-
-
 def test_fuzz_from_the_schema_no_5xx_and_every_answer_documented(client, doc, check):
-    components = doc["components"]["schemas"]
-    schemas = {path: from_schema(ref(schema), components) for path, (schema, _, _) in ENDPOINTS.items()}
+    schemas = request_schemas(doc)
     seen = Counter()
 
     @settings(max_examples=300, derandomize=True, database=None, deadline=None,
@@ -274,3 +120,40 @@ def test_errors_of_each_kind_are_documented_error_objects(client, check):
     assert [a.status_code for a in answers] == [401, 404, 400, 400]
     for answer in answers:
         assert check["ErrorResponse"].is_valid(answer.json()), answer.text
+
+
+def test_a_full_queue_answers_429_with_retry_after(monkeypatch):
+    """One row, one place in the queue: a third request is refused with 429 queue_full and a Retry-After header (in
+    seconds, as the OpenAPI document says), so that clients' retries wait; the first two are served."""
+    service = Service(hamburger("llama", k=4), "tiny", max_batch_size=1, max_queue=1, max_len=64,
+                      default_confidence=CONFIDENCE)
+    slow_steps(monkeypatch, service.scheduler)
+    body = {"model": "tiny", "messages": messages(1), "max_tokens": 30, "stream": True, "ignore_eos": True}
+    with BackgroundServer(service) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
+        with client.stream("POST", "/v1/chat/completions", json=body) as running:
+            next(running.iter_lines())  # it holds the row
+            with client.stream("POST", "/v1/chat/completions", json=body) as waiting:
+                assert waiting.status_code == 200 and service.scheduler.waiting == 1
+                refused = client.post("/v1/chat/completions", json={**body, "stream": False})
+                assert refused.status_code == 429 and refused.json()["error"]["code"] == "queue_full"
+                assert int(refused.headers["Retry-After"]) >= 1
+                assert [line for line in waiting.iter_lines() if line][-1] == "data: [DONE]"
+        doc = client.get("/openapi.json").json()
+    assert "Retry-After" in doc["paths"]["/v1/chat/completions"]["post"]["responses"]["429"]["headers"]
+
+
+def test_the_long_fuzz_draws_every_endpoint_with_small_limits(doc):
+    """benchmarks/fuzz_server.py (the long fuzz of `hamburger serve`, sharing schema_strategies.py with this file):
+    its cases reach every documented path, GETs and wrong methods included, about a third of them stream, and no
+    body the server could take asks for more than its max_tokens (so thousands of requests decode little)."""
+    spec = importlib.util.spec_from_file_location("fuzz_server", ROOT / "benchmarks" / "fuzz_server.py")
+    fuzz = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fuzz)
+    todo = fuzz.all_cases(doc, 300, 1, 8)
+    assert len(todo) == 300 and {path.split("?")[0] for _, path, _, _ in todo} >= set(doc["paths"])
+    assert {method for method, *_ in todo} >= {"GET", "POST", "DELETE"}
+    bodies = [json.loads(raw) for method, _, raw, _ in todo if method == "POST" and raw.startswith(b"{")
+              and raw.endswith(b"}")]
+    limits = [b.get(k) for b in bodies if isinstance(b, dict) for k in ("max_tokens", "max_completion_tokens")]
+    assert all(not isinstance(n, int) or isinstance(n, bool) or n <= 8 or n >= 1_000_000 for n in limits)
+    assert 0.2 < sum(stream for *_, stream in todo) / len(todo) < 0.6

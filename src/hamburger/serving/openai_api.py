@@ -22,9 +22,14 @@ REF = "#/components/schemas/{model}"  # where the OpenAPI document keeps the mod
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+                 kind: str = "invalid_request_error", retry_after: int | None = None) -> None:
+        """`retry_after`: seconds, sent as the answer's Retry-After header (a 429), which clients' retries honour."""
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.retry_after = retry_after
+
+    def headers(self) -> dict[str, str] | None:
+        return None if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -37,7 +42,8 @@ ERRORS = {
          "the context (code context_length_exceeded)",
     401: "a missing or wrong API key, when the server has one (code invalid_api_key)",
     404: "an unknown model (code model_not_found)",
-    429: "too many requests waiting for a batch row (code queue_full); retry later",
+    429: "too many requests waiting for a batch row (code queue_full); retry after the seconds of its Retry-After "
+         "header",
     500: "the model failed on this request's batch, or another fault of the server; see the server log",
 }
 

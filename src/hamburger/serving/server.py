@@ -229,6 +229,8 @@ def _documented(schema: type, reply: type, chunk: type) -> dict:
           "content": {"application/json": {"schema": ref(reply)}, "text/event-stream": {"schema": events}}}
     errors = {status: {"description": why, "content": {"application/json": {"schema": ref(ErrorResponse)}}}
               for status, why in ERRORS.items()}
+    errors[429]["headers"] = {"Retry-After": {"description": "seconds to wait before retrying",
+                                              "schema": {"type": "integer"}}}
     body = {"required": True, "content": {"application/json": {"schema": ref(schema)}}}
     return {"responses": {200: ok, **errors}, "openapi_extra": {"requestBody": body}}
 
@@ -238,7 +240,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -32,6 +32,9 @@ from hamburger.serving.openai_api import (
 from hamburger.serving.prometheus import ServerMetrics
 
 T = TypeVar("T")
+# Seconds a refused client is told to wait (429's Retry-After): about the time a full batch frees a row on a CPU. The
+# OpenAI clients' retries wait that long instead of their own short backoff (soak: benchmarks/soak.py).
+RETRY_AFTER = 1
 
 
 class Handle:
@@ -171,7 +174,7 @@ class Service:
         limit = check_limits(len(prompt), body.limit(), sched.max_len, param, sched.token_room(len(prompt), mode), mode)
         if self.scheduler.waiting >= self.max_queue:
             raise ApiError(429, f"the server is busy ({self.max_queue} requests waiting); retry later",
-                           kind="rate_limit_error", code="queue_full")
+                           kind="rate_limit_error", code="queue_full", retry_after=RETRY_AFTER)
         sampling = SamplingParams(body.temperature or 0.0, 1.0 if body.top_p is None else body.top_p, 0, body.seed)
         arrival = time.perf_counter()
         try:  # the admission estimate may have moved since `limit` was checked (a reply finished meanwhile)
