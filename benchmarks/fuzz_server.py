@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.terminate()
         exit_code = server.wait()
+    others = server.other_lines()
+    print(f"server log lines other than the start line: {len(others)}", *sorted(set(others))[:10], sep="\n  ")
     return report(args, seen, problems, seconds, generated, startup, (status, after), server.tracebacks(), exit_code)
 
 

@@ -8,6 +8,7 @@ SIGTERM to end it, as an operator would.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from pathlib import Path
 import httpx
 
 TRACEBACK_MARKS = ("Traceback (most recent call last)", "Exception in ASGI application")
+ACCESS_LINE = re.compile(r"^[A-Z]+ /\S* \d{3}( \d+ tokens)? \d+\.\d+ s$")  # `AccessLog`'s line per request
 
 
 def free_port() -> int:
@@ -74,6 +76,11 @@ class ServerProcess:
         """Tracebacks and ASGI exceptions in its log so far."""
         text = self.log_text()
         return sum(text.count(mark) for mark in TRACEBACK_MARKS)
+
+    def other_lines(self) -> list[str]:
+        """Its log's lines other than the start line and the access log's: warnings, errors, tracebacks."""
+        return [line for line in self.log_text().splitlines()
+                if line.strip() and not ACCESS_LINE.match(line) and not line.startswith("hamburger: serving ")]
 
     def terminate(self) -> None:
         """SIGTERM: uvicorn stops taking connections and lets requests in flight finish (--shutdown-timeout)."""

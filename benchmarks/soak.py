@@ -316,6 +316,7 @@ def report(args, server: ServerProcess, startup: float, warm: Tally, tally: Tall
         "rss_start_mb": round(rss_start / 2**20, 1), "rss_end_mb": round(shutdown["rss_end"] / 2**20, 1),
         "rss_peak_mb": round(max((b for _, b in tally.rss), default=0) / 2**20, 1),
         "rss_growth_pct": None if growth is None else round(growth, 2), "tracebacks": server.tracebacks(),
+        "other_log_lines": len(server.other_lines()), "other_log_examples": sorted(set(server.other_lines()))[:10],
         "shutdown": shutdown, "per_minute": per_minute(tally, args.minutes)}
     figures["ok"] = (accounted and lost == 0 and not total["outcomes"].get("error") and figures["tracebacks"] == 0
                      and shutdown["exit_code"] == 0 and (growth is None or growth <= 5))
@@ -328,7 +329,8 @@ def report(args, server: ServerProcess, startup: float, warm: Tally, tally: Tall
     print(f"TTFT at concurrency {args.concurrency} p50 {total['ttft_p50_s']} s, p99 {total['ttft_p99_s']} s; latency "
           f"p50 {total['latency_p50_s']} s, p99 {total['latency_p99_s']} s; {total['tokens']} tokens served")
     print(f"RSS start {figures['rss_start_mb']} MB, end {figures['rss_end_mb']} MB (growth {figures['rss_growth_pct']} "
-          f"%), peak {figures['rss_peak_mb']} MB; tracebacks {figures['tracebacks']}")
+          f"%), peak {figures['rss_peak_mb']} MB; tracebacks {figures['tracebacks']}; other server log lines "
+          f"{figures['other_log_lines']} {figures['other_log_examples'][:3]}")
     print(f"SIGTERM at {shutdown['at_s']} s with {shutdown['in_flight_at_sigterm']} in flight: "
           f"{shutdown['their_outcomes']}; exit code {shutdown['exit_code']} after {shutdown['drained_in_s']} s")
     print("all checks passed" if figures["ok"] else "SOME CHECK FAILED")
@@ -346,13 +348,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burst-every", type=float, default=60, help="seconds between bursts")
     p.add_argument("--disconnect", type=float, default=0.1, help="share of streams left after 1-3 chunks")
     p.add_argument("--exhaust", type=float, default=0.05, help="share of requests that fill their row (ignore_eos)")
+    p.add_argument("--shutdown-timeout", type=float, default=60, help="the server's --shutdown-timeout: 32 clients "
+                   "on 8 rows of a 2-core CPU take about 20 s to drain, close to its default 30")
     p.add_argument("--timeout", type=float, default=300, help="seconds a request may take before it counts as lost")
     p.add_argument("--seed", type=int, default=53)
     p.add_argument("--model", default="default")
     p.add_argument("--log", type=Path, default=ROOT / "runs" / "soak-server.log", help="the server's stderr")
     p.add_argument("--json", type=Path, default=None, help="write the figures here (results/...)")
     args = p.parse_args(argv)
-    server = ServerProcess(args.model, ["--max-queue", str(args.max_queue), "--max-len", str(args.max_len)], args.log)
+    flags = ["--max-queue", str(args.max_queue), "--max-len", str(args.max_len), "--shutdown-timeout",
+             str(args.shutdown_timeout)]
+    server = ServerProcess(args.model, flags, args.log)
     startup = server.start()
     try:
         warm, tally, shutdown = asyncio.run(run_load(server, args))
