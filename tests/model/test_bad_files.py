@@ -98,3 +98,18 @@ def test_a_merger_file_that_is_not_a_merger(tmp_path, checkpoint, capsys, name):
     ck = damaged_copy(tmp_path, checkpoint)
     save_file({"x": torch.zeros(2)}, str(ck / name))
     assert "not a KV merger" in one_line_error(capsys, ["info", "--model", str(ck)])
+
+
+def test_two_processes_converting_the_default_at_once_keep_one_whole_copy(tmp_path, recwarn):
+    """The converted default is written in a folder of its own and renamed into place: the second of two
+    conversions into one place finds the first's copy there and drops its own, without a warning or a leftover."""
+    from conftest import tiny_base, tiny_tokenizer
+    from hamburger.model.base import _convert_default
+
+    target = tmp_path / "cache" / "default-converted"
+    for _ in range(2):
+        model = tiny_base("llama")
+        model.config.quantization_config = None  # as a GGUF-loaded model has one
+        _convert_default(target, model, tiny_tokenizer())
+    assert (target / "config.json").is_file() and not [w for w in recwarn if "could not cache" in str(w.message)]
+    assert [p.name for p in target.parent.iterdir()] == ["default-converted"]  # no half-written folder left

@@ -61,7 +61,8 @@ def _default_cache_path() -> Path | None:
 
 def _convert_default(target: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
     """Save the dequantised GGUF as a plain float32 folder: parsing the GGUF is slow, this folder loads fast
-    (benchmarks/startup.py)."""
+    (benchmarks/startup.py). Written in a folder of its own, then renamed into place: a reader never sees half of
+    it, and of two processes converting at once the first rename wins (the other's copy, the same, is dropped)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".converting-", dir=target.parent))
     try:
@@ -71,7 +72,8 @@ def _convert_default(target: Path, model: PreTrainedModel, tokenizer: PreTrained
         tokenizer.save_pretrained(tmp)
         os.replace(tmp, target)
     except OSError as exc:
-        warnings.warn(f"could not cache the converted default model in {target}: {exc}", stacklevel=3)
+        if not (target / "config.json").is_file():  # else another process's conversion is in place: nothing lost
+            warnings.warn(f"could not cache the converted default model in {target}: {exc}", stacklevel=3)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
