@@ -88,13 +88,14 @@ class FastUsable:
         self.owners = [o for f in layers for o in f._owners]
         self.names = [n for f in layers for n in f._names]
         self.held = [m for f in layers for m in f._held]
+        # the modules' hook dicts themselves (a hook is registered into them in place): `any` of them is one C loop
+        self.hooks = [d for m in self.watched for d in _HOOKS(m)]
 
     def __call__(self) -> bool:
         hooks = torch.nn.modules.module
         if hooks._global_forward_hooks or hooks._global_forward_pre_hooks:
             return False
-        return (not any(map(any, map(_HOOKS, self.watched)))
-                and all(map(operator.is_, map(dict.get, self.owners, self.names), self.held)))
+        return not any(self.hooks) and list(map(dict.get, self.owners, self.names)) == self.held  # modules in place
 
 
 def rope_tables(rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
