@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from schema_strategies import ENDPOINTS, answer_problem, cases, checkers, refusal_problem, request_schemas
-from test_server import CONFIDENCE, KEY, messages, slow_steps
+from test_server import CONFIDENCE, KEY, messages
 
 import hamburger.serving.server as server_module
 from conftest import hamburger
@@ -70,12 +71,24 @@ def test_openapi_documents_both_request_bodies_and_their_answers(doc):
             expected = model.model_json_schema(ref_template=REF, mode=mode)
             for name, definition in expected.pop("$defs", {}).items():
                 assert components[name] == definition, name
+            if model is schema:  # a request names one of this server's models (another is a 404)
+                expected["properties"]["model"]["enum"] = ["tiny", "default"]
             assert components[model.__name__] == expected, model.__name__
     props = components["ChatRequest"]["properties"]
     assert props["temperature"]["anyOf"][0] == {"type": "number", "minimum": 0.0, "maximum": 2.0}
     assert props["confidence"]["exclusiveMinimum"] == 0 and props["max_tokens"]["minimum"] == 1
     assert props["n"]["enum"] == [None, 1] and components["Message"]["properties"]["tool_calls"]["enum"] == [None, []]
     assert components["Message"]["required"] == ["role", "content"]
+
+
+def test_a_wrong_method_is_a_405_with_allow_and_metrics_are_documented_as_text(client, doc):
+    """What schemathesis 4.32 flagged: a 405 without the Allow header RFC 9110 asks for, /metrics documented as
+    JSON while it answers Prometheus' text format, an empty prompt refused under max_tokens' name."""
+    answer = client.request("TRACE", "/health")
+    assert answer.status_code == 405 and answer.headers["allow"] == "GET"
+    assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
+    empty = client.post("/v1/completions", json={"model": "tiny", "prompt": "", "max_tokens": 2})
+    assert empty.status_code == 400 and empty.json()["error"]["param"] == "prompt"  # not max_tokens
 
 
 def test_the_handlers_parse_with_the_documented_models(client, doc, monkeypatch):
@@ -127,7 +140,8 @@ def test_a_full_queue_answers_429_with_retry_after(monkeypatch):
     seconds, as the OpenAPI document says), so that clients' retries wait; the first two are served."""
     service = Service(hamburger("llama", k=4), "tiny", max_batch_size=1, max_queue=1, max_len=64,
                       default_confidence=CONFIDENCE)
-    slow_steps(monkeypatch, service.scheduler)
+    step = service.scheduler.step  # 100 ms a step: the first request surely holds its row until the third is refused
+    monkeypatch.setattr(service.scheduler, "step", lambda: time.sleep(0.1) or step())
     body = {"model": "tiny", "messages": messages(1), "max_tokens": 30, "stream": True, "ignore_eos": True}
     with BackgroundServer(service) as srv, httpx.Client(base_url=srv.url, timeout=60) as client:
         with client.stream("POST", "/v1/chat/completions", json=body) as running:

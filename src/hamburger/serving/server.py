@@ -199,18 +199,22 @@ def create_app(service: Service, access_log: bool = False) -> FastAPI:
         app.add_middleware(AccessLog)
     add_error_handlers(app)
     add_routes(app, service)
-    add_schemas(app)
+    add_schemas(app, service.names)
     return app
 
 
-def add_schemas(app: FastAPI) -> None:
+def add_schemas(app: FastAPI, names: list[str]) -> None:
     """/openapi.json with the request and response models among its components, where the completion routes' request
-    bodies and answers refer to them (`_documented`): FastAPI only adds the models of parameters it parses itself."""
+    bodies and answers refer to them (`_documented`): FastAPI only adds the models of parameters it parses itself.
+    A request's `model` is one of this server's `names` (another is a 404), so the schema lists them."""
     generate = app.openapi
 
     def openapi() -> dict:
         if app.openapi_schema is None:
-            generate().setdefault("components", {}).setdefault("schemas", {}).update(schemas())
+            components = schemas()
+            for request in (ChatRequest, CompletionRequest):
+                components[request.__name__]["properties"]["model"]["enum"] = list(names)
+            generate().setdefault("components", {}).setdefault("schemas", {}).update(components)
         return app.openapi_schema
 
     app.openapi = openapi
@@ -244,7 +248,8 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
-        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code)
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail)).body(), status_code=exc.status_code,
+                            headers=exc.headers)  # a 405's Allow
 
     @app.exception_handler(ClientDisconnect)
     async def client_left(request: Request, exc: ClientDisconnect) -> Response:
@@ -275,7 +280,8 @@ def add_routes(app: FastAPI, service: Service) -> None:
     async def page() -> HTMLResponse:
         return HTMLResponse(resources.files("hamburger.serving").joinpath("web/index.html").read_text(encoding="utf-8"))
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse,
+             responses={200: {"description": "Prometheus' text format", "content": {"text/plain": {}}}})
     async def metrics() -> PlainTextResponse:
         return PlainTextResponse(service.metrics.render(), media_type="text/plain; version=0.0.4")
 

@@ -169,6 +169,8 @@ class Service:
         if body.model not in self.names:
             raise ApiError(404, f"the model {body.model!r} does not exist; this server has {self.names}", "model",
                            "model_not_found")
+        if not prompt:  # a prompt of no tokens (an empty string, or one the tokenizer makes nothing of)
+            raise ApiError(400, f"the {param} must have at least one token", param)
         mode, confidence = self.resolve(body.mode, body.confidence)
         sched = self.scheduler
         limit = check_limits(len(prompt), body.limit(), sched.max_len, param, sched.token_room(len(prompt), mode), mode)
