@@ -71,8 +71,9 @@ def test_openapi_documents_both_request_bodies_and_their_answers(doc):
             expected = model.model_json_schema(ref_template=REF, mode=mode)
             for name, definition in expected.pop("$defs", {}).items():
                 assert components[name] == definition, name
-            if model is schema:  # a request names one of this server's models (another is a 404)
+            if model is schema:  # one of this server's models (another is a 404), a mode its model runs (no merger)
                 expected["properties"]["model"]["enum"] = ["tiny", "default"]
+                next(o for o in expected["properties"]["mode"]["anyOf"] if "enum" in o)["enum"] = ["trust", "verify"]
             assert components[model.__name__] == expected, model.__name__
     props = components["ChatRequest"]["properties"]
     assert props["temperature"]["anyOf"][0] == {"type": "number", "minimum": 0.0, "maximum": 2.0}

@@ -199,21 +199,26 @@ def create_app(service: Service, access_log: bool = False) -> FastAPI:
         app.add_middleware(AccessLog)
     add_error_handlers(app)
     add_routes(app, service)
-    add_schemas(app, service.names)
+    add_schemas(app, service.names, service.modes())
     return app
 
 
-def add_schemas(app: FastAPI, names: list[str]) -> None:
+def add_schemas(app: FastAPI, names: list[str], modes: list[str]) -> None:
     """/openapi.json with the request and response models among its components, where the completion routes' request
     bodies and answers refer to them (`_documented`): FastAPI only adds the models of parameters it parses itself.
-    A request's `model` is one of this server's `names` (another is a 404), so the schema lists them."""
+    A request's `model` is one of this server's `names` (another is a 404) and its `mode` one of the `modes` its model
+    runs (another is a 400), so the schema lists them."""
     generate = app.openapi
 
     def openapi() -> dict:
         if app.openapi_schema is None:
             components = schemas()
             for request in (ChatRequest, CompletionRequest):
-                components[request.__name__]["properties"]["model"]["enum"] = list(names)
+                props = components[request.__name__]["properties"]
+                props["model"]["enum"] = list(names)
+                for option in props["mode"]["anyOf"]:
+                    if "enum" in option:
+                        option["enum"] = [m for m in option["enum"] if m in modes]
             generate().setdefault("components", {}).setdefault("schemas", {}).update(components)
         return app.openapi_schema
 

@@ -189,6 +189,17 @@ class Service:
         self.wake.set()
         return Handle(self, rid, queue, arrival)
 
+    def modes(self) -> list[str]:
+        """The modes this server's model runs (compress mode needs a KV merger in the checkpoint)."""
+        runs = []
+        for name in BY_NAME:
+            try:
+                self.resolve(name, None)
+                runs.append(name)
+            except ApiError:
+                pass
+        return runs
+
     def resolve(self, mode: str | None, confidence: float | None) -> tuple[Mode, float]:
         """A request's mode and confidence by the one rule (`engine.resolve_mode`), with this server's defaults (its
         mode, and its confidence for the unchecked mode, trust); a problem becomes a 400 naming the field at fault."""
