@@ -280,20 +280,32 @@ class ChatChoice(_Shape):
     finish_reason: Finish
 
 
-class ChatCompletion(_Shape):
-    id: str
-    object: Literal["chat.completion"]
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-
-
 class StepInfo(_Shape):
     """Non-standard, ignored by OpenAI's clients: the macro-step of a streamed chunk."""
 
     tokens: int = Field(description="the step's tokens")
     prompt_tokens: int
+
+
+class _Reply(_Shape):
+    """What every answer of the completion endpoints carries, whole or streamed."""
+
+    id: str
+    created: int
+    model: str
+
+
+class _Chunk(_Reply):
+    """What every server-sent event of a stream carries besides its choices."""
+
+    usage: Usage | None = Field(None, description="in the last chunk only, with stream_options.include_usage")
+    hamburger: StepInfo | None = Field(None, description="in each step's chunk")
+
+
+class ChatCompletion(_Reply):
+    object: Literal["chat.completion"]
+    choices: list[ChatChoice]
+    usage: Usage
 
 
 class Delta(_Shape):
@@ -308,17 +320,12 @@ class ChatChunkChoice(_Shape):
     finish_reason: Finish | None = Field(description="null until the last step's chunk")
 
 
-class ChatCompletionChunk(_Shape):
+class ChatCompletionChunk(_Chunk):
     """One server-sent event of a chat stream: a macro-step's text, or with stream_options.include_usage, after the
     last step, empty choices and the usage."""
 
-    id: str
     object: Literal["chat.completion.chunk"]
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
-    usage: Usage | None = Field(None, description="in the last chunk only, with stream_options.include_usage")
-    hamburger: StepInfo | None = Field(None, description="in each step's chunk")
 
 
 class TextChoice(_Shape):
@@ -328,11 +335,8 @@ class TextChoice(_Shape):
     finish_reason: Finish
 
 
-class TextCompletion(_Shape):
-    id: str
+class TextCompletion(_Reply):
     object: Literal["text_completion"]
-    created: int
-    model: str
     choices: list[TextChoice]
     usage: Usage
 
@@ -341,16 +345,11 @@ class TextChunkChoice(TextChoice):
     finish_reason: Finish | None = Field(description="null until the last step's chunk")
 
 
-class TextCompletionChunk(_Shape):
+class TextCompletionChunk(_Chunk):
     """One server-sent event of a completions stream, as `ChatCompletionChunk`."""
 
-    id: str
     object: Literal["text_completion"]
-    created: int
-    model: str
     choices: list[TextChunkChoice]
-    usage: Usage | None = Field(None, description="in the last chunk only, with stream_options.include_usage")
-    hamburger: StepInfo | None = Field(None, description="in each step's chunk")
 
 
 REQUESTS = (ChatRequest, CompletionRequest)
