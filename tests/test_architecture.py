@@ -22,7 +22,7 @@ LAYERS = [
     {"kernels"},
     {"inference"},
     {"loading", "training"},
-    {"serving"},
+    {"serving", "vllm"},
     {"evaluation"},
     {"cli", "__main__"},
 ]

