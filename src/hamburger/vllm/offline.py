@@ -55,15 +55,17 @@ def since(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
 
 
 def build(model: str | None = None, drafts: str = "none", num_drafts: int = 4, concurrency: int = 1,
-          max_model_len: int = 2048, dtype: str = "float32", checkpoint: str | None = None):
-    """A `vllm.LLM` on `model` (default: the embedded default's folder) with `drafts` ("none", "ngram", "lookup")."""
+          max_model_len: int = 2048, dtype: str = "float32", checkpoint: str | None = None, memory: float = 0.15):
+    """A `vllm.LLM` on `model` (default: the embedded default's folder) with `drafts` ("none", "ngram", "suffix",
+    "lookup"). `memory`: vLLM's gpu_memory_utilization, on its CPU backend the share of the machine's memory it
+    reserves (its default, 0.92, fails beside other processes)."""
     require_vllm()
     from vllm import LLM
 
     extra = {"hamburger": {"checkpoint": checkpoint}} if checkpoint is not None else {}
     return LLM(hf_folder(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max(concurrency, 1),
                speculative_config=speculative_config(drafts, num_drafts), additional_config=extra,
-               disable_log_stats=False, enforce_eager=True, seed=0)
+               disable_log_stats=False, enforce_eager=True, seed=0, gpu_memory_utilization=memory)
 
 
 def run(prompts: list[list[dict[str, str]]], drafts: str = "none", max_tokens: int = 128, concurrency: int = 1,

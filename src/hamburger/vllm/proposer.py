@@ -128,7 +128,8 @@ class LookupDrafts:
         found = index.draft(limit)
         if not found and self.store is not None:
             found = self.store.draft(index.tokens[-self.store.max:], limit)
-        return [t for t in found if 0 <= t < self.vocab][:limit]
+        cut = next((i for i, t in enumerate(found) if not 0 <= t < self.vocab), len(found))
+        return found[: min(cut, limit)]  # a draft is a continuation: it ends before a token vLLM cannot take
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
                 *args: Any, **kwargs: Any) -> list[list[int]]:

@@ -1,0 +1,145 @@
+"""`hamburger.vllm` without vLLM: the lookup proposer on the arrays vLLM hands it, the speculative config, the
+command line it starts, the metrics it reads. (Runs everywhere; `test_in_vllm.py` runs vLLM itself where installed.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shlex
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from hamburger.errors import HamburgerError
+from hamburger.model.files import read_safetensors
+from hamburger.model.hamburger_model import REPLIES_NAME, packaged_checkpoint
+from hamburger.vllm import LOOKUP_PROPOSER
+from hamburger.vllm.launch import serve_argv, speculative_config, vllm_installed
+from hamburger.vllm.offline import since, spec_metrics
+from hamburger.vllm.proposer import LookupDrafts
+
+DEFAULT_FOLDER = "/cache/hamburger/SmolLM2-135M-Instruct-0.1.2-98362432"
+
+
+def config(k: int = 4, max_len: int = 64, model: str = "/models/tiny", extra: dict | None = None, vocab: int = 49152):
+    """The parts of vLLM's `VllmConfig` the proposer reads."""
+    return SimpleNamespace(
+        speculative_config=SimpleNamespace(num_speculative_tokens=k),
+        model_config=SimpleNamespace(max_model_len=max_len, model=model, get_vocab_size=lambda: vocab),
+        additional_config=extra if extra is not None else {})
+
+
+def batch(histories: list[list[int]], width: int = 64) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
+    """(sampled_token_ids, num_tokens_no_spec, token_ids_cpu) as vLLM passes them: a row per request, padded."""
+    tokens = np.zeros((len(histories), width), dtype=np.int32)
+    for i, h in enumerate(histories):
+        tokens[i, : len(h)] = h
+    sampled = [[h[-1]] if h else [] for h in histories]
+    return sampled, np.array([len(h) for h in histories], dtype=np.int32), tokens
+
+
+def test_drafts_are_what_followed_the_last_tokens_earlier():
+    drafts = LookupDrafts(config())
+    drafts.load_model(object())  # vLLM's CPU runner calls it with the target model
+    assert drafts.propose(*batch([[1, 2, 3, 4, 5, 1, 2, 3], [9, 8, 7, 6]])) == [[4, 5, 1, 2], []]
+
+
+def test_a_row_that_another_request_takes_over_drafts_from_its_own_tokens():
+    drafts = LookupDrafts(config())
+    assert drafts.propose(*batch([[7, 8, 9, 7, 8]])) == [[9, 7, 8]]
+    # vLLM moved another request into row 0: none of the first request's n-grams may draft for it
+    assert drafts.propose(*batch([[5, 6, 1, 5, 6]])) == [[1, 5, 6]]
+    assert drafts.propose(*batch([[7, 8, 2, 7]])) == [[]]  # (7,) alone is shorter than the shortest n-gram
+
+
+def test_growing_rows_draft_as_a_fresh_proposer_would():
+    rng = np.random.default_rng(0)
+    seq = rng.integers(0, 6, size=60).tolist()  # a small alphabet: many repeats
+    kept = LookupDrafts(config(max_len=128))
+    for n in range(3, 60, 3):
+        rows = batch([seq[:n], seq[5 : n + 5]], width=128)
+        assert kept.propose(*rows) == LookupDrafts(config(max_len=128)).propose(*rows), n
+
+
+def test_rows_not_decoding_and_rows_at_their_length_get_no_drafts():
+    drafts = LookupDrafts(config(max_len=10))
+    sampled, n, tokens = batch([[1, 2, 3, 1, 2], [1, 2, 3, 4, 5, 6, 1, 2], [1, 2, 3, 4, 5, 6, 7, 1, 2]], width=10)
+    sampled[0] = []  # row 0 sampled nothing this step (a prefill in chunks)
+    # row 1: room for one draft below max_model_len (and the token the check adds); row 2: none
+    assert drafts.propose(sampled, n, tokens) == [[], [3], []]
+
+
+def test_the_checkpoints_stored_replies_draft_where_the_row_offers_nothing():
+    store = read_safetensors(packaged_checkpoint() / REPLIES_NAME)["tokens"].tolist()
+    at = next(i for i in range(100, len(store)) if min(store[i - 3 : i + 4]) >= 0)
+    history = [49000, 49001] + store[at - 3 : at]  # the row's own tokens never repeat
+    default = LookupDrafts(config(model=DEFAULT_FOLDER))
+    found = default.propose(*batch([history]))[0]
+    assert found and len(found) <= 4
+    # what the store holds after those tokens somewhere (its latest occurrence), checked against the store itself
+    assert any(store[j - 3 : j] == history[-3:] and store[j : j + len(found)] == found for j in range(3, len(store)))
+    assert LookupDrafts(config(model=DEFAULT_FOLDER, extra={"hamburger": {"checkpoint": "none"}})).propose(
+        *batch([history])) == [[]]
+    assert LookupDrafts(config(model="/models/another")).propose(*batch([history])) == [[]]  # another base's vocab
+
+
+def test_drafts_outside_the_served_vocabulary_are_dropped():
+    # (1, 60) was last followed by 3, 1, 60: the draft ends before 60, which the served model cannot take
+    assert LookupDrafts(config(vocab=50)).propose(*batch([[1, 60, 2, 1, 60, 3, 1, 60]])) == [[3, 1]]
+    assert LookupDrafts(config(vocab=50)).propose(*batch([[1, 2, 60, 4, 1, 2]])) == [[]]
+
+
+def test_settings_are_checked():
+    with pytest.raises(HamburgerError, match="not a HAMburger checkpoint"):
+        LookupDrafts(config(extra={"hamburger": {"checkpoint": "/no/such/folder"}}))
+    with pytest.raises(HamburgerError, match="must be an object"):
+        LookupDrafts(config(extra={"hamburger": 3}))
+    assert LookupDrafts(config(extra={"hamburger": {"lookup": 3}})).min_ngram == 3
+
+
+def test_speculative_configs_name_the_proposer_and_vllms_own_methods():
+    assert speculative_config("lookup", 3) == {"method": "custom_class", "model": LOOKUP_PROPOSER,
+                                                "num_speculative_tokens": 3}
+    assert speculative_config("ngram")["method"] == "ngram"
+    assert speculative_config("none") is None
+    with pytest.raises(HamburgerError):
+        speculative_config("eagle")
+    assert importlib.util.find_spec(LOOKUP_PROPOSER.rsplit(".", 1)[0]) is not None
+
+
+def test_hamburger_vllm_command_prints_the_vllm_serve_line(capsys, tmp_path):
+    from hamburger.cli import main
+
+    assert main(["vllm", "command", "--model", str(tmp_path), "--port", "9123",
+                 "--vllm-args", "--max-model-len 256 --enforce-eager"]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    assert argv[argv.index("serve") + 1] == str(tmp_path)
+    assert argv[argv.index("--port") + 1] == "9123" and argv[-3:] == ["--max-model-len", "256", "--enforce-eager"]
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == speculative_config("lookup")
+    assert argv == serve_argv(str(tmp_path), port=9123, extra=["--max-model-len", "256", "--enforce-eager"])
+
+
+@pytest.mark.skipif(vllm_installed(), reason="vLLM is installed here")
+def test_hamburger_vllm_serve_without_vllm_says_so_in_one_line(capsys):
+    from hamburger.cli import main
+
+    assert main(["vllm", "serve", "--model", "/models/tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "vLLM is not installed" in err and "hamburger[vllm]" in err
+
+
+def test_spec_metrics_read_vllms_counters():
+    def snapshot(drafts, accepted, per):
+        return [SimpleNamespace(name="vllm:spec_decode_num_drafts", value=drafts),
+                SimpleNamespace(name="vllm:spec_decode_num_draft_tokens", value=4 * drafts),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens", value=accepted),
+                SimpleNamespace(name="vllm:spec_decode_num_accepted_tokens_per_pos", values=per),
+                SimpleNamespace(name="vllm:num_requests_running", value=1)]
+
+    before, after = spec_metrics(snapshot(2, 3, [2, 1, 0, 0])), spec_metrics(snapshot(10, 13, [8, 4, 1, 0]))
+    assert before["mean_acceptance_length"] == 2.5
+    run = since(after, before)
+    assert (run["drafts"], run["accepted"], run["per_position"]) == (8, 10, [6, 3, 1, 0])
+    assert run["mean_acceptance_length"] == 1 + 10 / 8 and run["per_position_rate"] == [6 / 8, 3 / 8, 1 / 8, 0]
+    assert spec_metrics([])["mean_acceptance_length"] is None
