@@ -1,7 +1,7 @@
 """HAMburger's drafts inside vLLM beside vLLM's own methods, on the same machine and model.
 
 Each configuration (vLLM plain, vLLM's n-gram method, vLLM's suffix method where it runs, vLLM with HAMburger's
-lookup drafts) runs in a fresh process (`python -m hamburger.vllm.offline`) on the same held-out prompts (the first
+lookup drafts, and with lookup in the prompt and reply else the micro-step decoder's drafts) runs in a fresh process (`python -m hamburger.vllm.offline`) on the same held-out prompts (the first
 of each shipped set: code, math, chat), greedy, at batch 1 (prompts one after another) and at a concurrency (all
 prompts submitted at once, at most that many decoded together). Reported per run: tokens per second, vLLM's
 SpecDecoding metrics (mean acceptance length = 1 + accepted / drafts, and the acceptance rate at each draft
@@ -24,8 +24,9 @@ import time
 
 from hamburger.evaluation.bench_prompts import shipped
 
-METHODS = ("none", "ngram", "suffix", "lookup")
-NAMES = {"none": "vLLM plain", "ngram": "vLLM ngram", "suffix": "vLLM suffix", "lookup": "vLLM + HAMburger lookup"}
+METHODS = ("none", "ngram", "suffix", "lookup", "micro")
+NAMES = {"none": "vLLM plain", "ngram": "vLLM ngram", "suffix": "vLLM suffix", "lookup": "vLLM + HAMburger lookup",
+         "micro": "vLLM + HAMburger lookup/micro-step decoder"}
 
 
 def run_one(prompts, drafts: str, concurrency: int, args) -> dict:

@@ -39,13 +39,21 @@ def offline(drafts: str, prompts, max_tokens: int) -> dict:
     return json.loads(lines[0].split(" ", 1)[1])
 
 
-def test_lookup_drafts_give_vllms_plain_greedy_output_on_held_out_prompts():
+@pytest.fixture(scope="module")
+def plain_and_prompts():
     prompts = [m for name in ("code", "math", "chat") for m in shipped(name, 4)]  # 12, none trained on
-    plain, drafted = offline("none", prompts, 64), offline("lookup", prompts, 64)
-    assert plain["spec"]["drafts"] == 0
+    plain = offline("none", prompts, 64)
+    assert plain["spec"]["drafts"] == 0 and len(plain["tokens"]) == 12 and all(plain["tokens"])
+    return plain, prompts
+
+
+@pytest.mark.parametrize("drafts", ["lookup", "micro"])
+def test_hamburgers_drafts_give_vllms_plain_greedy_output_on_held_out_prompts(plain_and_prompts, drafts):
+    plain, prompts = plain_and_prompts
+    drafted = offline(drafts, prompts, 64)
     differ = [i for i, (a, b) in enumerate(zip(plain["tokens"], drafted["tokens"])) if a != b]
     assert not differ, f"prompts {differ} differ from vLLM's plain greedy output"
-    assert len(drafted["tokens"]) == 12 and all(drafted["tokens"])
+    assert len(drafted["tokens"]) == 12
     spec = drafted["spec"]
     assert spec["drafts"] > 0 and spec["accepted"] > 0, spec  # vLLM asked for, checked and kept our drafts
 

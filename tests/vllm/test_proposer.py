@@ -143,3 +143,27 @@ def test_spec_metrics_read_vllms_counters():
     assert (run["drafts"], run["accepted"], run["per_position"]) == (8, 10, [6, 3, 1, 0])
     assert run["mean_acceptance_length"] == 1 + 10 / 8 and run["per_position_rate"] == [6 / 8, 3 / 8, 1 / 8, 0]
     assert spec_metrics([])["mean_acceptance_length"] is None
+
+
+def test_context_rows_keep_the_latest_kept_entries_and_follow_a_request_that_moves():
+    import torch
+
+    from hamburger.vllm.micro import ContextRows
+
+    ctx = ContextRows(window=3)
+    ctx.begin()
+    kv = lambda ps: (torch.tensor([[float(p) for p in ps]]), -torch.tensor([[float(p) for p in ps]]))  # noqa: E731
+    first = np.array([1, 2, 3, 4, 5, 6])
+    entries = ctx.entries(0, first)
+    ctx.admit(entries, [0, 1, 2, 3, 4], *kv([0, 1, 2, 3, 4]), upto=4)  # a prompt's prefill: the latest 3 stay
+    assert sorted(entries) == [2, 3, 4] and float(entries[4][0][0]) == 4.0 and float(entries[4][1][0]) == -4.0
+    grown = np.array([1, 2, 3, 4, 5, 6, 7, 8])
+    ctx.begin()
+    entries = ctx.entries(0, grown)
+    ctx.admit(entries, [5, 6, 7, 8], *kv([5, 6, 7, 8]), upto=6)  # two drafts rejected: positions 7 and 8 stay out
+    assert sorted(entries) == [4, 5, 6]
+    ctx.begin()
+    assert ctx.entries(0, np.array([9, 9, 9])) == {}  # another request took row 0 ...
+    assert sorted(ctx.entries(1, np.array([1, 2, 3, 4, 5, 6, 7, 8, 9]))) == [4, 5, 6]  # ... the first one is in row 1
+    ctx.begin()
+    assert ctx.entries(0, np.array([1, 2, 3])) == {}  # a history that is not an extension claims nothing

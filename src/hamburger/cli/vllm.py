@@ -20,8 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="serve: start `vllm serve`; command: print its command line; check: does vLLM import here")
     p.add_argument("--model", default="default",
                    help="the base vLLM serves (hub id or folder); default: the embedded default, converted")
-    p.add_argument("--drafts", choices=("lookup", "ngram", "suffix", "none"), default="lookup",
-                   help="lookup: HAMburger's lookup drafts (prompt, reply, the checkpoint's stored replies); "
+    p.add_argument("--drafts", choices=("lookup", "micro", "ngram", "suffix", "none"), default="lookup",
+                   help="lookup: HAMburger's lookup drafts (prompt, reply, the checkpoint's stored replies); micro: "
+                        "lookup in the prompt and reply, else the micro-step decoder (the default checkpoint's base); "
                         "ngram, suffix: vLLM's own methods; none: plain vLLM")
     p.add_argument("--num-drafts", type=int, default=4, help="drafts per step (vLLM's num_speculative_tokens)")
     p.add_argument("--host", default="127.0.0.1", help="the address to listen on")

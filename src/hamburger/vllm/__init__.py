@@ -16,3 +16,4 @@ from __future__ import annotations
 
 # what `speculative_config["model"]` names for vLLM's `custom_class` method
 LOOKUP_PROPOSER = "hamburger.vllm.proposer.LookupDrafts"
+MICRO_PROPOSER = "hamburger.vllm.micro.MicroDrafts"

