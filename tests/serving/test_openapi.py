@@ -26,7 +26,7 @@ from schema_strategies import ENDPOINTS, answer_problem, cases, checkers, refusa
 from test_server import CONFIDENCE, KEY, messages
 
 import hamburger.serving.server as server_module
-from conftest import hamburger
+from conftest import VOCAB, hamburger
 from hamburger.serving.openai_api import ERRORS, REF, ChatRequest, ErrorResponse
 from hamburger.serving.server import BackgroundServer, Service, create_app
 
@@ -63,7 +63,9 @@ def test_openapi_documents_both_request_bodies_and_their_answers(doc):
         assert operation["requestBody"] == {"required": True, "content": {"application/json": {"schema": ref(schema)}}}
         ok = operation["responses"]["200"]["content"]
         assert ok["application/json"]["schema"] == ref(reply)
-        assert ok["text/event-stream"]["schema"]["x-event-data"] == ref(chunk)
+        data = ok["text/event-stream"]["schema"]["properties"]["data"]["anyOf"]
+        assert data == [{"const": "[DONE]"}, {"contentMediaType": "application/json",
+                                              "contentSchema": {"anyOf": [ref(chunk), ref(ErrorResponse)]}}]
         for status in ERRORS:
             assert operation["responses"][str(status)]["content"]["application/json"]["schema"] == ref(ErrorResponse)
         for model, mode in ((schema, "validation"), (reply, "serialization"), (chunk, "serialization"),
@@ -74,6 +76,10 @@ def test_openapi_documents_both_request_bodies_and_their_answers(doc):
             if model is schema:  # one of this server's models (another is a 404), a mode its model runs (no merger)
                 expected["properties"]["model"]["enum"] = ["tiny", "default"]
                 next(o for o in expected["properties"]["mode"]["anyOf"] if "enum" in o)["enum"] = ["trust", "verify"]
+                if "prompt" in expected["properties"]:  # token ids below the model's vocabulary
+                    ids = next(o for o in expected["properties"]["prompt"]["anyOf"] if o.get("items", {}).get(
+                        "type") == "integer")
+                    ids["items"]["maximum"] = VOCAB - 1
             assert components[model.__name__] == expected, model.__name__
     props = components["ChatRequest"]["properties"]
     assert props["temperature"]["anyOf"][0] == {"type": "number", "minimum": 0.0, "maximum": 2.0}
@@ -90,6 +96,20 @@ def test_a_wrong_method_is_a_405_with_allow_and_metrics_are_documented_as_text(c
     assert list(doc["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == ["text/plain"]
     empty = client.post("/v1/completions", json={"model": "tiny", "prompt": "", "max_tokens": 2})
     assert empty.status_code == 400 and empty.json()["error"]["param"] == "prompt"  # not max_tokens
+
+
+def test_integers_sent_as_whole_floats_are_taken_and_an_empty_prompt_in_a_list_is_refused(client):
+    """What schemathesis 4.32 flagged next: JSON Schema's integer is any number without a fraction (5.0 is one), so
+    max_tokens 5.0 is five tokens and 5.5 is refused; [""] is an empty prompt, refused as "" is."""
+    body = {"model": "tiny", "prompt": "w1 w2", "seed": 3.0}
+    taken = client.post("/v1/completions", json={**body, "max_tokens": 5.0, "ignore_eos": True})
+    assert taken.status_code == 200 and taken.json()["usage"]["completion_tokens"] == 5
+    ids = client.post("/v1/completions", json={**body, "prompt": [3.0, 4], "max_tokens": 1})
+    assert ids.status_code == 200 and ids.json()["usage"]["prompt_tokens"] == 2
+    for wrong, param in (({"max_tokens": 5.5}, "max_tokens"), ({"max_tokens": "5"}, "max_tokens"),
+                         ({"prompt": [""], "max_tokens": 2}, "prompt")):
+        refused = client.post("/v1/completions", json={**body, **wrong})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
 
 
 def test_the_handlers_parse_with_the_documented_models(client, doc, monkeypatch):

@@ -12,9 +12,9 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 from pydantic.json_schema import models_json_schema
 
 REF = "#/components/schemas/{model}"  # where the OpenAPI document keeps the models of this module, by class name
@@ -52,6 +52,15 @@ class _Body(BaseModel):
     # Strict: "5" is not a number here. Unknown fields are kept (extra="allow") only so that `_refuse_unsupported`
     # can see them; the rest (user, metadata, store, ...) are ignored as OpenAI's clients send them.
     model_config = ConfigDict(strict=True, extra="allow")
+
+
+def _integral(value: Any) -> Any:
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+# An integer field takes 5.0 too: JSON has one number type, and JSON Schema's "integer" is any number with no
+# fractional part (clients that hold every number as a double send 5.0); 5.5 and "5" are still refused.
+Integer = Annotated[int, BeforeValidator(_integral)]
 
 
 # Fields OpenAI's clients (and vLLM's: top_k, min_p, repetition_penalty) may send that this server cannot honour,
@@ -101,15 +110,15 @@ class _Sampling(_Body):
     model_config = ConfigDict(json_schema_extra=_document_unsupported)
 
     model: str = Field(description="a name from GET /v1/models (another is a 404)")
-    max_tokens: int | None = Field(None, json_schema_extra=_AT_LEAST_ONE, description=(
+    max_tokens: Integer | None = Field(None, json_schema_extra=_AT_LEAST_ONE, description=(
         "new tokens at most; default: the rest of the row; beyond the row's room for this prompt (its KV entries "
         "less the prompt's, in the request's mode) a 400 context_length_exceeded"))
-    max_completion_tokens: int | None = Field(None, json_schema_extra=_AT_LEAST_ONE,
+    max_completion_tokens: Integer | None = Field(None, json_schema_extra=_AT_LEAST_ONE,
                                               description="max_tokens under its newer name; wins when both are sent")
     temperature: float | None = Field(None, ge=0.0, le=2.0, description="0, null or below 1e-5: greedy")
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     # torch's generators take seeds in this range; past it, a sampled request failed its whole batch
-    seed: int | None = Field(None, ge=-2**63, le=2**64 - 1)
+    seed: Annotated[int, Field(ge=-2**63, le=2**64 - 1), BeforeValidator(_integral)] | None = None
     stop: str | list[str] | None = Field(None, description="text that ends the reply (not included in it)")
     stream: bool | None = Field(False, description="server-sent events, one per macro-step, then data: [DONE]")
     stream_options: StreamOptions | None = None
@@ -184,21 +193,22 @@ class ChatRequest(_Sampling):
 # What `prompt_value` and the service take: a non-empty string, one string in a list, or token ids (each below the
 # model's vocabulary size).
 _PROMPTS = {"anyOf": [{"type": "string", "minLength": 1},
-                      {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 1},
+                      {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
                       {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1}]}
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] = Field(json_schema_extra=_PROMPTS)
+    prompt: str | list[str] | list[Integer] = Field(json_schema_extra=_PROMPTS)
 
     def prompt_value(self) -> str | list[int]:
-        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], str):
-            if len(self.prompt) != 1:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+            if len(prompt) != 1:
                 raise ApiError(400, "only one prompt per request is supported", "prompt")
-            return self.prompt[0]
-        if not self.prompt:
+            prompt = prompt[0]
+        if not prompt:
             raise ApiError(400, "the prompt is empty", "prompt")
-        return self.prompt
+        return prompt
 
 
 def parse(raw: bytes, schema: type[_Sampling]) -> _Sampling:

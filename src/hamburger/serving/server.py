@@ -199,15 +199,15 @@ def create_app(service: Service, access_log: bool = False) -> FastAPI:
         app.add_middleware(AccessLog)
     add_error_handlers(app)
     add_routes(app, service)
-    add_schemas(app, service.names, service.modes())
+    add_schemas(app, service.names, service.modes(), service.model.base.config.vocab_size)
     return app
 
 
-def add_schemas(app: FastAPI, names: list[str], modes: list[str]) -> None:
+def add_schemas(app: FastAPI, names: list[str], modes: list[str], vocab: int) -> None:
     """/openapi.json with the request and response models among its components, where the completion routes' request
     bodies and answers refer to them (`_documented`): FastAPI only adds the models of parameters it parses itself.
     A request's `model` is one of this server's `names` (another is a 404) and its `mode` one of the `modes` its model
-    runs (another is a 400), so the schema lists them."""
+    runs (another is a 400), so the schema lists them, and a prompt's token ids are below its model's `vocab`."""
     generate = app.openapi
 
     def openapi() -> dict:
@@ -219,6 +219,9 @@ def add_schemas(app: FastAPI, names: list[str], modes: list[str]) -> None:
                 for option in props["mode"]["anyOf"]:
                     if "enum" in option:
                         option["enum"] = [m for m in option["enum"] if m in modes]
+            ids = next(o for o in components[CompletionRequest.__name__]["properties"]["prompt"]["anyOf"]
+                       if o.get("items", {}).get("type") == "integer")
+            ids["items"]["maximum"] = vocab - 1
             generate().setdefault("components", {}).setdefault("schemas", {}).update(components)
         return app.openapi_schema
 
@@ -232,8 +235,13 @@ def _documented(schema: type, reply: type, chunk: type) -> dict:
     def ref(model: type) -> dict:
         return {"$ref": REF.format(model=model.__name__)}
 
-    events = {"type": "string", "description": f"server-sent events, `data: ` and a {chunk.__name__} (or an "
-              f"{ErrorResponse.__name__}) as JSON each, then `data: [DONE]`", "x-event-data": ref(chunk)}
+    # One event (OpenAPI before 3.2 has a stream's `schema` describe each event): its data is a chunk or an error
+    # object as JSON, or the closing [DONE].
+    data = {"type": "string", "anyOf": [{"const": "[DONE]"}, {
+        "contentMediaType": "application/json", "contentSchema": {"anyOf": [ref(chunk), ref(ErrorResponse)]}}]}
+    events = {"type": "object", "description": f"server-sent events, `data: ` and a {chunk.__name__} (or an "
+              f"{ErrorResponse.__name__}) as JSON each, then `data: [DONE]`", "properties": {"data": data},
+              "required": ["data"]}
     ok = {"description": f"a {reply.__name__}, or with stream: true a stream of {chunk.__name__} events",
           "content": {"application/json": {"schema": ref(reply)}, "text/event-stream": {"schema": events}}}
     errors = {status: {"description": why, "content": {"application/json": {"schema": ref(ErrorResponse)}}}
