@@ -3,7 +3,7 @@ bandwidth's floor, per weight scheme, eager.
 
 A step is what decoding repeats: the base pass over one new slot after `--cached` cached ones (the cache grows a
 slot a step) and the full LM head. For each scheme (`--schemes fp16,int4`), with the decoder layers module by
-module and with the engine's fast layers (`inference/fast_layer.py`, the engine's default), it reports:
+module and in the engine's one native call (`inference/native_layers.py`, the engine's default), it reports:
 
 - `step ms`: the step's wall time (median of rounds, the schemes taking turns so a slow spell falls on all alike);
 - `GEMMs ms`: the same step's matrix-product kernels alone, called back to back with inputs of the shapes the step
@@ -14,7 +14,7 @@ module and with the engine's fast layers (`inference/fast_layer.py`, the engine'
 - `ops / step`: aten operators dispatched per step (from `torch.profiler`), and its self-time split into GEMMs,
   attention and the rest (profiled times are inflated by the profiler's own cost; the shares are what count).
 
-The layers: `modules` and `fast` on a copy quantized for PyTorch's kernels (`native.turned_off`), `native` (every
+The layers: `modules` on a copy quantized for PyTorch's kernels (`native.turned_off`), `native` (every
 layer of the step in one native call, the native products; the engine's default where they build) on a copy with
 the native kernels' layouts; the same weights. A native step's products run inside its one call, so its `GEMMs ms`
 are the native products called alone, and its operators are those around the call.
@@ -50,9 +50,7 @@ class Scheme:
 
     def __init__(self, model, scheme: str, layers: str, cached: int, steps: int) -> None:
         self.name, self.model = f"{scheme} {layers}", model
-        self.engine = Engine(model, fast_layers=layers != "modules", native_layers=layers == "native")
-        if layers != "modules" and self.engine.fast is None:
-            raise SystemExit(f"{scheme}: the fast layers do not apply to this model")
+        self.engine = Engine(model, native_layers=layers == "native")
         if layers == "native" and self.engine.native is None:
             raise SystemExit(f"{scheme}: the native layers do not apply to this model")
         self.cache = KVCache.for_layers(self.engine.base.layers, model.base.config, 1, cached + steps + 64,
@@ -158,15 +156,15 @@ def main() -> None:
     p.add_argument("--cached", type=int, default=300, help="cached slots before the first step")
     p.add_argument("--steps", type=int, default=5, help="steps per scheme per round")
     p.add_argument("--rounds", type=int, default=20)
-    p.add_argument("--layers", default="modules,fast,native",
-                   help="comma list of modules, fast, native (default: all three)")
+    p.add_argument("--layers", default="modules,native",
+                   help="comma list of modules, native (default: both)")
     args = p.parse_args()
     schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
     if not schemes or any(s not in ("none", "fp16", "int8", "int4") for s in schemes):
         p.error(f"--schemes is a comma list of none, fp16, int8, int4, got {args.schemes!r}")
     layers = [s.strip() for s in args.layers.split(",") if s.strip()]
-    if not layers or any(s not in ("modules", "fast", "native") for s in layers):
-        p.error(f"--layers is a comma list of modules, fast, native, got {args.layers!r}")
+    if not layers or any(s not in ("modules", "native") for s in layers):
+        p.error(f"--layers is a comma list of modules, native, got {args.layers!r}")
     if "native" in layers and (why := native.why_unavailable()) is not None:
         p.error(f"the native kernels are not available here: {why}")
     total = args.steps * args.rounds + 40

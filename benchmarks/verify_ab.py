@@ -20,7 +20,7 @@ matches.
     python benchmarks/verify_ab.py default --quantize fp16 --variants micro,lookup --batch-size 16 --rounds 2
 
 `--module-layers` adds each system
-again with the decoder layers run module by module (`Engine(fast_layers=False)`, the engine before its fast layers).
+again with the decoder layers run module by module (`Engine(native_layers=False)`: no native call).
 
     python benchmarks/verify_ab.py default --quantize fp16 --variants both --module-layers --max-new-tokens 256
 """
@@ -61,7 +61,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=1,
                    help="decode the prompts in batches of this many (cycled to fill the last), a batch per turn")
     p.add_argument("--module-layers", action="store_true",
-                   help="also every system with the decoder layers module by module (Engine(fast_layers=False))")
+                   help="also every system with the decoder layers module by module (Engine(native_layers=False))")
     a = p.parse_args()
     if a.batch_size < 1:
         raise SystemExit("--batch-size must be >= 1")
@@ -76,11 +76,11 @@ def main() -> None:
     plain = HamburgerModel.plain(model.base, model.tokenizer)
     conf = a.confidence if a.confidence is not None else model.config.verify_confidence
     settings = {"micro": (0, conf), "lookup": (a.lookup, 1.0), "both": (a.lookup, conf)}
-    kinds = {"": True}  # fast_layers
+    kinds = {"": True}  # native_layers
     if a.module_layers:
         kinds[", module layers"] = False
-    bases = {c: Engine(plain, fast_layers=fast) for c, fast in kinds.items()}
-    engines = {(v, c): Engine(model, lookup=settings[v][0], draft_rows=a.draft_rows, fast_layers=fast)
+    bases = {c: Engine(plain, native_layers=fast) for c, fast in kinds.items()}
+    engines = {(v, c): Engine(model, lookup=settings[v][0], draft_rows=a.draft_rows, native_layers=fast)
                for v in variants for c, fast in kinds.items()}
     sets = [s.strip() for s in a.sets.split(",")]
     prompts = [encode_chat(model.tokenizer, m) for s in sets for m in bench_messages(s, a.prompts_per_set)]

@@ -1,6 +1,7 @@
-"""The base's decoder layers in one native call a pass (`inference/native_layers.py`): the fast layers' computation
-to float32's rounding, each position of a pass exactly what a one-position step gives it (so verify mode is its
-base exactly, 4-bit weights included), and used only where it applies."""
+"""The decoder layers in one native call a pass (`inference/native_layers.py`): the module path's computation to
+float32's rounding, each position of a pass exactly what a one-position step gives it (so verify mode is its base
+exactly, 4-bit weights included), and used only where it applies (a hook or a replaced module sends a pass back to
+the modules)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ from conftest import hamburger, random_merger
 from native_variant import every_variant, pytest_generate_tests, variant  # noqa: F401 - pytest finds them here
 from hamburger.inference.core import MicroContext
 from hamburger.inference.engine import Engine
-from hamburger.inference.fast_layer import rope_tables
-from hamburger.inference.kv import KVCache, RowSlots
-from hamburger.inference.native_layers import NATIVE_ROWS, NativeLayers, _close_to
+from hamburger.inference.kv import KVCache, RowSlots, layer_forward
+from hamburger.inference.native_layers import NATIVE_ROWS, NativeLayers, layer_parts
 from hamburger.inference.merge import MergedMask
 from hamburger.kernels import native
 from hamburger.kernels.qlinear import Int8Linear
@@ -42,16 +42,39 @@ def random_cache(base, rows: int, seed: int = 0) -> KVCache:
     return cache
 
 
-def fast_pass(engine: Engine, x, rope, cache, start, mask, depth: int):
-    tables = rope_tables(rope)
-    for i, layer in enumerate(engine.fast[:depth]):
-        x = layer(x, *tables, cache, i, start, mask)
+def module_pass(engine: Engine, x, rope, cache, start, mask, depth: int):
+    """The reference: the model's own modules, one layer after another, over the same cache."""
+    for i, layer in enumerate(engine.base.layers[:depth]):
+        x = layer_forward(layer, x, rope, cache, i, start, mask)
     return x
+
+
+def first_layer_pairs(engine: Engine) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Layer 0 module by module and natively on a random two-position pass at slots 3..4 over caches holding the
+    same random earlier entries: [(modules, native)] for the output, the keys and the values."""
+    base = engine.base
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, base.config.hidden_size, generator=gen)
+    mask = torch.ones(1, 1, 2, 5, dtype=torch.bool).tril(3)
+    caches = [KVCache.for_layers(base.layers[:1], base.config, 1, 8, torch.float32, "cpu") for _ in range(2)]
+    earlier = torch.randn(caches[0].k.shape, generator=gen)
+    for cache in caches:
+        cache.k.copy_(earlier)
+        cache.v.copy_(earlier.flip(-1))
+    with torch.inference_mode():
+        rope = base.rotary_emb(x, torch.arange(3, 5)[None])
+        slow = module_pass(engine, x, rope, caches[0], 3, mask, 1)
+        quick = engine.native(x.clone(), rope, caches[1], 3, mask, 0, 1)
+    return [(slow, quick), (caches[0].k, caches[1].k), (caches[0].v, caches[1].v)]
+
+
+def close(pairs, tolerance: float = 1e-3) -> bool:
+    return all(bool((a - b).norm() <= tolerance * a.norm()) for a, b in pairs)
 
 
 @pytest.mark.parametrize("scheme", ["fp16", "int4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_a_pass_is_the_fast_layers_computation(arch, scheme):
+def test_a_pass_is_the_module_paths_computation(arch, scheme):
     model = packed(arch, scheme)
     engine = Engine(model)
     assert engine.native is not None
@@ -65,7 +88,7 @@ def test_a_pass_is_the_fast_layers_computation(arch, scheme):
     depth, tolerance = len(base.layers), (1e-6 if scheme == "fp16" else 1e-3)
     with torch.inference_mode():
         rope = base.rotary_emb(x, torch.arange(5, 8)[None].expand(2, -1))
-        want = fast_pass(engine, x, rope, caches[0], 5, mask, depth)
+        want = module_pass(engine, x, rope, caches[0], 5, mask, depth)
         got = engine.native(x.clone(), rope, caches[1], 5, mask, 0, depth)
     assert (got - want).norm() <= tolerance * want.norm()
     assert (caches[0].k - caches[1].k).norm() <= tolerance * caches[0].k.norm()
@@ -125,24 +148,24 @@ def test_used_for_steps_not_for_long_passes_nor_where_it_does_not_apply():
     assert not engine.native.takes(long, cache, 0, torch.ones(1, 1, NATIVE_ROWS + 1, NATIVE_ROWS + 1).bool())
     assert not engine.native.takes(step, cache, 5, lambda i: mask)  # per-layer masks (compress mode's biases)
     assert not engine.native.takes(step, cache, 5, mask.float())
-    assert Engine(model, native_layers=False).native is None and Engine(model, fast_layers=False).native is None
+    assert Engine(model, native_layers=False).native is None
     assert Engine(hamburger("llama", k=4)).native is None  # float weights: PyTorch's own
     with native.turned_off():
         assert Engine(packed("llama", "int4")).native is None
     # weights replaced after the engine was made: not read through stale pointers
-    qkv = engine.fast[0].qkv
+    qkv = engine.native.parts[0].qkv
     qkv.tiles = qkv.tiles.clone()
     assert not engine.native.usable() and not engine.native.takes(step, cache, 5, mask)
 
 
-def test_the_first_layer_check_catches_a_wrong_description():
+def test_the_comparison_with_the_modules_catches_a_wrong_description():
     model = packed("llama", "fp16")
     engine = Engine(model)
-    assert _close_to(engine.native, engine.base)
+    assert close(first_layer_pairs(engine))
     layer = engine.native.layers[0]
     layer.norm1, layer.norm2 = layer.norm2, layer.norm1  # a mix-up of the two norms' weights
     torch.nn.init.normal_(engine.base.layers[0].input_layernorm.weight)  # (they start equal: all ones)
-    assert not _close_to(engine.native, engine.base)
+    assert not close(first_layer_pairs(engine))
     assert ctypes.sizeof(engine.native.layers[0]) == ctypes.sizeof(native.Layer)
 
 
@@ -194,15 +217,35 @@ def test_micro_steps_in_one_native_call_are_the_module_path(arch, scheme):
             assert (a - b).norm() <= tolerance * a.norm()
 
 
-def test_the_micro_check_catches_a_wrong_gate_or_source():
+def micro_close(engine: Engine) -> bool:
+    """The native micro pass against the module-by-module one on random inputs, caches and context (three new
+    positions after two cached, some base entries hidden): output and cache within 1e-3 of their norm."""
+    micro, config = engine.model.micro, engine.base.config
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 3, config.hidden_size, generator=gen)
+    caches = [KVCache.for_layers(micro.layers, config, 1, 8, torch.float32, "cpu") for _ in range(2)]
+    base_cache = KVCache.for_layers(engine.base.layers, config, 1, 8, torch.float32, "cpu")
+    for t in (base_cache.k, base_cache.v, caches[0].k, caches[0].v):
+        t.copy_(torch.randn(t.shape, generator=gen))
+    caches[1].k.copy_(caches[0].k)
+    caches[1].v.copy_(caches[0].v)
+    visible = torch.tensor([[False, True, True, False, True, True, True, True]])
+    context = MicroContext(base_cache, visible, torch.tensor([7])) if micro.context else None
+    with torch.inference_mode():
+        quick = engine._micro_native_pass(x, caches[1], 2, context)
+        slow = engine._micro_layers(x, caches[0], 2, context, native=False)
+    return quick is not None and close([(slow, quick), (caches[0].k, caches[1].k), (caches[0].v, caches[1].v)])
+
+
+def test_the_micro_comparison_catches_a_wrong_gate_or_source():
     engine = Engine(micro_packed("llama", "int4"))
     good = engine.micro_native
-    assert engine._micro_native_close()
+    assert micro_close(engine)
     sources = list(engine.model.micro.context_layers)
-    for wrong in (NativeLayers(good.fast, -good.gates, sources), NativeLayers(good.fast, good.gates, sources[::-1]),
-                  NativeLayers(good.fast, None, None)):
+    for wrong in (NativeLayers(good.parts, -good.gates, sources), NativeLayers(good.parts, good.gates, sources[::-1]),
+                  NativeLayers(good.parts, None, None)):
         engine.micro_native = wrong
-        assert not engine._micro_native_close()
+        assert not micro_close(engine)
 
 
 @pytest.mark.parametrize("scheme", ["fp16", "int4"])
@@ -218,16 +261,16 @@ def test_verify_mode_with_native_micro_steps_is_its_base_exactly(scheme):
 
 @pytest.mark.parametrize("scheme", ["fp16", "int4"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_compress_passes_run_natively_and_decode_as_the_fast_layers(arch, scheme):
+def test_compress_passes_run_natively_and_decode_as_the_module_path(arch, scheme):
     """Compress mode's check passes (their mask a function of the layer: the merger's bias on merged entries) in
-    the native call: each pass to the products' rounding of the fast layers' (the bias's exact arithmetic is
+    the native call: each pass to the products' rounding of the module path's (the bias's exact arithmetic is
     checked by a pass with large gates), and the same replies."""
     model = packed(arch, scheme)
     model.attach_merger(random_merger(model.base, channels=arch == "qwen2"))
     model.config.merge_window = 0  # every decided step merged at once
     native_engine = Engine(model, draft_rows=None, lookup=1)
-    fast_engine = Engine(model, draft_rows=None, lookup=1, native_layers=False)
-    assert native_engine.native is not None and fast_engine.native is None
+    module_engine = Engine(model, draft_rows=None, lookup=1, native_layers=False)
+    assert native_engine.native is not None and module_engine.native is None
     base = native_engine.base
     merged_len = torch.tensor([[0, 3, 1, 0, 2, 0, 0, 0], [2, 0, 0, 4, 0, 0, 0, 0]])
     visible = torch.ones(2, 1, 3, 8, dtype=torch.bool).tril(5)
@@ -240,12 +283,12 @@ def test_compress_passes_run_natively_and_decode_as_the_fast_layers(arch, scheme
     caches = [random_cache(base, 2, seed=5) for _ in range(2)]
     with torch.inference_mode():
         quick = native_engine.base_pass(x, positions, caches[0], 5, mask, last=False)
-        slow = fast_engine.base_pass(x, positions, caches[1], 5, mask, last=False)
+        slow = module_engine.base_pass(x, positions, caches[1], 5, mask, last=False)
     tolerance = 1e-5 if scheme == "fp16" else 1e-3
     for a, b in [*zip(slow, quick), (caches[1].k, caches[0].k)]:
         assert (a - b).norm() <= tolerance * a.norm()
     kw = {"max_new_tokens": 32, "mode": "compress", "confidence": 0.2, "eos_token_ids": set()}
-    ours, theirs = native_engine.generate(PROMPTS, **kw), fast_engine.generate(PROMPTS, **kw)
+    ours, theirs = native_engine.generate(PROMPTS, **kw), module_engine.generate(PROMPTS, **kw)
     assert ours.stats.kv_entries < ours.stats.kv_entries_base  # steps were merged
     assert ours.tokens == theirs.tokens
 
@@ -260,3 +303,40 @@ def test_an_int8_heads_shortlist_of_any_length_keeps_the_heads_own_codes():
     assert isinstance(engine._short, Int8Linear) and engine._short.native and engine._short.out_features == 9
     h = torch.randn(3, model.base.config.hidden_size)
     assert torch.equal(engine.short_logits(h), head(h)[:, model.micro_vocab])
+
+
+def test_not_used_where_the_native_call_does_not_take_the_layers():
+    float_model = hamburger("llama", k=4)  # float layers: q/k/v are not fused
+    assert layer_parts(float_model.base.model.layers, float_model.base.config) is None
+    unfused = hamburger("llama", k=4)
+    quantize_model(unfused.base, "int4", fuse=False)
+    assert layer_parts(unfused.base.model.layers, unfused.base.config) is None and Engine(unfused).native is None
+    half = hamburger("llama", k=4)
+    quantize_model(half.base, "int4")
+    half.base.model.layers[-1].post_attention_layernorm.to(torch.bfloat16)  # not float32 (any layer's norm)
+    assert Engine(half).native is None
+
+
+def test_a_hook_or_a_replaced_module_sends_the_pass_back_to_the_modules():
+    model = packed("llama", "int4")
+    engine = Engine(model, draft_policy=False)
+    runs = [0]
+    run = engine.native.run
+
+    def counted(*args, **kwargs):
+        runs[0] += 1
+        return run(*args, **kwargs)
+
+    engine.native.run = counted
+    kw = {"max_new_tokens": 8, "mode": "verify", "eos_token_ids": set()}
+    want = Engine(model, draft_policy=False, native_layers=False).generate(PROMPTS, **kw)
+    seen = []
+    handle = model.base.model.layers[2].mlp.down_proj.register_forward_hook(lambda m, a, out: seen.append(1))
+    got = engine.generate(PROMPTS, **kw)
+    assert runs[0] == 0 and seen  # the hooked module ran, through the module path
+    assert got.tokens == want.tokens
+    handle.remove()
+    assert engine.generate(PROMPTS, **kw).tokens == want.tokens and runs[0] > 0
+    mlp = model.base.model.layers[0].mlp
+    mlp.down_proj = torch.nn.Linear(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False)
+    assert not engine.native.usable()

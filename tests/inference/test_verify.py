@@ -11,6 +11,7 @@ import torch
 from conftest import PAD, base_greedy, exact_marginals, greedy_no_eos, hamburger, tv
 from hamburger import HamburgerError, SamplingParams
 from hamburger.inference.engine import Engine, make_engine
+from hamburger.inference.sampling import greedy_tokens
 from hamburger.inference.verify import accept_greedy, accept_sampled
 from hamburger.kernels.qlinear import fp16_unavailable
 from hamburger.kernels.quantize import quantize_model
@@ -283,3 +284,59 @@ def test_a_draft_stop_head_decides_drafts_and_the_trust_head_trust_steps(tmp_pat
     engine = Engine(model, draft_rows=None)
     assert all(s == 1 for steps in engine.generate(PROMPTS, max_new_tokens=12, confidence=0.5).steps for s in steps)
     assert engine.generate(PROMPTS, max_new_tokens=12, confidence=0.5, mode="verify").stats.drafted_tokens > 0
+
+
+def test_greedy_tokens_are_argmax_ties_and_nans_included():
+    gen = torch.Generator().manual_seed(0)
+    for shape in ((1, 49152), (3, 5, 1000), (16, 7244), (2, 8, 300)):
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = torch.randn(shape, generator=gen).to(dtype)
+            tied = x.round()  # many equal maxima: the first one's index
+            tied[..., 3] = tied[..., 7] = float("inf")
+            nan = x.clone()
+            nan[..., 5] = float("nan")
+            for t in (x, tied, nan):
+                assert torch.equal(greedy_tokens(t), t.argmax(-1)), (shape, dtype)
+
+
+def test_a_checked_step_takes_token_0_from_its_check_pass_not_another_head(monkeypatch):
+    """After a check pass every verify row's token 0 is the pass's own choice: one LM head fewer a pass than when
+    the macro-step computes it again, the same text, the base's (batches mixing trust rows, whose token 0 needs
+    the head: test_scheduler's mixed-mode tests)."""
+    from hamburger.inference import verify
+    model = hamburger("llama", k=4)
+    heads = [0]
+    lm_head = model.lm_head
+
+    def counted(h):
+        heads[0] += 1
+        return lm_head(h)
+
+    expected = base_greedy(model, PROMPTS[0], 20)
+
+    def oracle(ids, histories, room):  # the base's own continuation, a third of the drafts spoiled
+        noise = torch.Generator().manual_seed(len(histories[0]))
+        drafts = expected[len(histories[0]): len(histories[0]) + min(room[0], 3)]
+        return [[(t + 1) % 96 if bool(torch.rand(1, generator=noise) < 0.3) else t for t in drafts]]
+
+    def run():
+        heads[0] = 0
+        engine = Engine(model, draft_policy=False, draft_rows=None, drafter=oracle)
+        out = engine.generate(PROMPTS[:1], max_new_tokens=20, confidence=0.5, mode="verify", eos_token_ids=set())
+        return out, heads[0]
+
+    monkeypatch.setattr(model, "lm_head", counted)
+    out, now = run()
+    accept = verify.accept
+
+    def accept_without_token_0(runner, rows, n, checked, final, width):
+        at = accept(runner, rows, n, checked, final, width)
+        rows.next_t0[:n] = -1
+        return at
+
+    monkeypatch.setattr(verify, "accept", accept_without_token_0)
+    before, then = run()
+    passes = out.stats.base_forwards - 1  # the prefill is one
+    assert then - now == passes and passes < 12  # drafts were kept: fewer passes than tokens
+    assert len(set(out.steps[0])) > 2  # passes kept 0, 1, 2 or 3 drafts: token 0 came from varied positions
+    assert out.tokens == before.tokens and out.tokens[0] == expected

@@ -125,10 +125,9 @@ class Engine(ModelRunner):
 
     def __init__(self, model: HamburgerModel, shortlist: bool = True,
                  draft_rows: int | str | None = "auto", lookup: int | None = None,
-                 draft_policy: bool | None = None, drafter: Drafter | None = None, fast_layers: bool = True,
-                 native_layers: bool = True) -> None:
+                 draft_policy: bool | None = None, drafter: Drafter | None = None, native_layers: bool = True) -> None:
         super().__init__(model, shortlist=shortlist, draft_rows=draft_rows, lookup=lookup,
-                         draft_policy=draft_policy, fast_layers=fast_layers, native_layers=native_layers)
+                         draft_policy=draft_policy, native_layers=native_layers)
         self.drafter = drafter
 
     def stream(

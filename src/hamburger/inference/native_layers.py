@@ -1,17 +1,19 @@
-"""The base's decoder layers in one native call a pass (`kernels/native.c`'s `hb_layers`): the engine's decode
-steps and verify passes without PyTorch's per-operator cost.
+"""The decoder layers in one native call a pass (`kernels/native.c`'s `hb_layers`): the engine's fast path.
 
-A base step of the default is ~1,300 PyTorch operators even with the fast layers (`fast_layer.py`), and at
-batch 1 they cost about as much as the matrix products themselves (`benchmarks/step_profile.py`). Here one C call
-runs every layer of a pass over the engine's own caches, in one OpenMP region: the norms, the products (the
-layers' native float16 or 4-bit weights), the rotary embedding, the cache writes, attention and the MLP.
+The model's own modules are the reference: a pass runs them one by one over the engine's caches
+(`kv.layer_forward`), which any model the engine supports can do. Where the native kernels run and the layers are
+of a kind they take (Llama, Mistral or Qwen2 layers in float32 with q/k/v and gate/up fused and their weights
+packed as fp16, int8 or int4: `quantize_model`'s default), one C call runs every layer of a pass over the same
+caches, in one OpenMP region: the norms, the products, the rotary embedding, the cache writes, attention and the
+MLP, without PyTorch's per-operator cost, which at batch 1 is about as much as the products themselves
+(`benchmarks/step_profile.py`).
 
-It is the fast layers' computation, not their bits: sums run in another order, and the 4-bit products quantize
-their inputs to int16 (`native.INT4_Q16`). The engine checks the first layer against the module-by-module layer
-(`kv.layer_forward`) before using it (`_close_to`), and uses it for every pass of at most `NATIVE_ROWS` rows;
-longer passes (a prompt's prefill) take the fast layers. Each row's result is the same whatever the pass's other
-rows and however many slots lie beyond its mask, so verify mode's check passes give each position the
-one-position step's result.
+It is the modules' computation, not their bits: sums run in another order, and the 4-bit products quantize their
+inputs to int16 (`native.INT4_Q16`); tests/inference/test_native_layers.py holds every variant to the module path
+and verify mode to its base exactly. Passes of at most `NATIVE_ROWS` rows run natively; longer ones (a long
+prompt's prefill) and any pass where a module it would bypass has a hook or was replaced (a LoRA attached later)
+run module by module. Each row's result is the same whatever the pass's other rows and however many slots lie
+beyond its mask, so verify mode's check passes give each position the one-position step's result.
 """
 
 from __future__ import annotations
@@ -20,47 +22,113 @@ import ctypes
 import operator
 
 import torch
+from torch import nn
 
-from hamburger.inference.fast_layer import FastLayer, fast_layers_of, probe_first_layer, rope_tables
 from hamburger.inference.kv import KVCache, RowSlots
 from hamburger.kernels import native
-from hamburger.kernels.qlinear import Fp16Linear, Int4Linear, Int8Linear
+from hamburger.kernels.fused import FusedPart
+from hamburger.kernels.qlinear import Fp16Linear, Int4Linear, Int8Linear, QuantizedLinear
 
-NATIVE_ROWS = 64  # passes of at most this many rows (batch x positions) run natively; longer ones (prefill) do not
+# Passes of at most this many rows (batch x positions) run natively: a decode step or a check pass of up to 32
+# rows of 4 positions; a longer prefill runs module by module (benchmarks/pass_paths.py measures both).
+NATIVE_ROWS = 128
+NATIVE_TYPES = ("llama", "mistral", "qwen2")
+_HOOKS = operator.attrgetter("_forward_hooks", "_forward_pre_hooks")
+
+
+class LayerParts:
+    """What the native call reads of one decoder layer: its fused products, norms and shapes, and the modules it
+    stands in for (a hook on any of them, or one replaced, sends the pass back to the modules)."""
+
+    def __init__(self, layer: nn.Module, config) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        # (parent, attribute, module) of every module the native call stands in for
+        self.slots = [(layer, n, getattr(layer, n)) for n in ("self_attn", "mlp", "input_layernorm",
+                                                              "post_attention_layernorm")]
+        self.slots += [(attn, n, getattr(attn, n)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        self.slots += [(mlp, n, getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")]
+        self.layer = layer
+        self.qkv, self.gate_up = attn.q_proj.group.linear, mlp.gate_proj.group.linear
+        self.o, self.down = attn.o_proj, mlp.down_proj
+        self.norm1, self.norm2 = layer.input_layernorm.weight, layer.post_attention_layernorm.weight
+        self.eps = layer.input_layernorm.variance_epsilon
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, attn.head_dim
+        self.scaling = attn.scaling
+        self.inner = self.gate_up.out_features // 2
+
+
+def _fits(layer: nn.Module) -> bool:
+    attn, mlp = layer.self_attn, getattr(layer, "mlp", None)
+    parts = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    mlp_parts = [getattr(mlp, n, None) for n in ("gate_proj", "up_proj")]
+    return (not hasattr(attn, "q_norm") and mlp is not None
+            and all(isinstance(p, FusedPart) and p.group is parts[0].group and p.index == i for i, p in enumerate(parts))
+            and len(parts[0].group.bounds) == 3
+            and all(isinstance(p, FusedPart) and p.group is mlp_parts[0].group and p.index == i
+                    for i, p in enumerate(mlp_parts)) and len(mlp_parts[0].group.bounds) == 2
+            and mlp_parts[0].group.bounds[0][1] * 2 == mlp_parts[0].group.linear.out_features
+            and isinstance(attn.o_proj, QuantizedLinear) and not isinstance(attn.o_proj, FusedPart)
+            and isinstance(mlp.down_proj, QuantizedLinear) and not isinstance(mlp.down_proj, FusedPart)
+            and hasattr(layer.input_layernorm, "variance_epsilon")
+            and all(getattr(norm, "weight", None) is not None and norm.weight.dtype == torch.float32
+                    for norm in (layer.input_layernorm, layer.post_attention_layernorm)))
+
+
+def layer_parts(layers, config) -> list[LayerParts] | None:
+    """`LayerParts` for decoder layers of a kind the native call takes (fused packed products, float32 norms,
+    SiLU, no per-head norms), or None."""
+    if (getattr(config, "model_type", "") not in NATIVE_TYPES or getattr(config, "hidden_act", "") != "silu"
+            or not all(_fits(layer) for layer in layers)):
+        return None
+    return [LayerParts(layer, config) for layer in layers]
+
+
+def rope_tables(rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotary (cos, sin), each (B, T, head_dim), as the native call takes them: the sine's first half negated
+    (rotate_half(x) * sin == roll(x, half) * that, exactly: only signs move)."""
+    cos, sin = rope
+    half = sin.shape[-1] // 2
+    return cos, torch.cat((-sin[..., :half], sin[..., half:]), -1)
 
 
 class NativeLayers:
-    """The C description of a base's decoder layers (from its `FastLayer`s) and the call that runs them."""
+    """The C description of decoder layers (from their `LayerParts`) and the call that runs them."""
 
-    def __init__(self, fast: list[FastLayer], gates: torch.Tensor | None = None,
+    def __init__(self, parts: list[LayerParts], gates: torch.Tensor | None = None,
                  sources: list[int] | None = None) -> None:
         """`gates` (layers, heads) and `sources`: the micro-step decoder's layers, which also attend to the base's
         entries of base layer sources[i], weighted per head by gates[i] (tanh of its context gate)."""
-        first = fast[0]
+        first = parts[0]
         self.gates = None if gates is None else gates.detach().float().contiguous()
         self.heads, self.kv_heads, self.head_dim = first.heads, first.kv_heads, first.head_dim
         self.d, self.inner, self.eps, self.scaling = first.qkv.in_features, first.inner, first.eps, first.scaling
-        self.fast = fast
-        self.layers = (native.Layer * len(fast))()
-        self._held = []  # (dict, key, tensor): what the descriptions point into, checked at each pass
-        for i, f in enumerate(fast):
+        self.parts = parts
+        self.layers = (native.Layer * len(parts))()
+        # (dict, key, value): the modules in their parents and the tensors the descriptions point into, checked at
+        # each pass; and the hook dicts of every module the call stands in for (a hook is registered in place)
+        held = [(parent._modules, name, module) for f in parts for parent, name, module in f.slots]
+        self._hooks = [d for f in parts for m in [f.layer, *(module for _, _, module in f.slots)] for d in _HOOKS(m)]
+        for i, f in enumerate(parts):
             weights = {}
             for name in ("qkv", "o", "gate_up", "down"):
                 module = getattr(f, name)
                 weights[name] = module.native_desc()
-                self._held += [(module._buffers, key, t) for key, t in module._buffers.items()]
+                held += [(module._buffers, key, t) for key, t in module._buffers.items()]
                 if module.bias is not None:
-                    self._held.append((module._parameters, "bias", module.bias))
+                    held.append((module._parameters, "bias", module.bias))
             norms = (f.layer.input_layernorm, f.layer.post_attention_layernorm)
-            self._held += [(norm._parameters, "weight", norm.weight) for norm in norms]
+            held += [(norm._parameters, "weight", norm.weight) for norm in norms]
             gate = (self.gates[i].data_ptr(), sources[i]) if self.gates is not None else (None, 0)
             self.layers[i] = native.Layer(f.norm1.data_ptr(), f.norm2.data_ptr(), index=i, ctx_gate=gate[0],
                                           ctx_index=gate[1], **weights)
-        self._owners, self._keys, self._tensors = (list(column) for column in zip(*self._held))
+        self._owners, self._keys, self._values = (list(column) for column in zip(*held))
 
     def usable(self) -> bool:
-        """The modules still hold the tensors the descriptions point into (at C speed: it runs at every pass)."""
-        return all(map(operator.is_, map(dict.get, self._owners, self._keys), self._tensors))
+        """No hook on any module the call stands in for (nor a global one), and the modules and tensors still in
+        place (read from the modules' own dicts through flat lists, at C speed: it runs at every pass)."""
+        hooks = torch.nn.modules.module
+        return (not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks or any(self._hooks))
+                and all(map(operator.is_, map(dict.get, self._owners, self._keys), self._values)))
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
                  start: int | RowSlots, mask: torch.Tensor, first: int, last: int) -> torch.Tensor:
@@ -128,40 +196,29 @@ class NativeLayers:
                 and self.usable())
 
 
-def native_weights(fast: list[FastLayer] | None) -> bool:
+def native_weights(parts: list[LayerParts] | None) -> bool:
     """Whether the native call can run these layers: head sizes it takes, every product on the native kernels'
-    weights (fp16, int8, int4), biases only on q/k/v (Qwen2), as the fast layers assume."""
-    if fast is None or not native.available() or fast[0].head_dim % 16 or fast[0].head_dim > native.MAX_HEAD_DIM:
+    weights (fp16, int8, int4), biases only on q/k/v (Qwen2)."""
+    if parts is None or not native.available() or parts[0].head_dim % 16 or parts[0].head_dim > native.MAX_HEAD_DIM:
         return False
-    modules = [m for f in fast for m in (f.qkv, f.o, f.gate_up, f.down)]
+    modules = [m for f in parts for m in (f.qkv, f.o, f.gate_up, f.down)]
     return (all(isinstance(m, (Fp16Linear, Int4Linear, Int8Linear)) and m.native for m in modules)
-            and not any(m.bias is not None for f in fast for m in (f.o, f.gate_up, f.down)))
+            and not any(m.bias is not None for f in parts for m in (f.o, f.gate_up, f.down)))
+
+
+def native_layers(base) -> NativeLayers | None:
+    """`NativeLayers` for the base's decoder layers (`base`: the inner model, with `layers`), or None where the
+    native call does not take them."""
+    parts = layer_parts(base.layers, base.config)
+    return NativeLayers(parts) if native_weights(parts) else None
 
 
 def micro_native_layers(micro, config, base_native: NativeLayers | None) -> NativeLayers | None:
     """`NativeLayers` for the micro-step decoder's layers (their attention to the base's entries included), or None
-    (the base's layers not native, or `native_weights` says no). Its user checks the result against the
-    module-by-module micro pass before using it. The context gates are read now (an engine is made after its model
-    is loaded)."""
-    fast = fast_layers_of(micro.layers, config) if base_native is not None else None
-    if not native_weights(fast):
+    (the base's layers not native, or `native_weights` says no). The context gates are read now (an engine is made
+    after its model is loaded)."""
+    parts = layer_parts(micro.layers, config) if base_native is not None else None
+    if not native_weights(parts):
         return None
     gates = torch.tanh(micro.context_gate) if micro.context_gate is not None else None
-    return NativeLayers(fast, gates, list(micro.context_layers))
-
-
-def native_layers(base, fast: list[FastLayer] | None) -> NativeLayers | None:
-    """`NativeLayers` for the base's decoder layers, or None: `native_weights` says no, or the first layer is not
-    close to the module-by-module layer."""
-    if not native_weights(fast):
-        return None
-    layers = NativeLayers(fast)
-    return layers if _close_to(layers, base) else None
-
-
-def _close_to(layers: NativeLayers, base) -> bool:
-    """Layer 0 natively against `layer_forward` (`fast_layer.probe_first_layer`): outputs and cache within 1e-3 of
-    their norm (sums in another order, the 4-bit products' inputs rounded to int16: 1e-7 to 1e-4 measured). A
-    wrong layout, sign or weight is far outside it."""
-    pairs = probe_first_layer(base, lambda x, rope, cache, start, mask: layers(x, rope, cache, start, mask, 0, 1))
-    return all(bool((a - b).norm() <= 1e-3 * a.norm()) for a, b in pairs)
+    return NativeLayers(parts, gates, list(micro.context_layers))

@@ -1,8 +1,9 @@
 """The model runner: a `HamburgerModel`'s base and micro-step decoder run over static KV caches.
 
 In the spirit of gpt-fast, for Llama-style decoders (Llama, Mistral, Qwen2, Qwen3): the base's own modules
-(projections, norms, MLPs, rotary embedding) do the math, this file owns the passes, the
-micro-step shortlist head and the drafting settings; `scheduler.py` owns the rows and the loop.
+(projections, norms, MLPs, rotary embedding) do the math, one layer after another (`kv.layer_forward`), or one
+native call runs them all where the native kernels take the layers (`native_layers.py`, the fast path). This file
+owns the passes, the micro-step shortlist head and the drafting settings; `scheduler.py` owns the rows and the loop.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import torch.nn.functional as F
 from hamburger.errors import HamburgerError
 from hamburger.inference import draft_policy as draft_policy_mod
 from hamburger.inference.draft_policy import StepCosts
-from hamburger.inference.fast_layer import FastUsable, decode_layers, rope_tables
 from hamburger.inference.kv import KVCache, MicroContext, RowSlots, layer_forward
 from hamburger.inference.lookup import reply_store
 from hamburger.inference.native_layers import micro_native_layers
@@ -62,17 +62,16 @@ class ModelRunner:
 
     def __init__(self, model: HamburgerModel, shortlist: bool = True,
                  draft_rows: int | str | None = "auto", lookup: int | None = None,
-                 draft_policy: bool | None = None, fast_layers: bool = True, native_layers: bool = True) -> None:
+                 draft_policy: bool | None = None, native_layers: bool = True) -> None:
         """`draft_rows`: verify mode drafts only in batches of at most this many rows (None: always; 0: never;
         "auto": `config.DRAFT_ROWS` where a pass of a few positions costs about one of one position, else 0; see
         `auto_draft_rows`). Compress mode always drafts: its steps are what it merges. `lookup`: verify and
         compress mode also draft by lookup (`lookup.py`) where a row's last `lookup` or more tokens occurred
         before (0: never; None: the checkpoint's `lookup`). `draft_policy`: a verify row drafts only while its
         drafts pay for their cost, measured on this engine's own steps (`draft_policy.py`); False: every step;
-        None: `draft_policy.ON_BY_DEFAULT`. `fast_layers`: base passes without slot adapters run the decoder layers
-        in fewer operators where that is the same computation (`fast_layer.py`); False: module by module.
-        `native_layers`: with fast layers, passes of a few rows run every layer in one native call where the
-        native kernels run (`native_layers.py`); False: the fast layers."""
+        None: `draft_policy.ON_BY_DEFAULT`. `native_layers`: passes of up to `NATIVE_ROWS` rows without slot
+        adapters run every decoder layer in one native call where the native kernels take the layers
+        (`native_layers.py`); False: the model's modules one by one, always."""
         check_supported(model)
         self.model = model
         self.lookup = check_lookup(model.config.lookup if lookup is None else lookup)
@@ -100,13 +99,9 @@ class ModelRunner:
                 # bfloat16 values, which float16 holds exactly within its normal range (a test)
                 self._short, self.short_head = Fp16Linear(self.short_head), None
         self.base = model.base.base_model
-        self.fast = decode_layers(self.base) if fast_layers else None
-        self.fast_usable = FastUsable(self.fast) if self.fast is not None else None
-        self.native = make_native(self.base, self.fast) if native_layers else None
-        # the micro-step decoder's layers in one native call too, where they match its module-by-module pass
+        self.native = make_native(self.base) if native_layers else None
+        # the micro-step decoder's layers in one native call too (their attention to the base's entries included)
         self.micro_native = micro_native_layers(model.micro, self.base.config, self.native)
-        if self.micro_native is not None and not self._micro_native_close():
-            self.micro_native = None
         self.k = model.config.max_step_tokens
 
     @property
@@ -173,24 +168,19 @@ class ModelRunner:
         wanted = model.micro.feature_layers if self.k > 1 else []
         depth = len(base.layers)
         rope = base.rotary_emb(embeds, positions)
-        fast = self.fast if adapters is None and self.fast is not None and self.fast_usable() else None
         feats: dict[int, torch.Tensor] = {}
         # compress mode's mask is a function of the layer (`merge.MergedMask`): the native call takes its parts
         native_mask, bias = mask.native_parts() if hasattr(mask, "native_parts") else (mask, None)
-        if fast and self.native is not None and self.native.takes(embeds, cache, start, native_mask):
+        if adapters is None and self.native is not None and self.native.takes(embeds, cache, start, native_mask):
             stops = sorted({i for i in wanted if 0 < i < depth} | {depth})  # the native layers write in place
             xs = self.native.run(embeds.clone(memory_format=torch.contiguous_format), rope, cache, start, native_mask,
                                  stops, bias=bias)
             final = base.norm(xs[depth][:, -1] if last else xs[depth])
             return [final] + [(xs[i][:, -1] if last else xs[i]) if i < depth else final for i in wanted]
-        tables = rope_tables(rope) if fast else None
         x = embeds
         for i, layer in enumerate(base.layers):
             m = mask(i) if callable(mask) else mask
-            if fast:
-                x = fast[i](x, *tables, cache, i, start, m)
-            else:
-                x = layer_forward(layer, x, rope, cache, i, start, m, None if adapters is None else adapters[i])
+            x = layer_forward(layer, x, rope, cache, i, start, m, None if adapters is None else adapters[i])
             if i + 1 in wanted and i + 1 < depth:
                 feats[i + 1] = x[:, -1] if last else x
         final = base.norm(x[:, -1] if last else x)
@@ -222,26 +212,6 @@ class ModelRunner:
         xs = self.micro_native.run(x.clone(memory_format=torch.contiguous_format), rope, cache, start, own, [depth],
                                    context=ctx)
         return micro.norm(xs[depth][:, -1])
-
-    def _micro_native_close(self) -> bool:
-        """The native micro pass against the module-by-module one on random inputs, caches and context (three new
-        positions after two cached, some base entries hidden): output and cache within 1e-3 of their norm."""
-        micro, config, dev = self.model.micro, self.base.config, self.device
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(1, 3, config.hidden_size, generator=gen).to(dev)
-        caches = [KVCache.for_layers(micro.layers, config, 1, 8, torch.float32, dev) for _ in range(2)]
-        base_cache = KVCache.for_layers(self.base.layers, config, 1, 8, torch.float32, dev)
-        for t in (base_cache.k, base_cache.v, caches[0].k, caches[0].v):
-            t.copy_(torch.randn(t.shape, generator=gen))
-        caches[1].k.copy_(caches[0].k)
-        caches[1].v.copy_(caches[0].v)
-        visible = torch.tensor([[False, True, True, False, True, True, True, True]], device=dev)
-        context = MicroContext(base_cache, visible, torch.tensor([7], device=dev)) if micro.context else None
-        with torch.inference_mode():
-            quick = self._micro_native_pass(x, caches[1], 2, context)
-            slow = self._micro_layers(x, caches[0], 2, context, native=False)
-        pairs = [(slow, quick), (caches[0].k, caches[1].k), (caches[0].v, caches[1].v)]
-        return quick is not None and all(bool((a - b).norm() <= 1e-3 * a.norm()) for a, b in pairs)
 
     def _micro_layers(self, x: torch.Tensor, cache: KVCache, start: int, context: MicroContext | None,
                       native: bool = True) -> torch.Tensor:

@@ -242,7 +242,7 @@ static void rms_norm(const float *x, const float *weight, float *out, int64_t d,
     for (int64_t i = 0; i < d; i++) out[i] = x[i] * r * weight[i];
 }
 
-/* x * cos + roll(x, half) * sin_signed, as the engine's fast layers rotate */
+/* x * cos + roll(x, half) * sin_signed: rotate_half(x) * sin with only the signs moved */
 static void rotate(const float *x, const float *cos, const float *sin, float *out, int64_t hd) {
     const int64_t half = hd / 2;
     for (int64_t i = 0; i < hd; i++) out[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * sin[i];

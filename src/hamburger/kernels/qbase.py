@@ -127,8 +127,7 @@ class QuantizedLinear(nn.Module):
         return self.linear2d(x.reshape(-1, self.in_features)).reshape(*x.shape[:-1], self.out_features)
 
     def linear2d(self, x: torch.Tensor) -> torch.Tensor:
-        """The forward of a (rows, in_features) input without the module call and reshapes (the engine's decode
-        layers call this: `inference/fast_layer.py`)."""
+        """The forward of a (rows, in_features) input without the reshapes."""
         if (y := self._wide(x)) is not None:
             return y
         y = self._mm(x.to(self.compute_dtype).contiguous())
