@@ -5,7 +5,9 @@ lookup drafts, and with lookup in the prompt and reply else the micro-step decod
 of each shipped set: code, math, chat), greedy, at batch 1 (prompts one after another) and at a concurrency (all
 prompts submitted at once, at most that many decoded together). Reported per run: tokens per second, vLLM's
 SpecDecoding metrics (mean acceptance length = 1 + accepted / drafts, and the acceptance rate at each draft
-position), and whether every reply's tokens equal vLLM plain's at the same concurrency.
+position), tokens per target forward (generated / (generated - accepted): every forward of a request emits one
+token of its own plus the drafts it accepted, so this counts the steps without drafts too, which the mean
+acceptance length leaves out), and whether every reply's tokens equal vLLM plain's at the same concurrency.
 
 Run it with the Python that has vLLM (`pip install "hamburger[vllm]"`), for example on a shared 2-core machine:
 
@@ -48,14 +50,29 @@ def run_one(prompts, drafts: str, concurrency: int, args) -> dict:
 def row(result: dict, plain: dict | None) -> str:
     name = NAMES[result["drafts"]]
     if "error" in result:
-        return f"| {name} | {result['concurrency']} | does not run: {result['error']} | | | |"
+        return f"| {name} | {result['concurrency']} | does not run: {result['error']} | | | | |"
     spec = result["spec"]
     mal = spec["mean_acceptance_length"]
     same = "—" if plain is None or "error" in plain else (
         f"{sum(a == b for a, b in zip(result['tokens'], plain['tokens']))}/{len(plain['tokens'])}")
     per = " / ".join(f"{r:.2f}" for r in spec["per_position_rate"]) or "—"
+    per_forward = result["generated"] / max(result["generated"] - spec["accepted"], 1)
     return (f"| {name} | {result['concurrency']} | {result['tokens_per_s']:.1f} | "
-            f"{'—' if mal is None else f'{mal:.2f}'} | {per} | {same} |")
+            f"{'—' if mal is None else f'{mal:.2f}'} | {per} | {per_forward:.2f} | {same} |")
+
+
+HEADER = ("| system | concurrency | tokens/s | mean acceptance length | acceptance per position | tokens per forward "
+          "| output = plain |\n| --- | --- | --- | --- | --- | --- | --- |")
+
+
+def table(results: list[dict]) -> None:
+    """The table of saved results (`--out`), plain first at each concurrency."""
+    print(HEADER)
+    for concurrency in sorted({r["concurrency"] for r in results}):
+        runs = [r for r in results if r["concurrency"] == concurrency]
+        plain = next((r for r in runs if r["drafts"] == "none"), None)
+        for r in runs:
+            print(row(r, plain))
 
 
 def main() -> None:
@@ -68,12 +85,16 @@ def main() -> None:
     p.add_argument("--model", default=None, help="default: the embedded default, converted")
     p.add_argument("--timeout", type=float, default=1800, help="seconds a configuration may take")
     p.add_argument("--out", default=None, help="write every result (tokens included) here as JSON")
+    p.add_argument("--table", default=None, metavar="JSON", help="print the table of a saved --out file and exit")
     args = p.parse_args()
+    if args.table:
+        with open(args.table, encoding="utf-8") as f:
+            table(json.load(f)["results"])
+        return
     prompts = [m for name in ("code", "math", "chat") for m in shipped(name, args.per_set)]
     methods = [m for m in args.methods.split(",") if m]
     results = []
-    print("| system | concurrency | tokens/s | mean acceptance length | acceptance per position | output = plain |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print(HEADER)
     for concurrency in (1, args.concurrency):
         plain = None
         for method in methods:

@@ -141,6 +141,8 @@ class MicroDrafts(LookupDrafts):
             raise HamburgerError(f"additional_config hamburger.order: history, lookup or micro, not {self.order!r}")
         if self.order == "history":
             self.store = None
+        # a micro-step draft ends before its first token the decoder gives less than this probability (0: never)
+        self.min_prob = float(settings(vllm_config).get("min_prob", 0.0))
 
     def load_model(self, model: Any = None, *args: Any, **kwargs: Any) -> None:
         super().load_model(model)
@@ -191,7 +193,11 @@ class MicroDrafts(LookupDrafts):
             positions = pos + 1 + torch.arange(q)[None]
             mask = torch.cat([torch.ones(q, t, dtype=torch.bool), torch.ones(q, q, dtype=torch.bool).tril()], 1)
             h = micro.forward_context(x, positions, list(keys), list(values), mask[None, None])[0, -1]
-            tokens.append(int(ham.lm_head(h).argmax(-1)))
+            probs = torch.softmax(ham.lm_head(h).float(), -1)
+            best = int(probs.argmax(-1))
+            if float(probs[best]) < self.min_prob:
+                break
+            tokens.append(best)
         drafts = tokens[1:]
         cut = next((i for i, tok in enumerate(drafts) if not 0 <= tok < self.vocab), len(drafts))
         return drafts[:cut]
