@@ -49,7 +49,7 @@ class Setting:
         self.name = setting + (" merged" if merged else "")
         self.merged = torch.ones(1, 1, dtype=torch.bool) if merged else None
         self.engine = Engine(model)
-        self.cache = KVCache.for_layers(self.engine.base.layers, model.base.config, 1, cached + total_steps + 8,
+        self.cache = KVCache.for_layers(self.engine.runner.base.layers, model.base.config, 1, cached + total_steps + 8,
                                         dtype, "cpu")
         self.x = model.embed(torch.tensor([[1]])).to(dtype)
         self.head = model.base.get_output_embeddings()
@@ -64,7 +64,7 @@ class Setting:
     def step(self) -> None:
         mask = torch.ones(1, 1, 1, self.slot + 1, dtype=torch.bool)
         with torch.inference_mode():
-            states = self.engine.base_pass(self.x, torch.tensor([[self.slot]]), self.cache, self.slot, mask, self.merged)
+            states = self.engine.runner.base_pass(self.x, torch.tensor([[self.slot]]), self.cache, self.slot, mask, self.merged)
             self.head(states[0])
         self.slot += 1
 

@@ -44,7 +44,7 @@ def main() -> None:
     systems = {"native": engines(scheme)}
     with native.turned_off():
         systems["torch"] = engines(scheme)
-    assert systems["native"][0].native is not None and systems["torch"][0].native is None
+    assert systems["native"][0].runner.native is not None and systems["torch"][0].runner.native is None
     tokenizer = systems["native"][1].model.tokenizer
     prompts = [encode_chat(tokenizer, m) for s in SETS for m in bench_messages(s, 2)]
     names = [(k, mode) for k in systems for mode in ("base", "verify")]

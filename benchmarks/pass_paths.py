@@ -23,17 +23,17 @@ SHAPES = "1x1,1x4,16x4,32x1,32x4,1x64,1x128,1x256"
 
 
 def pass_ms(engine: Engine, b: int, t: int, cached: int, budget_rows: int = 40) -> float:
-    cfg = engine.base.config
-    cache = KVCache.for_layers(engine.base.layers, cfg, b, cached + t + 8, torch.float32, "cpu")
+    cfg = engine.runner.base.config
+    cache = KVCache.for_layers(engine.runner.base.layers, cfg, b, cached + t + 8, torch.float32, "cpu")
     x = torch.randn(b, t, cfg.hidden_size)
     positions = torch.arange(cached, cached + t)[None].expand(b, -1)
     mask = torch.ones(t, cached + t, dtype=torch.bool).tril(cached)[None, None]
     calls = max(1, int(budget_rows / (b * t) ** 0.7))
     with torch.inference_mode():
-        engine.base_pass(x, positions, cache, cached, mask)  # warm
+        engine.runner.base_pass(x, positions, cache, cached, mask)  # warm
         start = time.perf_counter()
         for _ in range(calls):
-            engine.base_pass(x, positions, cache, cached, mask)
+            engine.runner.base_pass(x, positions, cache, cached, mask)
     return (time.perf_counter() - start) / calls * 1e3
 
 
@@ -46,7 +46,7 @@ def main() -> None:
     shapes = [tuple(int(n) for n in s.split("x")) for s in args.shapes.split(",")]
     model, _ = load("default", decode_only=True)
     engines = {"native": Engine(model), "modules": Engine(model, native_layers=False)}
-    if engines["native"].native is None:
+    if engines["native"].runner.native is None:
         raise SystemExit("the native call does not run here (no native kernels for this CPU or compiler)")
     native_layers.NATIVE_ROWS = 1 << 20  # every size natively, to compare
     times: dict[tuple, list[float]] = {}

@@ -51,9 +51,9 @@ class Scheme:
     def __init__(self, model, scheme: str, layers: str, cached: int, steps: int) -> None:
         self.name, self.model = f"{scheme} {layers}", model
         self.engine = Engine(model, native_layers=layers == "native")
-        if layers == "native" and self.engine.native is None:
+        if layers == "native" and self.engine.runner.native is None:
             raise SystemExit(f"{scheme}: the native layers do not apply to this model")
-        self.cache = KVCache.for_layers(self.engine.base.layers, model.base.config, 1, cached + steps + 64,
+        self.cache = KVCache.for_layers(self.engine.runner.base.layers, model.base.config, 1, cached + steps + 64,
                                         torch.float32, "cpu")
         self.x = model.embed(torch.tensor([[1]])).float()
         self.head = model.base.get_output_embeddings()
@@ -65,7 +65,7 @@ class Scheme:
     def step(self) -> None:
         mask = torch.ones(1, 1, 1, self.slot + 1, dtype=torch.bool)
         with torch.inference_mode():
-            states = self.engine.base_pass(self.x, torch.tensor([[self.slot]]), self.cache, self.slot, mask)
+            states = self.engine.runner.base_pass(self.x, torch.tensor([[self.slot]]), self.cache, self.slot, mask)
             self.head(states[0])
         self.slot += 1
 

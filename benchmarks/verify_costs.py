@@ -46,29 +46,29 @@ def main() -> None:
     if k < 2:
         raise SystemExit(f"{a.model} takes one token per step: it drafts nothing")
     d = cfg.hidden_size
-    base_cache = KVCache.for_layers(engine.base.layers, cfg, b, s + k, engine.dtype, engine.device)
+    base_cache = KVCache.for_layers(engine.runner.base.layers, cfg, b, s + k, engine.runner.dtype, engine.runner.device)
     base_cache.k.normal_(), base_cache.v.normal_()
-    micro_cache = KVCache.for_layers(model.micro.layers, cfg, b, m + k, engine.dtype, engine.device)
-    context = micro_context(engine, base_cache, s, torch.full((b,), s - 1))
+    micro_cache = KVCache.for_layers(model.micro.layers, cfg, b, m + k, engine.runner.dtype, engine.runner.device)
+    context = micro_context(engine.runner, base_cache, s, torch.full((b,), s - 1))
 
     def heads(h: torch.Tensor) -> None:  # what each micro-step also computes: the draft's head and the stop head
-        engine.short_logits(h) if engine.vocab is not None else model.lm_head(h)
+        engine.runner.short_logits(h) if engine.runner.vocab is not None else model.lm_head(h)
         model.stop_head(h)
 
     def base(n: int) -> None:
         mask = torch.ones(b, 1, n, s + n, dtype=torch.bool).tril(s)
-        states = engine.base_pass(torch.randn(b, n, d), torch.arange(s, s + n)[None].expand(b, -1), base_cache, s, mask,
+        states = engine.runner.base_pass(torch.randn(b, n, d), torch.arange(s, s + n)[None].expand(b, -1), base_cache, s, mask,
                               last=False)
         model.lm_head(states[0])
 
     items = {f"base forward, {n} position{'s' * (n > 1)}": (lambda n=n: base(n)) for n in range(1, k + 1)}
-    items["first micro-step (features + t0)"] = lambda: heads(engine.micro_pass(torch.randn(b, m + 1, d), micro_cache, 0,
+    items["first micro-step (features + t0)"] = lambda: heads(engine.runner.micro_pass(torch.randn(b, m + 1, d), micro_cache, 0,
                                                                             context))
-    items["later micro-step (one token)"] = lambda: heads(engine.micro_pass(torch.randn(b, 1, d), micro_cache, m + 1,
+    items["later micro-step (one token)"] = lambda: heads(engine.runner.micro_pass(torch.randn(b, 1, d), micro_cache, m + 1,
                                                                         context))
     if context is not None:
-        items["first micro-step, context off"] = lambda: heads(engine.micro_pass(torch.randn(b, m + 1, d), micro_cache, 0))
-        items["later micro-step, context off"] = lambda: heads(engine.micro_pass(torch.randn(b, 1, d), micro_cache, m + 1))
+        items["first micro-step, context off"] = lambda: heads(engine.runner.micro_pass(torch.randn(b, m + 1, d), micro_cache, 0))
+        items["later micro-step, context off"] = lambda: heads(engine.runner.micro_pass(torch.randn(b, 1, d), micro_cache, m + 1))
     times = {name: [] for name in items}
     with torch.inference_mode():
         for fn in items.values():

@@ -132,9 +132,9 @@ def test_the_running_mean_follows_the_kept_drafts():
 
 # --- the policy in the engine and the scheduler (tiny random models) -----------------------------------------
 
-def _costly_drafts(monkeypatch, engine, rows: int) -> None:
+def _costly_drafts(monkeypatch, runner, rows: int) -> None:
     """Step costs where a drafted position costs 10x a plain step, frozen (real timings ignored)."""
-    engine._step_costs[rows] = fitted(0.01, 0.1, 0.1)
+    runner._step_costs[rows] = fitted(0.01, 0.1, 0.1)
     monkeypatch.setattr(StepCosts, "observe", lambda self, *a: None)
 
 
@@ -150,7 +150,7 @@ def test_engine_rows_stop_drafting_when_drafts_do_not_pay_and_keep_the_base_outp
         always = Engine(model, draft_rows=None, draft_policy=False).generate(prompts, max_new_tokens=40,
                                                                             confidence=0.01, mode="verify")
         engine = Engine(model, draft_rows=None, draft_policy=True)
-        _costly_drafts(monkeypatch, engine, 1)
+        _costly_drafts(monkeypatch, engine.runner, 1)
         policed = engine.generate(prompts, max_new_tokens=40, confidence=0.01, mode="verify")
     assert policed.tokens == always.tokens == [base_greedy(model, prompts[0], 40)]
     assert always.stats.drafted_tokens > 40  # at confidence 0.01 every step drafts K-1 tokens

@@ -149,11 +149,11 @@ def _adapted_passes(model, embeds, merged):
     engine (adapters inline, no gradients) and by the transformers path with gradients (hooks, one module each)."""
     b, t, _ = embeds.shape
     engine = Engine(model)
-    cache = KVCache.for_layers(engine.base.layers, model.base.config, b, t, torch.float32, "cpu")
+    cache = KVCache.for_layers(engine.runner.base.layers, model.base.config, b, t, torch.float32, "cpu")
     causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
     pos = torch.arange(t).expand(b, -1)
     with torch.no_grad():
-        fast = engine.base_pass(embeds, pos, cache, 0, causal, merged, last=False)
+        fast = engine.runner.base_pass(embeds, pos, cache, 0, causal, merged, last=False)
     with torch.enable_grad():
         hidden = model.base_forward(embeds, torch.ones(b, t, dtype=torch.long), pos, merged=merged)
     return fast, [hidden[-1].detach()] + [hidden[i].detach() for i in model.micro.feature_layers]

@@ -64,10 +64,10 @@ def test_lookup_rows_take_the_lookup_drafts_and_run_no_micro_step(monkeypatch):
     engine = Engine(model, draft_rows=None)
     states = [torch.randn(2, model.base.config.hidden_size) for _ in range(1 + model.micro.num_features)]
     micro_cache = KVCache.for_layers(model.micro.layers, model.base.config, 2, model.micro.num_features + 4,
-                                     engine.dtype, engine.device)
+                                     engine.runner.dtype, engine.runner.device)
     calls = []
-    real = engine.micro_pass
-    monkeypatch.setattr(engine, "micro_pass", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = engine.runner.micro_pass
+    monkeypatch.setattr(engine.runner, "micro_pass", lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
     def pick(h, active, micro):
         return torch.full((h.shape[0],), 3) if not micro else h.argmax(-1) % 90
@@ -82,7 +82,7 @@ def test_lookup_rows_take_the_lookup_drafts_and_run_no_micro_step(monkeypatch):
 
         limits = Limits(torch.full((1, 1), -1), torch.tensor([4, 10]), 0.0001, drafting=True)  # row 0: room for 2
         gen_len = torch.zeros(2, dtype=torch.long)
-        step = macro_step(engine, states, torch.ones(2, dtype=torch.bool), gen_len, limits, pick, micro_cache,
+        step = macro_step(engine.runner, states, torch.ones(2, dtype=torch.bool), gen_len, limits, pick, micro_cache,
                           proposer=Found())
         tok = step.tokens
         assert tok[0, :3].tolist() == [3, 11, 12] and step.drafts[0] == 2  # the proposer's drafts, cut to the room
@@ -117,7 +117,7 @@ def test_verify_with_lookup_equals_the_base_greedy_output(arch, lookup):
 def test_the_checkpoints_lookup_is_the_engines_default():
     model = hamburger("llama", k=4)
     model.config.lookup = 2
-    assert Engine(model).lookup == 2 and Engine(model, lookup=0).lookup == 0
+    assert Engine(model).runner.lookup == 2 and Engine(model, lookup=0).runner.lookup == 0
 
 
 def test_lookup_drafts_are_point_masses_when_sampling(monkeypatch):
@@ -210,7 +210,7 @@ def test_verify_lookup_drafts_run_past_k_minus_1_and_compress_keeps_k_minus_1():
     model.config.lookup = 1
     prompt = [5, 6, 7, 8, 9, 10, 11, 5, 6, 7, 8, 9, 10, 11, 5, 6]
     engine = Engine(model, draft_rows=None)
-    assert engine.lookup_drafts > model.config.max_step_tokens - 1
+    assert engine.runner.lookup_drafts > model.config.max_step_tokens - 1
     widest = {}
     original = verify.check_pass
 

@@ -44,7 +44,7 @@ def random_cache(base, rows: int, seed: int = 0) -> KVCache:
 
 def module_pass(engine: Engine, x, rope, cache, start, mask, depth: int):
     """The reference: the model's own modules, one layer after another, over the same cache."""
-    for i, layer in enumerate(engine.base.layers[:depth]):
+    for i, layer in enumerate(engine.runner.base.layers[:depth]):
         x = layer_forward(layer, x, rope, cache, i, start, mask)
     return x
 
@@ -52,7 +52,7 @@ def module_pass(engine: Engine, x, rope, cache, start, mask, depth: int):
 def first_layer_pairs(engine: Engine) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Layer 0 module by module and natively on a random two-position pass at slots 3..4 over caches holding the
     same random earlier entries: [(modules, native)] for the output, the keys and the values."""
-    base = engine.base
+    base = engine.runner.base
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, 2, base.config.hidden_size, generator=gen)
     mask = torch.ones(1, 1, 2, 5, dtype=torch.bool).tril(3)
@@ -64,7 +64,7 @@ def first_layer_pairs(engine: Engine) -> list[tuple[torch.Tensor, torch.Tensor]]
     with torch.inference_mode():
         rope = base.rotary_emb(x, torch.arange(3, 5)[None])
         slow = module_pass(engine, x, rope, caches[0], 3, mask, 1)
-        quick = engine.native(x.clone(), rope, caches[1], 3, mask, 0, 1)
+        quick = engine.runner.native(x.clone(), rope, caches[1], 3, mask, 0, 1)
     return [(slow, quick), (caches[0].k, caches[1].k), (caches[0].v, caches[1].v)]
 
 
@@ -77,8 +77,8 @@ def close(pairs, tolerance: float = 1e-3) -> bool:
 def test_a_pass_is_the_module_paths_computation(arch, scheme):
     model = packed(arch, scheme)
     engine = Engine(model)
-    assert engine.native is not None
-    base = engine.base
+    assert engine.runner.native is not None
+    base = engine.runner.base
     x = torch.randn(2, 3, base.config.hidden_size)
     mask = torch.ones(2, 1, 3, 8, dtype=torch.bool).tril(5)
     mask[1, ..., :2] = False  # the second row's first two slots are padding
@@ -89,13 +89,13 @@ def test_a_pass_is_the_module_paths_computation(arch, scheme):
     with torch.inference_mode():
         rope = base.rotary_emb(x, torch.arange(5, 8)[None].expand(2, -1))
         want = module_pass(engine, x, rope, caches[0], 5, mask, depth)
-        got = engine.native(x.clone(), rope, caches[1], 5, mask, 0, depth)
+        got = engine.runner.native(x.clone(), rope, caches[1], 5, mask, 0, depth)
     assert (got - want).norm() <= tolerance * want.norm()
     assert (caches[0].k - caches[1].k).norm() <= tolerance * caches[0].k.norm()
     assert (caches[0].v - caches[1].v).norm() <= tolerance * caches[0].v.norm()
     # A mutation that drops the last layer is far outside that
     with torch.inference_mode():
-        short = engine.native(x.clone(), rope, random_cache(base, 2), 5, mask, 0, depth - 1)
+        short = engine.runner.native(x.clone(), rope, random_cache(base, 2), 5, mask, 0, depth - 1)
     assert (short - want).norm() > 10 * tolerance * want.norm()
 
 
@@ -104,7 +104,7 @@ def test_a_pass_is_the_module_paths_computation(arch, scheme):
 def test_each_position_of_a_pass_is_what_a_one_position_step_gives_it_bit_for_bit(scheme):
     model = packed("qwen2", scheme)  # q/k/v biases too
     engine = Engine(model)
-    base, depth = engine.base, len(engine.base.layers)
+    base, depth = engine.runner.base, len(engine.runner.base.layers)
     x = torch.randn(2, 4, base.config.hidden_size)
     slots = torch.tensor([[3, 4, 5, 6], [6, 7, 8, 9]])  # the rows at different lengths (verify mode's RowSlots)
     mask = torch.zeros(2, 1, 4, 12, dtype=torch.bool)
@@ -115,10 +115,10 @@ def test_each_position_of_a_pass_is_what_a_one_position_step_gives_it_bit_for_bi
     together, alone = random_cache(base, 2), random_cache(base, 2)
     with torch.inference_mode():
         rope = base.rotary_emb(x, slots)
-        out = engine.native(x.clone(), rope, together, RowSlots(slots, 10), mask[..., :10], 0, depth)
+        out = engine.runner.native(x.clone(), rope, together, RowSlots(slots, 10), mask[..., :10], 0, depth)
         for t in range(4):  # one position at a time, each against the whole cache's length
             one = (rope[0][:, t:t + 1], rope[1][:, t:t + 1])
-            step = engine.native(x[:, t:t + 1].clone(), one, alone, RowSlots(slots[:, t:t + 1], 12),
+            step = engine.runner.native(x[:, t:t + 1].clone(), one, alone, RowSlots(slots[:, t:t + 1], 12),
                                  mask[:, :, t:t + 1], 0, depth)
             assert torch.equal(step[:, 0], out[:, t]), t
     assert torch.equal(together.k, alone.k) and torch.equal(together.v, alone.v)
@@ -129,7 +129,7 @@ def test_each_position_of_a_pass_is_what_a_one_position_step_gives_it_bit_for_bi
 def test_verify_mode_is_its_base_exactly(scheme):
     model = packed("llama", scheme)
     engine, plain = Engine(model), Engine(HamburgerModel.plain(model.base, model.tokenizer))
-    assert engine.native is not None and plain.native is not None
+    assert engine.runner.native is not None and plain.runner.native is not None
     kw = {"max_new_tokens": 24, "eos_token_ids": set()}
     assert engine.generate(PROMPTS, mode="verify", **kw).tokens == plain.generate(PROMPTS, **kw).tokens
     for prompt in PROMPTS:  # and batch 1
@@ -139,49 +139,49 @@ def test_verify_mode_is_its_base_exactly(scheme):
 def test_used_for_steps_not_for_long_passes_nor_where_it_does_not_apply():
     model = packed("llama", "int4")
     engine = Engine(model)
-    base = engine.base
+    base = engine.runner.base
     cache = KVCache.for_layers(base.layers, base.config, 1, 200, torch.float32, "cpu")
     step = torch.zeros(1, 1, base.config.hidden_size)
     mask = torch.ones(1, 1, 1, 6, dtype=torch.bool)
-    assert engine.native.takes(step, cache, 5, mask)
+    assert engine.runner.native.takes(step, cache, 5, mask)
     long = torch.zeros(1, NATIVE_ROWS + 1, base.config.hidden_size)
-    assert not engine.native.takes(long, cache, 0, torch.ones(1, 1, NATIVE_ROWS + 1, NATIVE_ROWS + 1).bool())
-    assert not engine.native.takes(step, cache, 5, lambda i: mask)  # per-layer masks (compress mode's biases)
-    assert not engine.native.takes(step, cache, 5, mask.float())
-    assert Engine(model, native_layers=False).native is None
-    assert Engine(hamburger("llama", k=4)).native is None  # float weights: PyTorch's own
+    assert not engine.runner.native.takes(long, cache, 0, torch.ones(1, 1, NATIVE_ROWS + 1, NATIVE_ROWS + 1).bool())
+    assert not engine.runner.native.takes(step, cache, 5, lambda i: mask)  # per-layer masks (compress mode's biases)
+    assert not engine.runner.native.takes(step, cache, 5, mask.float())
+    assert Engine(model, native_layers=False).runner.native is None
+    assert Engine(hamburger("llama", k=4)).runner.native is None  # float weights: PyTorch's own
     with native.turned_off():
-        assert Engine(packed("llama", "int4")).native is None
+        assert Engine(packed("llama", "int4")).runner.native is None
     # weights replaced after the engine was made: not read through stale pointers
-    qkv = engine.native.parts[0].qkv
+    qkv = engine.runner.native.parts[0].qkv
     qkv.tiles = qkv.tiles.clone()
-    assert not engine.native.usable() and not engine.native.takes(step, cache, 5, mask)
+    assert not engine.runner.native.usable() and not engine.runner.native.takes(step, cache, 5, mask)
 
 
 def test_the_comparison_with_the_modules_catches_a_wrong_description():
     model = packed("llama", "fp16")
     engine = Engine(model)
     assert close(first_layer_pairs(engine))
-    layer = engine.native.layers[0]
+    layer = engine.runner.native.layers[0]
     layer.norm1, layer.norm2 = layer.norm2, layer.norm1  # a mix-up of the two norms' weights
-    torch.nn.init.normal_(engine.base.layers[0].input_layernorm.weight)  # (they start equal: all ones)
+    torch.nn.init.normal_(engine.runner.base.layers[0].input_layernorm.weight)  # (they start equal: all ones)
     assert not close(first_layer_pairs(engine))
-    assert ctypes.sizeof(engine.native.layers[0]) == ctypes.sizeof(native.Layer)
+    assert ctypes.sizeof(engine.runner.native.layers[0]) == ctypes.sizeof(native.Layer)
 
 
 def test_slots_outside_the_cache_are_refused_not_written():
     model = packed("llama", "fp16")
     engine = Engine(model)
-    base = engine.base
+    base = engine.runner.base
     cache = random_cache(base, 1)  # 16 slots
     before = cache.k.clone()
     x = torch.randn(1, 2, base.config.hidden_size)
     with torch.inference_mode():
         rope = base.rotary_emb(x, torch.tensor([[15, 16]]))
         with pytest.raises(IndexError, match="outside the cache"):
-            engine.native(x, rope, cache, 15, torch.ones(1, 1, 2, 17, dtype=torch.bool), 0, 1)
+            engine.runner.native(x, rope, cache, 15, torch.ones(1, 1, 2, 17, dtype=torch.bool), 0, 1)
         with pytest.raises(IndexError, match="outside the cache"):
-            engine.native(x, rope, cache, RowSlots(torch.tensor([[3, 16]]), 17), torch.ones(1, 1, 2, 17).bool(), 0, 1)
+            engine.runner.native(x, rope, cache, RowSlots(torch.tensor([[3, 16]]), 17), torch.ones(1, 1, 2, 17).bool(), 0, 1)
     assert torch.equal(cache.k, before)
 
 
@@ -198,10 +198,10 @@ def test_micro_steps_in_one_native_call_are_the_module_path(arch, scheme):
     """The micro-step decoder's layers natively, their attention to the base's entries included: the module path's
     output and cache to the products' rounding, for rows at other positions, one that sees no base entry."""
     engine = Engine(micro_packed(arch, scheme))
-    assert engine.micro_native is not None and engine.micro_native.gates is not None
-    micro, config = engine.model.micro, engine.base.config
+    assert engine.runner.micro_native is not None and engine.runner.micro_native.gates is not None
+    micro, config = engine.model.micro, engine.runner.base.config
     gen = torch.Generator().manual_seed(3)
-    base_cache = random_cache(engine.base, 2, seed=4)
+    base_cache = random_cache(engine.runner.base, 2, seed=4)
     visible = torch.ones(2, 12, dtype=torch.bool)
     visible[0, :5] = False
     visible[1] = False  # sees no base entry: no context attention at all
@@ -211,8 +211,8 @@ def test_micro_steps_in_one_native_call_are_the_module_path(arch, scheme):
         x = torch.randn(2, t, config.hidden_size, generator=gen)
         caches = [KVCache.for_layers(micro.layers, config, 2, 8, torch.float32, "cpu") for _ in range(2)]
         with torch.inference_mode():
-            quick = engine._micro_native_pass(x, caches[0], start, context)
-            slow = engine._micro_layers(x, caches[1], start, context, native=False)
+            quick = engine.runner._micro_native_pass(x, caches[0], start, context)
+            slow = engine.runner._micro_layers(x, caches[1], start, context, native=False)
         for a, b in ((slow, quick), (caches[1].k, caches[0].k), (caches[1].v, caches[0].v)):
             assert (a - b).norm() <= tolerance * a.norm()
 
@@ -220,11 +220,11 @@ def test_micro_steps_in_one_native_call_are_the_module_path(arch, scheme):
 def micro_close(engine: Engine) -> bool:
     """The native micro pass against the module-by-module one on random inputs, caches and context (three new
     positions after two cached, some base entries hidden): output and cache within 1e-3 of their norm."""
-    micro, config = engine.model.micro, engine.base.config
+    micro, config = engine.model.micro, engine.runner.base.config
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, 3, config.hidden_size, generator=gen)
     caches = [KVCache.for_layers(micro.layers, config, 1, 8, torch.float32, "cpu") for _ in range(2)]
-    base_cache = KVCache.for_layers(engine.base.layers, config, 1, 8, torch.float32, "cpu")
+    base_cache = KVCache.for_layers(engine.runner.base.layers, config, 1, 8, torch.float32, "cpu")
     for t in (base_cache.k, base_cache.v, caches[0].k, caches[0].v):
         t.copy_(torch.randn(t.shape, generator=gen))
     caches[1].k.copy_(caches[0].k)
@@ -232,19 +232,19 @@ def micro_close(engine: Engine) -> bool:
     visible = torch.tensor([[False, True, True, False, True, True, True, True]])
     context = MicroContext(base_cache, visible, torch.tensor([7])) if micro.context else None
     with torch.inference_mode():
-        quick = engine._micro_native_pass(x, caches[1], 2, context)
-        slow = engine._micro_layers(x, caches[0], 2, context, native=False)
+        quick = engine.runner._micro_native_pass(x, caches[1], 2, context)
+        slow = engine.runner._micro_layers(x, caches[0], 2, context, native=False)
     return quick is not None and close([(slow, quick), (caches[0].k, caches[1].k), (caches[0].v, caches[1].v)])
 
 
 def test_the_micro_comparison_catches_a_wrong_gate_or_source():
     engine = Engine(micro_packed("llama", "int4"))
-    good = engine.micro_native
+    good = engine.runner.micro_native
     assert micro_close(engine)
     sources = list(engine.model.micro.context_layers)
     for wrong in (NativeLayers(good.parts, -good.gates, sources), NativeLayers(good.parts, good.gates, sources[::-1]),
                   NativeLayers(good.parts, None, None)):
-        engine.micro_native = wrong
+        engine.runner.micro_native = wrong
         assert not micro_close(engine)
 
 
@@ -252,7 +252,7 @@ def test_the_micro_comparison_catches_a_wrong_gate_or_source():
 def test_verify_mode_with_native_micro_steps_is_its_base_exactly(scheme):
     model = micro_packed("llama", scheme)
     engine = Engine(model, draft_policy=False, lookup=0, draft_rows=None)
-    assert engine.micro_native is not None
+    assert engine.runner.micro_native is not None
     base = Engine(HamburgerModel.plain(model.base, model.tokenizer))
     out = engine.generate(PROMPTS, max_new_tokens=24, mode="verify", confidence=0.05)
     assert out.stats.micro_steps > 0 and out.stats.drafted_tokens > 0
@@ -270,8 +270,8 @@ def test_compress_passes_run_natively_and_decode_as_the_module_path(arch, scheme
     model.config.merge_window = 0  # every decided step merged at once
     native_engine = Engine(model, draft_rows=None, lookup=1)
     module_engine = Engine(model, draft_rows=None, lookup=1, native_layers=False)
-    assert native_engine.native is not None and module_engine.native is None
-    base = native_engine.base
+    assert native_engine.runner.native is not None and module_engine.runner.native is None
+    base = native_engine.runner.base
     merged_len = torch.tensor([[0, 3, 1, 0, 2, 0, 0, 0], [2, 0, 0, 4, 0, 0, 0, 0]])
     visible = torch.ones(2, 1, 3, 8, dtype=torch.bool).tril(5)
     visible[1, ..., :2] = False
@@ -282,8 +282,8 @@ def test_compress_passes_run_natively_and_decode_as_the_module_path(arch, scheme
     positions = torch.arange(5, 8)[None].expand(2, -1)
     caches = [random_cache(base, 2, seed=5) for _ in range(2)]
     with torch.inference_mode():
-        quick = native_engine.base_pass(x, positions, caches[0], 5, mask, last=False)
-        slow = module_engine.base_pass(x, positions, caches[1], 5, mask, last=False)
+        quick = native_engine.runner.base_pass(x, positions, caches[0], 5, mask, last=False)
+        slow = module_engine.runner.base_pass(x, positions, caches[1], 5, mask, last=False)
     tolerance = 1e-5 if scheme == "fp16" else 1e-3
     for a, b in [*zip(slow, quick), (caches[1].k, caches[0].k)]:
         assert (a - b).norm() <= tolerance * a.norm()
@@ -300,9 +300,9 @@ def test_an_int8_heads_shortlist_of_any_length_keeps_the_heads_own_codes():
     model.micro_vocab = torch.tensor([1, 7, 11, 20, 33, 50, 64, 80, 90])  # 9 rows
     engine = Engine(model)
     head = model.base.get_output_embeddings()
-    assert isinstance(engine._short, Int8Linear) and engine._short.native and engine._short.out_features == 9
+    assert isinstance(engine.runner._short, Int8Linear) and engine.runner._short.native and engine.runner._short.out_features == 9
     h = torch.randn(3, model.base.config.hidden_size)
-    assert torch.equal(engine.short_logits(h), head(h)[:, model.micro_vocab])
+    assert torch.equal(engine.runner.short_logits(h), head(h)[:, model.micro_vocab])
 
 
 def test_not_used_where_the_native_call_does_not_take_the_layers():
@@ -310,24 +310,24 @@ def test_not_used_where_the_native_call_does_not_take_the_layers():
     assert layer_parts(float_model.base.model.layers, float_model.base.config) is None
     unfused = hamburger("llama", k=4)
     quantize_model(unfused.base, "int4", fuse=False)
-    assert layer_parts(unfused.base.model.layers, unfused.base.config) is None and Engine(unfused).native is None
+    assert layer_parts(unfused.base.model.layers, unfused.base.config) is None and Engine(unfused).runner.native is None
     half = hamburger("llama", k=4)
     quantize_model(half.base, "int4")
     half.base.model.layers[-1].post_attention_layernorm.to(torch.bfloat16)  # not float32 (any layer's norm)
-    assert Engine(half).native is None
+    assert Engine(half).runner.native is None
 
 
 def test_a_hook_or_a_replaced_module_sends_the_pass_back_to_the_modules():
     model = packed("llama", "int4")
     engine = Engine(model, draft_policy=False)
     runs = [0]
-    run = engine.native.run
+    run = engine.runner.native.run
 
     def counted(*args, **kwargs):
         runs[0] += 1
         return run(*args, **kwargs)
 
-    engine.native.run = counted
+    engine.runner.native.run = counted
     kw = {"max_new_tokens": 8, "mode": "verify", "eos_token_ids": set()}
     want = Engine(model, draft_policy=False, native_layers=False).generate(PROMPTS, **kw)
     seen = []
@@ -339,4 +339,4 @@ def test_a_hook_or_a_replaced_module_sends_the_pass_back_to_the_modules():
     assert engine.generate(PROMPTS, **kw).tokens == want.tokens and runs[0] > 0
     mlp = model.base.model.layers[0].mlp
     mlp.down_proj = torch.nn.Linear(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False)
-    assert not engine.native.usable()
+    assert not engine.runner.native.usable()

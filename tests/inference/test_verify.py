@@ -170,11 +170,11 @@ def test_verify_drafts_only_while_few_rows_decode():
     assert alone.tokens == expected[:1] and alone.stats.drafted_tokens > 0
     # "auto": no drafts with float weights on a CPU (a pass of 2-3 positions costs 1.5-1.9x one there), DRAFT_ROWS
     # with packed ones (fp16: 1.03-1.08x; int8/int4 in bfloat16)
-    assert Engine(model).draft_rows == 0
+    assert Engine(model).runner.draft_rows == 0
     for scheme in ("int4", "fp16") if fp16_unavailable("cpu") is None else ("int4",):
         packed = copy.deepcopy(model)
         quantize_model(packed.base, scheme)
-        assert Engine(packed).draft_rows == DRAFT_ROWS, scheme
+        assert Engine(packed).runner.draft_rows == DRAFT_ROWS, scheme
     for bad in (-1, 1.5, True, "2", "all"):
         with pytest.raises(HamburgerError, match="draft_rows"):
             Engine(model, draft_rows=bad)
@@ -227,10 +227,10 @@ def test_drafts_go_on_while_the_whole_draft_is_likely_kept():
         return model.lm_head(h).argmax(-1)
 
     def step_lengths(drafting, confidence=0.3):  # token 0 and the micro tokens (emitted, or drafts)
-        cache = KVCache.for_layers(model.micro.layers, cfg, n, m + engine.k, engine.dtype, engine.device)
+        cache = KVCache.for_layers(model.micro.layers, cfg, n, m + engine.k, engine.runner.dtype, engine.runner.device)
         limits = Limits(torch.full((1, 1), -1), 100, confidence, drafting=drafting)
         with torch.inference_mode():
-            step = macro_step(engine, states, torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.long),
+            step = macro_step(engine.runner, states, torch.ones(n, dtype=torch.bool), torch.zeros(n, dtype=torch.long),
                               limits, pick, cache)
         return (step.emitted + step.drafts).tolist()
 

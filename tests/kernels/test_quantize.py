@@ -211,9 +211,9 @@ def test_fp16_engine_greedy_and_shortlist():
                 m.weight.copy_(m.weight.half().float())
     quantize_model(model, "fp16")
     engine = Engine(model)
-    assert isinstance(engine._short, Fp16Linear)
+    assert isinstance(engine.runner._short, Fp16Linear)
     h = torch.randn(3, model.base.config.hidden_size)
-    assert torch.allclose(engine.short_logits(h), F.linear(h, rounded.base.lm_head.weight[2:50]), atol=1e-5)
+    assert torch.allclose(engine.runner.short_logits(h), F.linear(h, rounded.base.lm_head.weight[2:50]), atol=1e-5)
     prompts = [[5, 17, 33, 8, 60, 12, 9], [40, 41]]
     for confidence in (0.3, 1.0):
         both = engine.generate(prompts, max_new_tokens=16, confidence=confidence)
@@ -467,7 +467,7 @@ def test_engine_shortlist_reads_the_quantized_head():
     model.micro_vocab = torch.arange(2, 50)
     engine = Engine(model)
     rows = model.base.lm_head.dequantize()[2:50].float()
-    short = engine.short_head if engine._short is None else engine._short.dequantize()  # fp16-packed: exact
+    short = engine.runner.short_head if engine.runner._short is None else engine.runner._short.dequantize()  # fp16-packed: exact
     assert torch.equal(short, rows)
     out = engine.generate([[5, 6, 7]], max_new_tokens=8)
     assert len(out.tokens[0]) == 8

@@ -81,7 +81,7 @@ def test_engine_output_is_the_same_on_either_base(tmp_path, arch, mode, scheme):
             model.attach_merger(random_merger(base, channels=arch == "qwen2"))
         quantize_loaded(model, scheme)
         engine = Engine(model)
-        assert (engine.native is not None) == (scheme != "none" and native.available())  # the light base's too
+        assert (engine.runner.native is not None) == (scheme != "none" and native.available())  # the light base's too
         out = engine.generate([[2, 7, 9, 11, 4], [2, 30]], max_new_tokens=12, mode=mode, confidence=0.2)
         outputs.append((out.tokens, out.steps))
     assert outputs[0] == outputs[1]

@@ -91,7 +91,7 @@ def _hints(console, args: argparse.Namespace, model, ham, scheme: str, mode: Mod
     from hamburger.kernels.qlinear import fp16_unavailable
 
     device = next(model.parameters()).device
-    if mode is VERIFY and getattr(ham, "draft_rows", 1) == 0:
+    if mode is VERIFY and getattr(getattr(ham, "runner", None), "draft_rows", 1) == 0:
         console.print("[dim]Verify mode drafted nothing here: with float32 weights on a CPU a base pass over a few "
                       "positions costs about as much as that many passes, so drafts cannot pay. --quantize fp16 "
                       "decodes both lanes about 2.3x faster and lets verify mode draft (make demo "

@@ -36,8 +36,8 @@ def step_costs(model, context: int = 256, repeats: int = 20) -> dict:
     from hamburger.inference.kv import KVCache
 
     engine = Engine(model)
-    cfg, dev, dtype = model.base.config, engine.device, engine.dtype
-    cache = KVCache.for_layers(engine.base.layers, cfg, 1, context + 1, dtype, dev)
+    cfg, dev, dtype = model.base.config, engine.runner.device, engine.runner.dtype
+    cache = KVCache.for_layers(engine.runner.base.layers, cfg, 1, context + 1, dtype, dev)
     m = model.micro.num_features
     micro_cache = KVCache.for_layers(model.micro.layers, cfg, 1, m + 2, dtype, dev)
     gen = torch.Generator().manual_seed(0)
@@ -48,24 +48,24 @@ def step_costs(model, context: int = 256, repeats: int = 20) -> dict:
         return median_time(fn, repeats, dev)
 
     with torch.inference_mode():
-        engine.base_pass(model.embed(ids[:, :context]), torch.arange(context, device=dev)[None], cache, 0,
+        engine.runner.base_pass(model.embed(ids[:, :context]), torch.arange(context, device=dev)[None], cache, 0,
                      mask[:, :, :context, :context])
         pos = torch.tensor([[context]], device=dev)
 
         def base_step() -> None:
-            states = engine.base_pass(model.embed(ids[:, context:]), pos, cache, context, mask[:, :, -1:], None)
+            states = engine.runner.base_pass(model.embed(ids[:, context:]), pos, cache, context, mask[:, :, -1:], None)
             model.lm_head(states[0]).argmax(-1)
             model.stop_head(states[0])
 
         x0 = torch.randn(1, m + 1, cfg.hidden_size, generator=gen).to(dev, dtype)
-        engine.micro_pass(x0, micro_cache, 0)
+        engine.runner.micro_pass(x0, micro_cache, 0)
         x1 = model.embed(ids[:, :1])
 
         def micro_step(shortlist: bool) -> Callable[[], None]:
             def run() -> None:
-                h = engine.micro_pass(x1, micro_cache, m + 1)
+                h = engine.runner.micro_pass(x1, micro_cache, m + 1)
                 if shortlist:
-                    engine.short_logits(h).argmax(-1)
+                    engine.runner.short_logits(h).argmax(-1)
                 else:
                     model.lm_head(h).argmax(-1)
                 model.stop_head(h)
@@ -74,8 +74,8 @@ def step_costs(model, context: int = 256, repeats: int = 20) -> dict:
         base_s = timed(base_step)
         out = {"context": context, "base_step_s": base_s, "micro_step_s": timed(micro_step(False))}
         out["micro_over_base"] = out["micro_step_s"] / base_s
-        if engine.vocab is not None:
-            out["shortlist"] = len(engine.vocab)
+        if engine.runner.vocab is not None:
+            out["shortlist"] = len(engine.runner.vocab)
             out["micro_step_shortlist_s"] = timed(micro_step(True))
             out["micro_shortlist_over_base"] = out["micro_step_shortlist_s"] / base_s
     return out

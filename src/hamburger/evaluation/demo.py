@@ -106,7 +106,7 @@ def side_by_side(console: Console, prompt: str, messages: list[dict], engines: d
                                                                             confidence=1.0)),
                 tokenizer, len(ids), colour_steps=False)
     title = f"HAMburger{' ' + mode.name if mode.checked else ''} @ {confidence:g}"
-    lookup = getattr(ham_engine, "lookup", 0) if mode.lookup else 0
+    lookup = getattr(getattr(ham_engine, "runner", None), "lookup", 0) if mode.lookup else 0
     if lookup:
         title += " + lookup"
     legend = ("base: one token per forward. " + title + {

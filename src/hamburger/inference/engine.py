@@ -1,8 +1,8 @@
 """The fast engine's fixed-batch interface: `Engine.generate` / `Engine.stream` over a list of prompts.
 
-An `Engine` is a `ModelRunner` (the base and micro-step passes over static caches) whose `stream` submits the
-prompts to a `Scheduler` sized for them and steps it until every prompt is done: the server's continuous batching
-and a fixed batch run one decode loop. `ReferenceEngine` puts the transformers reference path behind the same
+An `Engine` holds a `ModelRunner` (`engine.runner`: the base and micro-step passes over static caches); its
+`stream` submits the prompts to a `Scheduler` sized for them, decoding with that runner, and steps it until every
+prompt is done: the server's continuous batching and a fixed batch run one decode loop. `ReferenceEngine` puts the transformers reference path behind the same
 interface (any architecture, trust mode only); `make_engine` picks one.
 
 Host synchronisation on the hot path: one `any()` per micro-step (does any sequence's step go on?) and one
@@ -80,7 +80,7 @@ class EngineGeneration:
         n, width = len(self.prompts), max(map(len, self.prompts))
         sched = Scheduler(self.engine.model, max_batch_size=n, max_len=width + self.max_new_tokens,
                           prefill_tokens=max(PREFILL_TOKENS, min(n * width, PREFILL_PASS)), interleave_prefill=False,
-                          runner=self.engine, drafter=self.engine.drafter)
+                          runner=self.engine.runner, drafter=self.engine.drafter)
         context = sched.max_len
         if width + self.max_new_tokens > context:
             raise HamburgerError(f"prompt ({width}) + max_new_tokens ({self.max_new_tokens}) exceed the model's "
@@ -118,17 +118,18 @@ class EngineGeneration:
         return GenerationOutput(self.tokens, self.steps, self.stats)
 
 
-class Engine(ModelRunner):
+class Engine:
     """Static-cache decoding of a `HamburgerModel` (or of its plain base with `max_step_tokens` 1) over a fixed
     batch of prompts. `drafter`: drafts for verify and compress rows from elsewhere (`proposers.Drafter`) in
-    place of the micro-step decoder and lookup; the other arguments: `ModelRunner`."""
+    place of the micro-step decoder and lookup; the other arguments: `ModelRunner`, made once and kept as
+    `runner` (its passes, its measured step costs and the checkpoint's stored replies serve every `stream`)."""
 
     def __init__(self, model: HamburgerModel, shortlist: bool = True,
                  draft_rows: int | str | None = "auto", lookup: int | None = None,
                  draft_policy: bool | None = None, drafter: Drafter | None = None, native_layers: bool = True) -> None:
-        super().__init__(model, shortlist=shortlist, draft_rows=draft_rows, lookup=lookup,
-                         draft_policy=draft_policy, native_layers=native_layers)
-        self.drafter = drafter
+        self.runner = ModelRunner(model, shortlist=shortlist, draft_rows=draft_rows, lookup=lookup,
+                                  draft_policy=draft_policy, native_layers=native_layers)
+        self.model, self.k, self.drafter = model, self.runner.k, drafter
 
     def stream(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256, confidence: float | None = None,

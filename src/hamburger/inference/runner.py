@@ -58,7 +58,7 @@ def head_rows(model: HamburgerModel, rows: torch.Tensor) -> torch.Tensor:
 class ModelRunner:
     """The two networks of a `HamburgerModel` over static caches: base passes and micro-step passes, the micro-step
     shortlist head, and the settings and measured step costs of drafting. The decode
-    loop (`scheduler.Scheduler`) calls these; `Engine` is this plus the fixed-batch `generate`."""
+    loop (`scheduler.Scheduler`) calls these; an `Engine` holds one (`engine.runner`) for its fixed batches."""
 
     def __init__(self, model: HamburgerModel, shortlist: bool = True,
                  draft_rows: int | str | None = "auto", lookup: int | None = None,
