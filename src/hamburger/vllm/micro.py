@@ -153,9 +153,11 @@ class MicroDrafts(LookupDrafts):
                 *args: Any, **kwargs: Any) -> list[list[int]]:
         out = (super().propose(sampled_token_ids, num_tokens_no_spec, token_ids_cpu) if self.order != "micro"
                else [[] for _ in sampled_token_ids])
-        tap = self.tap
-        if tap is None or tap.starts is None or tap.positions is None or len(tap.starts) < len(sampled_token_ids) + 1:
-            return out
+        tap, micro = self.tap, self.ham.micro
+        if (tap is None or tap.starts is None or tap.positions is None or len(tap.starts) < len(sampled_token_ids) + 1
+                or any(j not in tap.keys for j in micro.context_layers)
+                or any(j not in tap.states for j in micro.feature_layers)):
+            return out  # no forward seen yet (or hooks that did not run): lookup drafts only
         self.context.begin()
         with torch.inference_mode():
             for row, sampled in enumerate(sampled_token_ids):
@@ -163,14 +165,14 @@ class MicroDrafts(LookupDrafts):
                 a, b = int(tap.starts[row]), int(tap.starts[row + 1])
                 entries = self.context.entries(row, np.asarray(token_ids_cpu[row, :n]))
                 upto = n - 2 if sampled else 1 << 60
-                keys = torch.stack([tap.keys[j][a:b] for j in self.ham.micro.context_layers])
-                values = torch.stack([tap.values[j][a:b] for j in self.ham.micro.context_layers])
+                keys = torch.stack([tap.keys[j][a:b] for j in micro.context_layers])
+                values = torch.stack([tap.values[j][a:b] for j in micro.context_layers])
                 positions = tap.positions[a:b].tolist()
                 self.context.admit(entries, positions, keys, values, upto)
                 room = min(self.micro_k, self.k, self.max_len - n - 1)
                 if sampled and not out[row] and room > 0 and upto in positions:
                     at = a + positions.index(upto)
-                    feats = torch.stack([tap.states[j][at] for j in self.ham.micro.feature_layers])
+                    feats = torch.stack([tap.states[j][at] for j in micro.feature_layers])
                     out[row] = self.micro_drafts(feats, sampled[-1], entries, upto, room)
         return out
 
