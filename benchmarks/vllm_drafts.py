@@ -35,6 +35,8 @@ def run_one(prompts, drafts: str, concurrency: int, args) -> dict:
     """One configuration in a process of its own: its result, or {"error": the last line it printed}."""
     spec = {"prompts": prompts, "drafts": drafts, "max_tokens": args.max_tokens, "concurrency": concurrency,
             "num_drafts": args.num_drafts, "model": args.model}
+    if drafts == "micro" and args.micro_min_prob:
+        spec["settings"] = {"min_prob": args.micro_min_prob}
     cmd = [sys.executable, "-m", "hamburger.vllm.offline", json.dumps(spec)]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, env=dict(os.environ))
@@ -48,7 +50,7 @@ def run_one(prompts, drafts: str, concurrency: int, args) -> dict:
 
 
 def row(result: dict, plain: dict | None) -> str:
-    name = NAMES[result["drafts"]]
+    name = NAMES[result["drafts"]] + (f" (min_prob {result['min_prob']})" if result.get("min_prob") else "")
     if "error" in result:
         return f"| {name} | {result['concurrency']} | does not run: {result['error']} | | | | |"
     spec = result["spec"]
@@ -83,13 +85,19 @@ def main() -> None:
     p.add_argument("--num-drafts", type=int, default=4, help="num_speculative_tokens of every drafting method")
     p.add_argument("--methods", default=",".join(METHODS), help=f"a subset of {','.join(METHODS)}")
     p.add_argument("--model", default=None, help="default: the embedded default, converted")
+    p.add_argument("--micro-min-prob", type=float, default=0.0,
+                   help="the micro-step decoder's drafts end before a token it gives less probability (0: never)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds a configuration may take")
     p.add_argument("--out", default=None, help="write every result (tokens included) here as JSON")
-    p.add_argument("--table", default=None, metavar="JSON", help="print the table of a saved --out file and exit")
+    p.add_argument("--table", default=None, metavar="JSON", help="print the table of saved --out files (comma-separated) "
+                   "and exit")
     args = p.parse_args()
     if args.table:
-        with open(args.table, encoding="utf-8") as f:
-            table(json.load(f)["results"])
+        results = []
+        for path in args.table.split(","):
+            with open(path, encoding="utf-8") as f:
+                results += json.load(f)["results"]
+        table(results)
         return
     prompts = [m for name in ("code", "math", "chat") for m in shipped(name, args.per_set)]
     methods = [m for m in args.methods.split(",") if m]
@@ -99,6 +107,8 @@ def main() -> None:
         plain = None
         for method in methods:
             result = run_one(prompts, method, concurrency, args)
+            if method == "micro" and args.micro_min_prob:
+                result["min_prob"] = args.micro_min_prob
             results.append(result)
             if method == "none":
                 plain = result
