@@ -118,6 +118,13 @@ def test_hamburger_vllm_command_prints_the_vllm_serve_line(capsys, tmp_path):
     assert argv[argv.index("--port") + 1] == "9123" and argv[-3:] == ["--max-model-len", "256", "--enforce-eager"]
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == speculative_config("lookup")
     assert argv == serve_argv(str(tmp_path), port=9123, extra=["--max-model-len", "256", "--enforce-eager"])
+    assert main(["vllm", "command", "--model", str(tmp_path), "--drafts", "micro", "--micro-min-prob", "0.3",
+                 "--checkpoint", "/ckpt"]) == 0
+    argv = shlex.split(capsys.readouterr().out)
+    assert json.loads(argv[argv.index("--additional-config") + 1]) == {"hamburger": {"checkpoint": "/ckpt",
+                                                                                     "min_prob": 0.3}}
+    assert "--enforce-eager" in argv and json.loads(argv[argv.index("--speculative-config") + 1])["model"] == (
+        "hamburger.vllm.micro.MicroDrafts")
 
 
 @pytest.mark.skipif(vllm_installed(), reason="vLLM is installed here")

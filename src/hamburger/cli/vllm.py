@@ -29,6 +29,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="the port to listen on")
     p.add_argument("--dtype", default="float32", help="vLLM's --dtype (float32: the weights as our engine runs them)")
     p.add_argument("--served-model-name", default="default", help="the model name clients send")
+    p.add_argument("--checkpoint", default=None,
+                   help="the HAMburger checkpoint whose stored replies (and micro-step decoder) to use; default: the "
+                        "packaged one when --model is the embedded default, else none")
+    p.add_argument("--micro-min-prob", type=float, default=0.0,
+                   help="--drafts micro: a draft ends before a token the decoder gives less probability (0: never)")
     p.add_argument("--vllm-args", default="", metavar="ARGS",
                    help="more arguments for `vllm serve`, one shell-quoted string, e.g. "
                         "--vllm-args='--max-model-len 2048 --max-num-seqs 16'")
@@ -48,8 +53,9 @@ def cmd_vllm(args: argparse.Namespace) -> int:
     if args.action == "serve":
         launch.check_vllm()  # one clear line now, not a traceback from vLLM's start
     extra = shlex.split(args.vllm_args)
+    settings = {k: v for k, v in (("checkpoint", args.checkpoint), ("min_prob", args.micro_min_prob)) if v}
     argv = launch.serve_argv(launch.hf_folder(args.model), args.drafts, args.num_drafts, args.host, args.port,
-                             args.dtype, args.served_model_name, extra)
+                             args.dtype, args.served_model_name, extra, settings)
     if args.action == "command":
         print(shlex.join(argv))
         return 0

@@ -75,8 +75,9 @@ def vllm_executable() -> list[str]:
 
 def serve_argv(model: str, drafts: str = "lookup", num_drafts: int = NUM_DRAFTS, host: str = "127.0.0.1",
                port: int = 8000, dtype: str = "float32", served_name: str | None = "default",
-               extra: list[str] | None = None) -> list[str]:
-    """`vllm serve` with HAMburger's drafts on `model` (a folder or hub id, as `hf_folder` gives)."""
+               extra: list[str] | None = None, settings: dict | None = None) -> list[str]:
+    """`vllm serve` with HAMburger's drafts on `model` (a folder or hub id, as `hf_folder` gives); `settings`: the
+    proposer's (`proposer.settings`), passed as vLLM's `--additional-config`."""
     argv = [*vllm_executable(), "serve", model, "--host", host, "--port", str(port), "--dtype", dtype]
     if served_name:
         argv += ["--served-model-name", served_name]
@@ -85,6 +86,8 @@ def serve_argv(model: str, drafts: str = "lookup", num_drafts: int = NUM_DRAFTS,
         argv += ["--speculative-config", json.dumps(spec)]
     if drafts == "micro":  # its proposer hooks the base's modules: vLLM's compiled graphs would bypass them
         argv += ["--enforce-eager"]
+    if settings:
+        argv += ["--additional-config", json.dumps({"hamburger": settings})]
     return argv + list(extra or [])
 
 
