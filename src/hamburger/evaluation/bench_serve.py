@@ -158,7 +158,7 @@ def bench_model(run: ServeBench, name: str, levels: list[int]) -> list[dict]:
     from hamburger.serving.server import BackgroundServer, Service
     from hamburger.serving.service import decode_threads
 
-    device, scheme = resolve(run.device, run.quantize, run.dtype, run.group_size)
+    device, scheme = resolve(run.device, run.quantize, run.dtype, run.group_size, name, run.base)
     threads = decode_threads(run.decode_threads, device)
     model, trained = load(name, run.base, run.dtype, str(device), scheme, run.group_size, quiet=not run.verbose)
     entry = entry_bytes(model)
