@@ -1,9 +1,9 @@
 """When drafts pay: verify mode's per-row choice between a drafting step and a plain base step.
 
 A drafting step costs more than a plain one: the micro-step decoder's calls, and a base pass over more positions.
-It pays only when enough drafts are kept. How much more it costs depends on the machine and the weights (on a CPU
-with fp16-packed weights a pass of 4 positions costs about 1.1x one of 1; in float32 nearly 2.5x; a micro-step
-call about a sixth of a base pass), so it is measured, not assumed:
+It pays only when enough drafts are kept. How much more it costs depends on the machine and the weights (a pass of
+4 positions against one of 1, a micro-step call against a base pass: `benchmarks/verify_costs.py` measures them),
+so it is measured, not assumed:
 
 - `StepCosts` learns the wall time of a decode step as a + b * (drafts in the pass) + c * (micro-step calls), from
   the steps actually run (a ridge fit with forgetting, pulled towards a prior shape until enough steps are seen);

@@ -9,9 +9,8 @@ is put in the prompts' order, so a run killed and resumed ends with the same fil
 
 The replies come from the fast engine's continuous-batching scheduler where the base is supported (static
 batches on the transformers reference path otherwise, or with `--engine reference`), in the order they end.
-`--quantize fp16` speeds a CPU up about 1.7× (2 cores, batches of 32 replies of 64 tokens: 175 tokens/s
-against 104 in float32); its greedy replies are the fp16 base's, which can part from the float32 base's where two tokens
-are nearly tied.
+`--quantize fp16` speeds a CPU up (docs/training.md); its greedy replies are the fp16 base's,
+which can part from the float32 base's where two tokens are nearly tied.
 """
 
 from __future__ import annotations
