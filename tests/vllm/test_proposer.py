@@ -174,3 +174,14 @@ def test_context_rows_keep_the_latest_kept_entries_and_follow_a_request_that_mov
     assert sorted(ctx.entries(1, np.array([1, 2, 3, 4, 5, 6, 7, 8, 9]))) == [4, 5, 6]  # ... the first one is in row 1
     ctx.begin()
     assert ctx.entries(0, np.array([1, 2, 3])) == {}  # a history that is not an extension claims nothing
+
+
+def test_micro_drafts_refuse_a_base_without_its_checkpoint():
+    """The micro-step decoder drafts for its own base only: vLLM serving another model, with no checkpoint named,
+    is refused at start (it would otherwise draft from the packaged decoder for a base it was not trained on)."""
+    from hamburger.vllm.micro import MicroDrafts
+
+    with pytest.raises(HamburgerError, match="checkpoint of the base vLLM serves"):
+        MicroDrafts(config(model="/models/another-base"))
+    with pytest.raises(HamburgerError, match="checkpoint of the base vLLM serves"):
+        MicroDrafts(config(model=DEFAULT_FOLDER, extra={"hamburger": {"checkpoint": "none"}}))

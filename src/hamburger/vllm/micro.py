@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 from hamburger.errors import HamburgerError
-from hamburger.model.hamburger_model import load_model, packaged_checkpoint
-from hamburger.vllm.proposer import LookupDrafts, settings
+from hamburger.model.hamburger_model import load_model
+from hamburger.vllm.proposer import LookupDrafts, checkpoint_for, in_vocab, settings
 
 
 class BaseTap:
@@ -87,6 +87,7 @@ class ContextRows:
     def __init__(self, window: int) -> None:
         self.window = window
         self.rows: dict[int, tuple[np.ndarray, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
+        self.old: dict[int, tuple[np.ndarray, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
 
     def begin(self) -> None:
         """A new step: every row's entries wait to be claimed by the request that still holds their tokens."""
@@ -95,7 +96,7 @@ class ContextRows:
     def entries(self, row: int, history: np.ndarray) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """The entries of the request in `row` now, whose tokens so far are `history` (its own row's first, else
         those of the row it moved from; none for a new request)."""
-        old = getattr(self, "old", {})
+        old = self.old
         kept: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         for r in [row] + [r for r in old if r != row]:
             seen = old[r][0] if r in old else None
@@ -121,8 +122,11 @@ class MicroDrafts(LookupDrafts):
 
     def __init__(self, vllm_config: Any) -> None:
         super().__init__(vllm_config)
-        named = settings(vllm_config).get("checkpoint")
-        ref = str(named) if named not in (None, "none") else str(packaged_checkpoint())
+        checkpoint = checkpoint_for(vllm_config)  # the same rule as the stored replies': the packaged one for its base
+        if checkpoint is None:
+            raise HamburgerError("the micro-step decoder's drafts need the HAMburger checkpoint of the base vLLM serves: "
+                                 "serve the embedded default, or name one in additional_config hamburger.checkpoint")
+        ref = str(checkpoint)
         self.ham, trained = load_model(ref, decode_only=True)
         if not trained or self.ham.micro is None:
             raise HamburgerError(f"{ref}: not a HAMburger checkpoint with a micro-step decoder")
@@ -200,6 +204,4 @@ class MicroDrafts(LookupDrafts):
             if float(probs[best]) < self.min_prob:
                 break
             tokens.append(best)
-        drafts = tokens[1:]
-        cut = next((i for i, tok in enumerate(drafts) if not 0 <= tok < self.vocab), len(drafts))
-        return drafts[:cut]
+        return in_vocab(tokens[1:], self.vocab)

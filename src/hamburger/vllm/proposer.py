@@ -64,6 +64,11 @@ def checkpoint_for(vllm_config: Any) -> Path | None:
     return path
 
 
+def in_vocab(drafts: list[int], vocab: int) -> list[int]:
+    """A draft is a continuation: it ends before its first token vLLM cannot take."""
+    return drafts[: next((i for i, t in enumerate(drafts) if not 0 <= t < vocab), len(drafts))]
+
+
 def load_store(checkpoint: Path | None) -> ReplyStore | None:
     """The checkpoint's stored replies as a `ReplyStore` (None: no checkpoint, or one without replies)."""
     if checkpoint is None or not (checkpoint / REPLIES_NAME).is_file():
@@ -128,8 +133,7 @@ class LookupDrafts:
         found = index.draft(limit)
         if not found and self.store is not None:
             found = self.store.draft(index.tokens[-self.store.max:], limit)
-        cut = next((i for i, t in enumerate(found) if not 0 <= t < self.vocab), len(found))
-        return found[: min(cut, limit)]  # a draft is a continuation: it ends before a token vLLM cannot take
+        return in_vocab(found[:limit], self.vocab)
 
     def propose(self, sampled_token_ids: list[list[int]], num_tokens_no_spec: np.ndarray, token_ids_cpu: np.ndarray,
                 *args: Any, **kwargs: Any) -> list[list[int]]:
