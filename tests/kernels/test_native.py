@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from native_variant import every_variant, pytest_generate_tests, variant  # noqa: F401 - pytest finds them here
-from hamburger.kernels import native
+from hamburger.kernels import native, qbase
 from hamburger.kernels.qlinear import Fp16Linear, Int4Linear, Int8Linear
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
@@ -280,3 +280,33 @@ def test_the_tiles_hold_each_code_and_scale_where_the_layout_says(group):
     assert all(torch.equal(a, b) for a, b in zip(untile_q4(t4, n, group), (q4, scales, mins), strict=True))
     assert all(torch.equal(a, b) for a, b in zip(untile_q8(t8, n), (q8, scales.repeat_interleave(group // 32, 1)),
                                                   strict=True))
+
+
+@every_variant
+@pytest.mark.parametrize("kind", ["fp16", "int4", "int8", "int8 short"])
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_the_fused_argmax_is_the_products_argmax_ties_and_nans_included(kind, rows):
+    """Greedy decoding's head (`native.linear_argmax`, `qbase.native_argmax`) gives `max(-1).indices` of the
+    layer's own outputs: the first of equal ones (duplicated weight rows tie exactly), a NaN before any number, an
+    output in either thread's share of the outputs."""
+    n, k = (1000, 96) if kind == "int8 short" else (2048, 128)
+    lin = linear(n, k, bias=False, seed=3)
+    with torch.no_grad():
+        lin.weight[7] = lin.weight[1500 % n] = lin.weight[n - 3] = 3 * lin.weight[0].abs()  # three equal rows
+    layer = {"fp16": Fp16Linear.from_linear, "int4": lambda m: Int4Linear.from_linear(m, 32)}.get(
+        kind, Int8Linear.from_linear)(lin)
+    assert layer.native
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=gen)
+    x[0] = lin.weight[0].abs().sign()  # row 0: the three equal rows' outputs are the largest
+    if rows > 1:
+        x[1, 5] = float("nan")  # every output NaN
+    if rows > 2:
+        x[2] = -x[0]  # the largest elsewhere
+    want = layer(x).max(-1).indices
+    got = qbase.native_argmax(layer, x)
+    assert got.tolist() == want.tolist()
+    assert got[0] == 7
+    out = layer(x[1:2])[0] if rows > 1 else None
+    if out is not None and out.isnan().any():  # a NaN input (Q8_0's int16 activations round it to a number)
+        assert got[1] == out.isnan().nonzero()[0, 0]

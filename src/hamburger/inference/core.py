@@ -92,22 +92,23 @@ class RowPicker:
                 and bool((given >= 0).logical_or(~active).all())):
             return given.clamp(min=0)  # every decoding row is checked: its check pass chose token 0 already
         shortlist = micro and runner.vocab is not None
+        sampled = [(i, r) for i, r in enumerate(rows.requests[:n]) if r is not None and not r.sampling.greedy]
+        if not sampled:  # every row greedy: the head's argmax alone (no logits where the native kernels run it)
+            return runner.head_argmax(h, shortlist)
         logits = runner.short_logits(h) if shortlist else runner.model.lm_head(h)
         tok = greedy_tokens(logits)
-        sampled = [(i, r) for i, r in enumerate(rows.requests[:n]) if r is not None and not r.sampling.greedy]
-        if sampled:
-            on, t0 = active.tolist(), given.tolist()
-            for i, req in sampled:
-                if not on[i]:
-                    continue
-                if req.mode.checked and not micro and t0[i] >= 0:
-                    tok[i] = t0[i]
-                elif req.mode.checked and micro:
-                    probs = torch.softmax(req.warpers(logits[i : i + 1].float()), -1)
-                    tok[i] = torch.multinomial(probs, 1, generator=req.rng)[0, 0]
-                    self._keep_draft_distribution(i, probs[0])
-                else:
-                    tok[i] = sample(logits[i : i + 1], req.sampling, req.rng, req.warpers)[0]
+        on, t0 = active.tolist(), given.tolist()
+        for i, req in sampled:
+            if not on[i]:
+                continue
+            if req.mode.checked and not micro and t0[i] >= 0:
+                tok[i] = t0[i]
+            elif req.mode.checked and micro:
+                probs = torch.softmax(req.warpers(logits[i : i + 1].float()), -1)
+                tok[i] = torch.multinomial(probs, 1, generator=req.rng)[0, 0]
+                self._keep_draft_distribution(i, probs[0])
+            else:
+                tok[i] = sample(logits[i : i + 1], req.sampling, req.rng, req.warpers)[0]
         return runner.vocab[tok] if shortlist else tok
 
     def _keep_draft_distribution(self, row: int, probs: torch.Tensor) -> None:

@@ -18,6 +18,8 @@ from hamburger.inference.kv import KVCache, MicroContext, RowSlots, layer_forwar
 from hamburger.inference.lookup import reply_store
 from hamburger.inference.native_layers import micro_native_layers
 from hamburger.inference.native_layers import native_layers as make_native
+from hamburger.inference.sampling import greedy_tokens
+from hamburger.kernels.qbase import native_argmax
 from hamburger.kernels.qlinear import Fp16Linear, Int8Linear, QuantizedLinear, fp16_unavailable
 from hamburger.model.config import DRAFT_ROWS, LOOKUP_DRAFTS, check_draft_rows, check_lookup
 from hamburger.model.hamburger_model import HamburgerModel
@@ -117,6 +119,18 @@ class ModelRunner:
     def short_logits(self, h: torch.Tensor) -> torch.Tensor:
         """Logits of (..., d) states over the micro-step shortlist (requires one)."""
         return self._short(h) if self._short is not None else F.linear(h, self.short_head)
+
+    def head_argmax(self, h: torch.Tensor, shortlist: bool = False) -> torch.Tensor:
+        """Each (..., d) state's greedy token, `greedy_tokens` of the LM head's logits (of the micro-step
+        shortlist's with `shortlist`, as vocabulary ids): from the native kernels' fused argmax where they
+        multiply the head, which hands back no logits."""
+        head = self._short if shortlist else self.model.base.get_output_embeddings()
+        tok = None if head is None else native_argmax(head, h.reshape(-1, h.shape[-1]))
+        if tok is None:
+            tok = greedy_tokens(self.short_logits(h) if shortlist else self.model.lm_head(h))
+        else:
+            tok = tok.view(h.shape[:-1])
+        return self.vocab[tok] if shortlist else tok
 
     # --- the two networks ------------------------------------------------------------------------------
 

@@ -81,12 +81,15 @@ def accept(runner: ModelRunner, rows: RowBatch, n: int, checked: torch.Tensor, f
     from these logits (so the macro-step needs no head of its own), a sampled row's is drawn by its acceptance."""
     at = torch.zeros(n, dtype=torch.long, device=final.device)
     which = checked.nonzero().squeeze(1)
-    logits = runner.model.lm_head(final[which])  # (rows, width, V): the base's choice after t0, d1, ..
-    at[which], rows.next_t0[which] = accept_greedy(rows.step_tok[which, 1:width], rows.n_drafts[which], logits)
-    for j, i in enumerate(which.tolist()):  # sampled rows: speculative-sampling acceptance, each its own draws
+    sampled = [(j, i) for j, i in enumerate(which.tolist()) if not rows.requests[i].sampling.greedy]
+    if sampled:
+        logits = runner.model.lm_head(final[which])  # (rows, width, V): the base's choice after t0, d1, ..
+        choice = greedy_tokens(logits)
+    else:  # greedy rows only: the head's argmax alone (no logits where the native kernels run it)
+        choice = runner.head_argmax(final[which])
+    at[which], rows.next_t0[which] = accept_greedy(rows.step_tok[which, 1:width], rows.n_drafts[which], choice)
+    for j, i in sampled:  # sampled rows: speculative-sampling acceptance, each its own draws
         req = rows.requests[i]
-        if req.sampling.greedy:
-            continue
         # Only the row's own drafts: the random numbers it draws must not depend on its neighbours' drafts.
         nd = int(rows.n_drafts[i])
         probs = torch.softmax(req.warpers(logits[j, : nd + 1].float()), -1)[None]  # (1, nd + 1, V)
@@ -124,12 +127,12 @@ def record_kept(runner: ModelRunner, rows: RowBatch, n: int, kept: torch.Tensor,
     rows.n_drafts[:n] = 0
 
 
-def accept_greedy(drafts: torch.Tensor, n_drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """drafts (B, D), n_drafts (B,), the base's logits (B, D+1, V) after t0, d1..dD.
+def accept_greedy(drafts: torch.Tensor, n_drafts: torch.Tensor, choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """drafts (B, D), n_drafts (B,), the base's greedy tokens (B, D+1) after t0, d1..dD (`greedy_tokens` of its
+    logits there).
 
     Returns how many drafts each row keeps (B,) and the base's own token after them (B,).
     """
-    choice = greedy_tokens(logits)
     d = drafts.shape[1]
     ok = (drafts == choice[:, :d]) & (torch.arange(d, device=drafts.device)[None] < n_drafts[:, None])
     kept = ok.long().cumprod(1).sum(1)

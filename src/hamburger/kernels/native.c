@@ -17,6 +17,9 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #include "native.h"
 
@@ -127,6 +130,68 @@ int hb_linear(const float *x, const hb_weights *w, float *y, int64_t rows) {
     #pragma omp parallel
     gemm_for(x, w, y, rows, xq);
     free(xq);
+    return 0;
+}
+
+/* Whether v goes before best as a row's largest output: larger, or the first NaN (NaN counts as the largest). */
+INL int beats(float v, float best) { return v > best || (v != v && best == best); }
+
+/* Each row's largest output of x (rows, k) . w^T (+ bias) into idx (rows,): the first of equal ones, the first NaN
+   before any number (`torch.max(-1).indices` of hb_linear's y, bit for bit: the same products), without handing
+   the products back: greedy decoding's LM head. Each thread finds the best of its share of the outputs, one thread
+   then takes the shares in order. Returns 0, or -1 if memory could not be had. */
+int hb_linear_argmax(const float *x, const hb_weights *w, int64_t rows, int64_t *idx) {
+    const int64_t n = w->n;
+#ifdef _OPENMP
+    const int most = omp_get_max_threads();
+#else
+    const int most = 1;
+#endif
+    float *y = aligned_alloc(64, (size_t)(rows * n * sizeof(float) + 64)), *best = malloc(sizeof(float) * most * rows);
+    int64_t *at = malloc(sizeof(int64_t) * most * rows);
+    uint8_t *xq = NULL;
+    if (int16_activations(w->kind)) xq = aligned_alloc(64, (size_t)hb_quantized_bytes(rows, w->k) + 64);
+    if (y == NULL || best == NULL || at == NULL || (int16_activations(w->kind) && xq == NULL)) {
+        free(y), free(best), free(at), free(xq);
+        return -1;
+    }
+    #pragma omp parallel
+    {
+        gemm_for(x, w, y, rows, xq);  /* ends at a barrier: every output is there */
+#ifdef _OPENMP
+        const int t = omp_get_thread_num(), threads = omp_get_num_threads();
+#else
+        const int t = 0, threads = 1;
+#endif
+        const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
+        for (int64_t r = 0; r < rows; r++) {
+            const float *yr = y + r * n;
+            float m = -INFINITY;
+            int nan = 0;
+            for (int64_t j = lo; j < hi; j++) {  /* the largest value (vectorized), then where it first is */
+                m = yr[j] > m ? yr[j] : m;
+                nan |= yr[j] != yr[j];
+            }
+            int64_t first = hi;
+            for (int64_t j = lo; j < hi; j++)
+                if (nan ? yr[j] != yr[j] : yr[j] == m) { first = j; break; }
+            best[t * rows + r] = first < hi ? yr[first] : NAN;
+            at[t * rows + r] = first < hi ? first : -1;
+        }
+        #pragma omp barrier
+        #pragma omp single
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t i = -1;
+            float v = 0.0f;
+            for (int s = 0; s < threads; s++)  /* in order: a later share wins only by beating the earlier */
+                if (at[s * rows + r] >= 0 && (i < 0 || beats(best[s * rows + r], v))) {
+                    i = at[s * rows + r];
+                    v = best[s * rows + r];
+                }
+            idx[r] = i;
+        }
+    }
+    free(y), free(best), free(at), free(xq);
     return 0;
 }
 

@@ -205,6 +205,8 @@ def _load_variant(spec: str) -> tuple[ctypes.CDLL | None, str | None, str | None
         return None, None, f"built for {name}, the library is {built}"
     lib.hb_linear.argtypes = [ctypes.c_void_p, ctypes.POINTER(Weights), ctypes.c_void_p, ctypes.c_int64]
     lib.hb_linear.restype = ctypes.c_int
+    lib.hb_linear_argmax.argtypes = [ctypes.c_void_p, ctypes.POINTER(Weights), ctypes.c_int64, ctypes.c_void_p]
+    lib.hb_linear_argmax.restype = ctypes.c_int
     lib.hb_layers.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(Pass), ctypes.c_void_p]
     lib.hb_layers.restype = ctypes.c_int
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -298,6 +300,19 @@ def linear(x: torch.Tensor, desc: Weights) -> torch.Tensor:
         raise MemoryError("the native product could not allocate its quantized activations")
     return y
 
+
+
+def linear_argmax(x: torch.Tensor, desc: Weights) -> torch.Tensor:
+    """x (rows, k) float32 contiguous -> (rows,) int64: the index of each row's largest output through the described
+    weights (the bias included), the first of equal ones, a NaN first: `linear(x, desc).max(-1).indices`, bit
+    for bit, without the outputs (greedy decoding's LM head)."""
+    if x.dim() != 2 or x.shape[1] != desc.k or x.dtype != torch.float32 or not x.is_contiguous() or x.is_cuda:
+        raise ValueError(f"the native product takes a contiguous float32 CPU (rows, {desc.k}) input, got "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    idx = torch.empty(x.shape[0], dtype=torch.int64)
+    if _load()[0].hb_linear_argmax(x.data_ptr(), ctypes.byref(desc), x.shape[0], idx.data_ptr()):
+        raise MemoryError("the native product could not allocate its outputs")
+    return idx
 
 def _float_weights(w: torch.Tensor) -> torch.Tensor:
     w = w.detach()
