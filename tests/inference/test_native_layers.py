@@ -15,7 +15,7 @@ from native_variant import every_variant, pytest_generate_tests, variant  # noqa
 from hamburger.inference.core import MicroContext
 from hamburger.inference.engine import Engine
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
-from hamburger.inference.native_layers import NATIVE_ROWS, NativeLayers, layer_parts
+from hamburger.inference.native_layers import NATIVE_ROWS, NativeLayers, RopeTable, layer_parts, rope_tables
 from hamburger.inference.merge import MergedMask
 from hamburger.kernels import native
 from hamburger.kernels.qlinear import Int8Linear
@@ -340,3 +340,16 @@ def test_a_hook_or_a_replaced_module_sends_the_pass_back_to_the_modules():
     mlp = model.base.model.layers[0].mlp
     mlp.down_proj = torch.nn.Linear(mlp.down_proj.in_features, mlp.down_proj.out_features, bias=False)
     assert not engine.runner.native.usable()
+
+
+def test_the_rotary_tables_are_the_embeddings_own_values_at_every_position():
+    """`RopeTable` reads rows of tables made once (and made again, longer, past their end): the rotary embedding's
+    own values at those positions, as the native call takes them."""
+    rotary = packed().base.base_model.rotary_emb
+    table = RopeTable(rotary)
+    for positions in (torch.tensor([[3]]), torch.tensor([[0, 1, 2], [700, 701, 702]]), torch.tensor([[2000], [5]])):
+        cos, sin = table(positions)
+        want = [t.reshape(cos.shape) for t in rope_tables(rotary(torch.empty(0), positions))]
+        torch.testing.assert_close(cos, want[0], rtol=0, atol=1e-6)
+        torch.testing.assert_close(sin, want[1], rtol=0, atol=1e-6)
+    assert table.cos.shape[0] >= 2001

@@ -27,9 +27,9 @@ def test_accept_greedy_keeps_the_longest_agreeing_prefix():
     base = torch.tensor([[3, 4, 5, 6], [3, 4, 5, 6], [3, 4, 5, 6]])  # the base's argmax after t0, d1, d2, d3
     logits = torch.nn.functional.one_hot(base, v).float()
     drafts = torch.tensor([[3, 4, 7], [2, 4, 5], [3, 4, 5]])
-    kept, nxt = accept_greedy(drafts, torch.tensor([3, 3, 2]), greedy_tokens(logits))
-    assert kept.tolist() == [2, 0, 2]  # row 2 drafted only two tokens: its third is not looked at
-    assert nxt.tolist() == [5, 3, 5]
+    kept, nxt = accept_greedy(drafts.tolist(), [3, 3, 2], greedy_tokens(logits).tolist())
+    assert kept == [2, 0, 2]  # row 2 drafted only two tokens: its third is not looked at
+    assert nxt == [5, 3, 5]
 
 
 def test_accept_sampled_follows_the_target_distribution():

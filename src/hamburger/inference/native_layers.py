@@ -91,6 +91,27 @@ def rope_tables(rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, 
     return cos, torch.cat((-sin[..., :half], sin[..., half:]), -1)
 
 
+class RopeTable:
+    """The native call's rotary tables of one rotary embedding (`rope_tables`' form, a row per position), kept over
+    every position up to the highest asked so far and read by index, instead of computed again at every pass: the
+    embedding's own computation over those positions, made again (twice as long) when a pass goes past them."""
+
+    def __init__(self, rotary: nn.Module) -> None:
+        self.rotary, self.cos, self.sin, self._freq = rotary, None, None, None
+
+    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and the signed sine at `positions` (B, T), each (B * T, head_dim) contiguous."""
+        flat = positions.reshape(-1)
+        need = int(flat.max()) + 1
+        freq = getattr(self.rotary, "inv_freq", None)
+        if self.cos is None or self.cos.shape[0] < need or freq is not self._freq:
+            size = max(need, 512, 2 * self.cos.shape[0] if self.cos is not None else 0)
+            cos, sin = rope_tables(self.rotary(torch.empty(0, device=flat.device),
+                                              torch.arange(size, device=flat.device)[None]))
+            self.cos, self.sin, self._freq = cos[0].contiguous(), sin[0].contiguous(), freq
+        return self.cos[flat], self.sin[flat]
+
+
 class NativeLayers:
     """The C description of decoder layers (from their `LayerParts`) and the call that runs them."""
 
@@ -141,12 +162,14 @@ class NativeLayers:
             context: tuple[KVCache, torch.Tensor] | None = None,
             bias: tuple[torch.Tensor, ...] | None = None) -> dict[int, torch.Tensor]:
         """Layers first.. up to each of `stops` in turn (ascending) over x, in place: {stop: x after layer stop-1}
-        (x itself for the last stop, a copy for the others, made inside the one native call). `context`: the
+        (x itself for the last stop, a copy for the others, made inside the one native call). `rope`: the rotary
+        embedding's (cos, sin), each (B, T, head_dim), or a `RopeTable`'s rows, each (B * T, head_dim). `context`: the
         base's cache and the entries (B, end) bool each row may read, for layers with a context gate. `bias`:
         compress mode's merged entries, (log k (B, end), merged (B, end), a, c (layers, heads)): a score on an entry
         that merges k tokens gains a * log k + c (`merge.MergedMask`)."""
         b, t, d = x.shape
-        cos, sin = (table.reshape(b * t, self.head_dim).contiguous() for table in rope_tables(rope))
+        cos, sin = rope if rope[0].dim() == 2 else (table.reshape(b * t, self.head_dim).contiguous()
+                                                    for table in rope_tables(rope))
         k, v = cache.k, cache.v
         if isinstance(start, RowSlots):
             slots, end = start.slots.reshape(b * t).to(torch.int64).contiguous(), start.end

@@ -16,7 +16,7 @@ from hamburger.inference import draft_policy as draft_policy_mod
 from hamburger.inference.draft_policy import StepCosts
 from hamburger.inference.kv import KVCache, MicroContext, RowSlots, layer_forward
 from hamburger.inference.lookup import reply_store
-from hamburger.inference.native_layers import micro_native_layers
+from hamburger.inference.native_layers import RopeTable, micro_native_layers
 from hamburger.inference.native_layers import native_layers as make_native
 from hamburger.inference.sampling import greedy_tokens
 from hamburger.kernels.qbase import native_argmax
@@ -105,6 +105,11 @@ class ModelRunner:
         # the micro-step decoder's layers in one native call too (their attention to the base's entries included)
         self.micro_native = micro_native_layers(model.micro, self.base.config, self.native)
         self.k = model.config.max_step_tokens
+        # the native calls' rotary tables, read by position (the module path computes its own each pass)
+        self.rope = RopeTable(self.base.rotary_emb)
+        self.micro_rope = RopeTable(model.micro.rotary_emb) if self.micro_native is not None else None
+        wanted = model.micro.feature_layers if self.k > 1 else []
+        self._stops = sorted({i for i in wanted if 0 < i < len(self.base.layers)} | {len(self.base.layers)})
 
     @property
     def store(self):
@@ -181,17 +186,16 @@ class ModelRunner:
         model, base = self.model, self.base
         wanted = model.micro.feature_layers if self.k > 1 else []
         depth = len(base.layers)
-        rope = base.rotary_emb(embeds, positions)
         feats: dict[int, torch.Tensor] = {}
         # compress mode's mask is a function of the layer (`merge.MergedMask`): the native call takes its parts
         native_mask, bias = mask.native_parts() if hasattr(mask, "native_parts") else (mask, None)
         if adapters is None and self.native is not None and self.native.takes(embeds, cache, start, native_mask):
-            stops = sorted({i for i in wanted if 0 < i < depth} | {depth})  # the native layers write in place
-            xs = self.native.run(embeds.clone(memory_format=torch.contiguous_format), rope, cache, start, native_mask,
-                                 stops, bias=bias)
+            # the native layers write in place
+            xs = self.native.run(embeds.clone(memory_format=torch.contiguous_format), self.rope(positions), cache,
+                                 start, native_mask, self._stops, bias=bias)
             final = base.norm(xs[depth][:, -1] if last else xs[depth])
             return [final] + [(xs[i][:, -1] if last else xs[i]) if i < depth else final for i in wanted]
-        x = embeds
+        x, rope = embeds, base.rotary_emb(embeds, positions)
         for i, layer in enumerate(base.layers):
             m = mask(i) if callable(mask) else mask
             x = layer_forward(layer, x, rope, cache, i, start, m, None if adapters is None else adapters[i])
@@ -221,7 +225,7 @@ class ModelRunner:
             if base_k.dtype != torch.float32 or base_k.stride(-1) != 1 or context.cache.v.stride() != base_k.stride():
                 return None
             ctx, positions = (context.cache, context.visible), context.base_pos[:, None] + 1 + offsets
-        rope = micro.rotary_emb(x, positions)
+        rope = self.micro_rope(positions)
         depth = len(micro.layers)
         xs = self.micro_native.run(x.clone(memory_format=torch.contiguous_format), rope, cache, start, own, [depth],
                                    context=ctx)

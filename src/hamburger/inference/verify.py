@@ -59,7 +59,8 @@ def check(runner: ModelRunner, rows: RowBatch, n: int) -> None:
     states = check_pass(runner, embeds, positions, torch.where(live, rows.cache_len[:n], 0),
                         CacheView(rows.cache, slice(0, n)), merged,
                         merged_len=rows.merged_len[:n] if bool(compress.any()) else None)
-    kept = accept(runner, rows, n, checked, states[0], width)
+    on = checked.tolist()  # the host's copy of what acceptance reads: no tensor op per row
+    kept = accept(runner, rows, n, [i for i in range(n) if on[i]], states[0], width)
     window = None
     if model.config.merge_window > 1 and bool(compress.any()):
         window = Window(model.config.merge_window, n)
@@ -71,23 +72,23 @@ def check(runner: ModelRunner, rows: RowBatch, n: int) -> None:
         for req in rows.requests[:n]:
             if req is not None and req.mode.merged:
                 req.stats.window_entries = sum(m - 1 for _, m, _ in req.window_steps)
-    record_kept(runner, rows, n, kept, checked.nonzero().squeeze(1).tolist())
+    record_kept(runner, rows, n, kept.tolist(), [i for i in range(n) if on[i]])
 
 
-def accept(runner: ModelRunner, rows: RowBatch, n: int, checked: torch.Tensor, final: torch.Tensor,
+def accept(runner: ModelRunner, rows: RowBatch, n: int, which: list[int], final: torch.Tensor,
            width: int) -> torch.Tensor:
-    """The drafts each checked row keeps (n,) from the base's final states (n, width, d) after t0, d1..; each
-    checked row's next token 0 goes to `rows.next_t0`: a greedy row's is the base's choice after its kept drafts,
-    from these logits (so the macro-step needs no head of its own), a sampled row's is drawn by its acceptance."""
-    at = torch.zeros(n, dtype=torch.long, device=final.device)
-    which = checked.nonzero().squeeze(1)
-    sampled = [(j, i) for j, i in enumerate(which.tolist()) if not rows.requests[i].sampling.greedy]
+    """The drafts each checked row keeps (n,) from the base's final states (n, width, d) after t0, d1..; `which`:
+    the checked rows. Each checked row's next token 0 goes to `rows.next_t0`: a greedy row's is the base's choice
+    after its kept drafts (so the macro-step needs no head of its own), a sampled row's is drawn by its acceptance.
+    Greedy rows read only the head's argmax (`ModelRunner.head_argmax`) and compare on the host."""
+    sel = slice(0, n) if len(which) == n else torch.tensor(which, dtype=torch.long, device=final.device)
+    sampled = [(j, i) for j, i in enumerate(which) if not rows.requests[i].sampling.greedy]
     if sampled:
-        logits = runner.model.lm_head(final[which])  # (rows, width, V): the base's choice after t0, d1, ..
+        logits = runner.model.lm_head(final[sel])  # (rows, width, V): the base's choice after t0, d1, ..
         choice = greedy_tokens(logits)
     else:  # greedy rows only: the head's argmax alone (no logits where the native kernels run it)
-        choice = runner.head_argmax(final[which])
-    at[which], rows.next_t0[which] = accept_greedy(rows.step_tok[which, 1:width], rows.n_drafts[which], choice)
+        choice = runner.head_argmax(final[sel])
+    kept, nxt = accept_greedy(rows.step_tok[sel, 1:width].tolist(), rows.n_drafts[sel].tolist(), choice.tolist())
     for j, i in sampled:  # sampled rows: speculative-sampling acceptance, each its own draws
         req = rows.requests[i]
         # Only the row's own drafts: the random numbers it draws must not depend on its neighbours' drafts.
@@ -96,14 +97,18 @@ def accept(runner: ModelRunner, rows: RowBatch, n: int, checked: torch.Tensor, f
         q = rows.q[i : i + 1, :nd] if rows.q is not None else probs.new_zeros(1, nd, probs.shape[-1])
         kept_i, t0 = accept_sampled(rows.step_tok[i : i + 1, 1 : 1 + nd], rows.n_drafts[i : i + 1], q, probs,
                                     req.rng)
-        at[i], rows.next_t0[i] = kept_i[0], t0[0]
-    return at
+        kept[j], nxt[j] = int(kept_i[0]), int(t0[0])
+    rows.next_t0[sel] = torch.tensor(nxt, device=final.device)
+    at = [0] * n
+    for j, i in enumerate(which):
+        at[i] = kept[j]
+    return torch.tensor(at, device=final.device)
 
 
-def record_kept(runner: ModelRunner, rows: RowBatch, n: int, kept: torch.Tensor, checked: list[int]) -> None:
+def record_kept(runner: ModelRunner, rows: RowBatch, n: int, kept_l: list[int], checked: list[int]) -> None:
     """Each checked row's kept drafts become `pending` (cut after EOS, which ends the request early), its lookup
     counts and draft policy learn from the pass, and its generated length grows by them."""
-    kept_l, tokens = kept.tolist(), rows.step_tok[:n].tolist()
+    tokens = rows.step_tok[:n].tolist()
     added = [0] * n
     costs, drafted = runner.step_costs(n), rows.n_drafts[:n].tolist()
     for i in checked:
@@ -123,20 +128,23 @@ def record_kept(runner: ModelRunner, rows: RowBatch, n: int, kept: torch.Tensor,
             rows.ended_early[i] = True
     dev = rows.gen_len.device
     rows.gen_len[:n] += torch.tensor(added, device=dev)
-    rows.live[:n] &= ~torch.tensor(rows.ended_early[:n], device=dev)
+    if any(rows.ended_early[:n]):
+        rows.live[:n] &= ~torch.tensor(rows.ended_early[:n], device=dev)
     rows.n_drafts[:n] = 0
 
 
-def accept_greedy(drafts: torch.Tensor, n_drafts: torch.Tensor, choice: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """drafts (B, D), n_drafts (B,), the base's greedy tokens (B, D+1) after t0, d1..dD (`greedy_tokens` of its
-    logits there).
-
-    Returns how many drafts each row keeps (B,) and the base's own token after them (B,).
-    """
-    d = drafts.shape[1]
-    ok = (drafts == choice[:, :d]) & (torch.arange(d, device=drafts.device)[None] < n_drafts[:, None])
-    kept = ok.long().cumprod(1).sum(1)
-    return kept, choice.gather(1, kept[:, None]).squeeze(1)
+def accept_greedy(drafts: list[list[int]], n_drafts: list[int], choice: list[list[int]]) -> tuple[list[int], list[int]]:
+    """Per row: its drafts d1..dD, how many of them it drafted, and the base's greedy tokens after t0, d1..dD
+    (`greedy_tokens` of its logits there). Returns how many drafts each row keeps (the longest prefix the base
+    agrees with) and the base's own token after them."""
+    kept, after = [], []
+    for d, nd, c in zip(drafts, n_drafts, choice):
+        j = 0
+        while j < nd and d[j] == c[j]:
+            j += 1
+        kept.append(j)
+        after.append(c[j])
+    return kept, after
 
 
 def accept_sampled(drafts: torch.Tensor, n_drafts: torch.Tensor, q: torch.Tensor, p: torch.Tensor,
@@ -193,8 +201,11 @@ def settle(merger: KVMerger | None, states: list[torch.Tensor], kept: torch.Tens
     one entry at the step's first slot (`merge_step`); and the live rows' cache lengths advanced in place, by
     1 + kept (1 for a compress row). Rows are the cache's rows 0..B-1. With a `window`, a compress row's step
     stays as its own entries until it lies `window.size` positions behind (`Window.close`)."""
-    rows = torch.arange(kept.shape[0], device=kept.device)
-    states = [s[rows, kept] for s in states]
+    if kept.shape[0] == 1:  # one row: its position as a view, no gather
+        states = [s[:, int(kept[0])] for s in states]
+    else:
+        rows = torch.arange(kept.shape[0], device=kept.device)
+        states = [s[rows, kept] for s in states]
     if window is not None:
         cache_len += live.long() * (1 + kept)
         window.close(merger, cache, cache_len, merged_len, compress, kept)
