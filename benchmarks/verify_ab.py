@@ -48,7 +48,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("model", nargs="?", default="default")
     p.add_argument("--quantize", default="none", choices=["none", "fp16", "int8", "int4", "fp16+bf16", "int8+bf16",
-                                                          "int4+bf16"])
+                                                          "int4+bf16", "int4/int8"],
+                   help="int4/int8: the embedded default's own GGUF blocks (what --quantize auto gives it)")
     p.add_argument("--confidence", type=float, default=None, help="verify confidence (default: the checkpoint's)")
     p.add_argument("--variants", default="micro", help=f"comma list from {', '.join(VARIANTS)}")
     p.add_argument("--lookup", type=int, default=2, help="shortest n-gram lookup drafts match (lookup, both)")
@@ -72,7 +73,8 @@ def main() -> None:
     model.eval()
     if a.quantize != "none":
         scheme, wide = split_wide(a.quantize)
-        quantize_model(model, scheme, skip=DEFAULT_SKIP, wide=wide)
+        scheme, _, head = scheme.partition("/")
+        quantize_model(model, scheme, head=head or None, skip=DEFAULT_SKIP, wide=wide)
     plain = HamburgerModel.plain(model.base, model.tokenizer)
     conf = a.confidence if a.confidence is not None else model.config.verify_confidence
     settings = {"micro": (0, conf), "lookup": (a.lookup, 1.0), "both": (a.lookup, conf)}
@@ -121,7 +123,7 @@ def main() -> None:
                     t[6] += s.lookup_kept
                 for name in names[1:]:
                     equal = [x == y for x, y in zip(outs[name].tokens, outs["base"].tokens)]
-                    if not all(equal) and a.quantize in ("none", "fp16"):
+                    if not all(equal) and a.quantize in ("none", "fp16", "int4/int8"):
                         raise SystemExit(f"{name} differs from the base on batch {i}: not lossless")
                     same[name] += sum(equal)
             for name in names:
