@@ -166,15 +166,31 @@ int hb_linear_argmax(const float *x, const hb_weights *w, int64_t rows, int64_t 
         const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
         for (int64_t r = 0; r < rows; r++) {
             const float *yr = y + r * n;
-            float m = -INFINITY;
+            /* the largest value, 16 lanes apart (the compiler's vector max, no chain of dependent compares)... */
+            float lane[16], m = -INFINITY;
             int nan = 0;
-            for (int64_t j = lo; j < hi; j++) {  /* the largest value (vectorized), then where it first is */
+            for (int l = 0; l < 16; l++) lane[l] = -INFINITY;
+            int64_t j = lo;
+            for (; j + 16 <= hi; j += 16)
+                for (int l = 0; l < 16; l++) {
+                    lane[l] = yr[j + l] > lane[l] ? yr[j + l] : lane[l];
+                    nan |= yr[j + l] != yr[j + l];
+                }
+            for (; j < hi; j++) {
                 m = yr[j] > m ? yr[j] : m;
                 nan |= yr[j] != yr[j];
             }
+            for (int l = 0; l < 16; l++) m = lane[l] > m ? lane[l] : m;
+            /* ...then the first output that holds it (or the first NaN), 16 at a time until a block has it */
             int64_t first = hi;
-            for (int64_t j = lo; j < hi; j++)
-                if (nan ? yr[j] != yr[j] : yr[j] == m) { first = j; break; }
+            for (j = lo; j < hi && first == hi; j += 16) {
+                const int64_t end = j + 16 < hi ? j + 16 : hi;
+                int hit = 0;
+                for (int64_t i = j; i < end; i++) hit |= nan ? yr[i] != yr[i] : yr[i] == m;
+                if (hit)
+                    for (int64_t i = j; i < end; i++)
+                        if (nan ? yr[i] != yr[i] : yr[i] == m) { first = i; break; }
+            }
             best[t * rows + r] = first < hi ? yr[first] : NAN;
             at[t * rows + r] = first < hi ? first : -1;
         }
