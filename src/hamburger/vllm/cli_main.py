@@ -25,6 +25,7 @@ def vllm_version() -> str | None:
 
 
 def main() -> None:
+    import hamburger.vllm  # noqa: F401 - shields a media package that cannot import (`media.py`), before vLLM
     try:
         importlib.metadata.version("vllm")
     except importlib.metadata.PackageNotFoundError:

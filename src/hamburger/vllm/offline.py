@@ -72,6 +72,7 @@ def run(prompts: list[list[dict[str, str]]], drafts: str = "none", max_tokens: i
         model: str | None = None, num_drafts: int = 4, dtype: str = "float32", settings: dict | None = None,
         warmup: bool = True) -> dict[str, Any]:
     """Greedy replies to chat `prompts` through vLLM: tokens (per prompt), seconds, tokens_per_s, spec metrics."""
+    require_vllm()  # before vLLM's first import (`launch.shield_vision`)
     from vllm import SamplingParams
 
     llm = build(model, drafts, num_drafts, concurrency, dtype=dtype, settings=settings)
