@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from hamburger.cli import main
-from hamburger.evaluation.bench_serve import percentile
+from hamburger.evaluation.bench_serve import ServeBench, _bodies, percentile
+from hamburger.evaluation.bench_systems import bench_messages
 
 
 def test_percentile():
@@ -40,6 +41,18 @@ def test_bench_serve_bad_arguments(capsys):
     assert "apply to the in-process server" in capsys.readouterr().err
     assert main(["bench-serve", "--quantize", "int3"]) == 2
     assert "--quantize must be one of" in capsys.readouterr().err
+
+
+def test_per_set_takes_the_first_prompts_of_each_set_in_turn(capsys):
+    """`--per-set 2` with 6 requests: the first two of code, of math and of chat (the prompts benchmarks/vllm_drafts.py
+    sends vLLM, for a like-for-like load); without it, the first sets' first prompts."""
+    bodies = _bodies(ServeBench(requests=6, per_set=2, sets=("code", "math", "chat")), "m", "verify")
+    want = [m for name in ("code", "math", "chat") for m in bench_messages(name, 2)]
+    assert [b["messages"] for b in bodies] == want and all(b["mode"] == "verify" for b in bodies)
+    assert [b["messages"] for b in _bodies(ServeBench(requests=2, sets=("code", "math")), "m", "trust")] == \
+        bench_messages("code", 2)
+    assert main(["bench-serve", "--per-set", "0"]) == 2
+    assert "--per-set" in capsys.readouterr().err
 
 
 def test_bench_serve_quantized(checkpoint, tmp_path):

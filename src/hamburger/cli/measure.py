@@ -126,6 +126,8 @@ def register_bench_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--modes", default="trust",
                    help="comma list of trust,verify,compress: each model served in each mode")
     p.add_argument("--sets", default="chat,code,math", help="built-in prompt sets (hamburger.evaluation.bench)")
+    p.add_argument("--per-set", type=int, default=None, metavar="N",
+                   help="the first N prompts of each set, in turn (default: --requests of each, the first sets' first)")
     add_report_args(p, "the rows", force=False)
     add_model_args(p)
     add_quantize_args(p)
@@ -330,8 +332,10 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
         levels = sorted({int(c) for c in args.concurrency.split(",")})
     except ValueError:
         raise HamburgerError(f"--concurrency must be a comma list of integers, got {args.concurrency!r}") from None
-    if not levels or levels[0] < 1 or args.requests < 1 or args.max_tokens < 0 or args.warmup < 0:
-        raise HamburgerError("--concurrency levels and --requests must be >= 1, --max-tokens and --warmup >= 0")
+    if not levels or levels[0] < 1 or args.requests < 1 or args.max_tokens < 0 or args.warmup < 0 or (
+            args.per_set is not None and args.per_set < 1):
+        raise HamburgerError("--concurrency levels, --requests and --per-set must be >= 1, --max-tokens and --warmup "
+                             ">= 0")
     if args.url is not None and (args.quantize != "auto" or args.decode_threads is not None
                                  or args.kv_memory is not None):
         raise HamburgerError("--quantize, --decode-threads and --kv-memory apply to the in-process server; a server at "
@@ -346,7 +350,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     if args.quiet or not sys.stderr.isatty():
         hide_progress_bars()
     run = ServeBench(requests=args.requests, warmup=args.warmup, max_tokens=args.max_tokens,
-                     sets=tuple(s.strip() for s in args.sets.split(",") if s.strip()), confidence=args.confidence,
+                     sets=tuple(s.strip() for s in args.sets.split(",") if s.strip()), per_set=args.per_set,
+                     confidence=args.confidence,
                      modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()), url=args.url,
                      api_key=args.api_key, base=args.base, dtype=args.dtype, device=args.device,
                      quantize=args.quantize, group_size=args.group_size, max_len=args.max_len,
@@ -355,8 +360,8 @@ def cmd_bench_serve(args: argparse.Namespace) -> int:
     rows = [row for name in names for row in bench_model(run, name, levels)]
     print_table(rows)
     if args.json:
-        meta = {k: getattr(args, k) for k in ("requests", "max_tokens", "sets", "dtype", "device", "confidence",
-                                              "modes", "url", "quantize", "decode_threads", "max_len", "kv_memory",
-                                              "ignore_eos", "warmup")}
+        meta = {k: getattr(args, k) for k in ("requests", "max_tokens", "sets", "per_set", "dtype", "device",
+                                              "confidence", "modes", "url", "quantize", "decode_threads", "max_len",
+                                              "kv_memory", "ignore_eos", "warmup")}
         Path(args.json).write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     return 0

@@ -31,6 +31,7 @@ class ServeBench:
     warmup: int = 1  # requests sent (at the level's concurrency) before each level's measured ones
     max_tokens: int = 128  # each request's max_tokens
     sets: tuple[str, ...] = ("chat", "code", "math")  # built-in prompt sets
+    per_set: int | None = None  # the first this many prompts of each set (None: `requests` of each), cycled
     confidence: float | None = None  # sent with each request (None: the server's)
     modes: tuple[str, ...] = ("trust",)  # each model served in each mode
     url: str | None = None  # a server already running there instead of one in process
@@ -128,7 +129,7 @@ def _bodies(run: ServeBench, model_name: str, mode: str) -> list[dict]:
     from hamburger.evaluation.bench_systems import bench_messages
     from hamburger.inference.modes import parse_mode
 
-    pool = [m for name in run.sets for m in bench_messages(name, run.requests)]
+    pool = [m for name in run.sets for m in bench_messages(name, run.per_set or run.requests)]
     if not pool:
         raise HamburgerError("no prompts: check --sets")
     extra = {"confidence": run.confidence} if run.confidence is not None else {}
