@@ -353,3 +353,5 @@ def test_the_rotary_tables_are_the_embeddings_own_values_at_every_position():
         torch.testing.assert_close(cos, want[0], rtol=0, atol=1e-6)
         torch.testing.assert_close(sin, want[1], rtol=0, atol=1e-6)
     assert table.cos.shape[0] >= 2001
+    rotary.rope_type = "dynamic"  # rescaled by the longest position of a call: computed per pass instead
+    assert RopeTable.of(rotary) is None

@@ -91,10 +91,20 @@ def rope_tables(rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, 
     return cos, torch.cat((-sin[..., :half], sin[..., half:]), -1)
 
 
+# rotary embeddings whose value at a position does not depend on the other positions of the call (transformers'
+# "dynamic" and "longrope" ones rescale by the longest position): what `RopeTable` may compute ahead
+STATIC_ROPE = ("default", "linear", "llama3")
+
+
 class RopeTable:
     """The native call's rotary tables of one rotary embedding (`rope_tables`' form, a row per position), kept over
     every position up to the highest asked so far and read by index, instead of computed again at every pass: the
-    embedding's own computation over those positions, made again (twice as long) when a pass goes past them."""
+    embedding's own computation over those positions, made again (twice as long) when a pass goes past them. For a
+    static rotary embedding only (`STATIC_ROPE`; `of` gives None for another)."""
+
+    @classmethod
+    def of(cls, rotary: nn.Module) -> RopeTable | None:
+        return cls(rotary) if getattr(rotary, "rope_type", "default") in STATIC_ROPE else None
 
     def __init__(self, rotary: nn.Module) -> None:
         self.rotary, self.cos, self.sin, self._freq = rotary, None, None, None
