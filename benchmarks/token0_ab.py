@@ -27,10 +27,10 @@ BEFORE, AFTER = "head per step (before)", "token 0 from the check pass"
 accept = cr.accept
 
 
-def accept_as_before(runner, rows, n, checked, final, width):
+def accept_as_before(runner, rows, n, which, final, width):
     """The acceptance as before: greedy rows' token 0 not kept, so the macro-step computes the head for it."""
-    at = accept(runner, rows, n, checked, final, width)
-    rows.next_t0[:n] = torch.where(checked, -1, rows.next_t0[:n])  # every request here is greedy
+    at = accept(runner, rows, n, which, final, width)
+    rows.next_t0[which] = -1  # the checked rows (every request here is greedy)
     return at
 
 

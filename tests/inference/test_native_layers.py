@@ -354,4 +354,8 @@ def test_the_rotary_tables_are_the_embeddings_own_values_at_every_position():
         torch.testing.assert_close(sin, want[1], rtol=0, atol=1e-6)
     assert table.cos.shape[0] >= 2001
     rotary.rope_type = "dynamic"  # rescaled by the longest position of a call: computed per pass instead
-    assert RopeTable.of(rotary) is None
+    dynamic = RopeTable(rotary)
+    positions = torch.tensor([[7, 8]])
+    cos, sin = dynamic(positions)
+    want = [t.reshape(cos.shape) for t in rope_tables(rotary(torch.empty(0), positions))]
+    assert not dynamic.static and dynamic.cos is None and torch.equal(cos, want[0]) and torch.equal(sin, want[1])

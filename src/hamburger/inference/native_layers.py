@@ -97,28 +97,31 @@ STATIC_ROPE = ("default", "linear", "llama3")
 
 
 class RopeTable:
-    """The native call's rotary tables of one rotary embedding (`rope_tables`' form, a row per position), kept over
-    every position up to the highest asked so far and read by index, instead of computed again at every pass: the
-    embedding's own computation over those positions, made again (twice as long) when a pass goes past them. For a
-    static rotary embedding only (`STATIC_ROPE`; `of` gives None for another)."""
-
-    @classmethod
-    def of(cls, rotary: nn.Module) -> RopeTable | None:
-        return cls(rotary) if getattr(rotary, "rope_type", "default") in STATIC_ROPE else None
+    """The native call's rotary tables of one rotary embedding (`rope_tables`' form, a row per position). For a
+    static embedding (`STATIC_ROPE`) kept over every position up to the highest asked so far and read by index,
+    instead of computed again at every pass: the embedding's own computation over those positions, made again
+    (twice as long) when a pass goes past them. Another (transformers' "dynamic", "longrope") is computed per pass
+    over the pass's own positions, as the modules do."""
 
     def __init__(self, rotary: nn.Module) -> None:
         self.rotary, self.cos, self.sin, self._freq = rotary, None, None, None
+        self.static = getattr(rotary, "rope_type", "default") in STATIC_ROPE
+
+    def _compute(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = rope_tables(self.rotary(torch.empty(0, device=positions.device), positions))
+        return cos.reshape(-1, cos.shape[-1]).contiguous(), sin.reshape(-1, sin.shape[-1]).contiguous()
 
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and the signed sine at `positions` (B, T), each (B * T, head_dim) contiguous."""
+        if not self.static:
+            return self._compute(positions)
         flat = positions.reshape(-1)
         need = int(flat.max()) + 1
         freq = getattr(self.rotary, "inv_freq", None)
         if self.cos is None or self.cos.shape[0] < need or freq is not self._freq:
             size = max(need, 512, 2 * self.cos.shape[0] if self.cos is not None else 0)
-            cos, sin = rope_tables(self.rotary(torch.empty(0, device=flat.device),
-                                              torch.arange(size, device=flat.device)[None]))
-            self.cos, self.sin, self._freq = cos[0].contiguous(), sin[0].contiguous(), freq
+            self.cos, self.sin = self._compute(torch.arange(size, device=flat.device)[None])
+            self._freq = freq
         return self.cos[flat], self.sin[flat]
 
 

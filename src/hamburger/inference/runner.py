@@ -106,8 +106,7 @@ class ModelRunner:
         self.micro_native = micro_native_layers(model.micro, self.base.config, self.native)
         self.k = model.config.max_step_tokens
         # the native calls' rotary tables, read by position (the module path computes its own each pass)
-        self.rope = RopeTable.of(self.base.rotary_emb)
-        self.micro_rope = RopeTable.of(model.micro.rotary_emb) if self.micro_native is not None else None
+        self.rope, self.micro_rope = RopeTable(self.base.rotary_emb), RopeTable(model.micro.rotary_emb)
         wanted = model.micro.feature_layers if self.k > 1 else []
         self._stops = sorted({i for i in wanted if 0 < i < len(self.base.layers)} | {len(self.base.layers)})
 
@@ -190,10 +189,8 @@ class ModelRunner:
         # compress mode's mask is a function of the layer (`merge.MergedMask`): the native call takes its parts
         native_mask, bias = mask.native_parts() if hasattr(mask, "native_parts") else (mask, None)
         if adapters is None and self.native is not None and self.native.takes(embeds, cache, start, native_mask):
-            # the native layers write in place
-            rope = self.rope(positions) if self.rope is not None else base.rotary_emb(embeds, positions)
-            xs = self.native.run(embeds.clone(memory_format=torch.contiguous_format), rope, cache, start, native_mask,
-                                 self._stops, bias=bias)
+            xs = self.native.run(embeds.clone(memory_format=torch.contiguous_format), self.rope(positions), cache,
+                                 start, native_mask, self._stops, bias=bias)  # the native layers write in place
             final = base.norm(xs[depth][:, -1] if last else xs[depth])
             return [final] + [(xs[i][:, -1] if last else xs[i]) if i < depth else final for i in wanted]
         x, rope = embeds, base.rotary_emb(embeds, positions)
@@ -226,7 +223,7 @@ class ModelRunner:
             if base_k.dtype != torch.float32 or base_k.stride(-1) != 1 or context.cache.v.stride() != base_k.stride():
                 return None
             ctx, positions = (context.cache, context.visible), context.base_pos[:, None] + 1 + offsets
-        rope = self.micro_rope(positions) if self.micro_rope is not None else micro.rotary_emb(x, positions)
+        rope = self.micro_rope(positions)
         depth = len(micro.layers)
         xs = self.micro_native.run(x.clone(memory_format=torch.contiguous_format), rope, cache, start, own, [depth],
                                    context=ctx)

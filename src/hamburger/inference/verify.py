@@ -59,8 +59,9 @@ def check(runner: ModelRunner, rows: RowBatch, n: int) -> None:
     states = check_pass(runner, embeds, positions, torch.where(live, rows.cache_len[:n], 0),
                         CacheView(rows.cache, slice(0, n)), merged,
                         merged_len=rows.merged_len[:n] if bool(compress.any()) else None)
-    on = checked.tolist()  # the host's copy of what acceptance reads: no tensor op per row
-    kept = accept(runner, rows, n, [i for i in range(n) if on[i]], states[0], width)
+    which = [i for i, on in enumerate(checked.tolist()) if on]  # on the host: acceptance compares lists
+    kept_l = accept(runner, rows, n, which, states[0], width)
+    kept = torch.tensor(kept_l, device=dev)
     window = None
     if model.config.merge_window > 1 and bool(compress.any()):
         window = Window(model.config.merge_window, n)
@@ -72,12 +73,12 @@ def check(runner: ModelRunner, rows: RowBatch, n: int) -> None:
         for req in rows.requests[:n]:
             if req is not None and req.mode.merged:
                 req.stats.window_entries = sum(m - 1 for _, m, _ in req.window_steps)
-    record_kept(runner, rows, n, kept.tolist(), [i for i in range(n) if on[i]])
+    record_kept(runner, rows, n, kept_l, which)
 
 
 def accept(runner: ModelRunner, rows: RowBatch, n: int, which: list[int], final: torch.Tensor,
-           width: int) -> torch.Tensor:
-    """The drafts each checked row keeps (n,) from the base's final states (n, width, d) after t0, d1..; `which`:
+           width: int) -> list[int]:
+    """The drafts each of the n rows keeps from the base's final states (n, width, d) after t0, d1..; `which`:
     the checked rows. Each checked row's next token 0 goes to `rows.next_t0`: a greedy row's is the base's choice
     after its kept drafts (so the macro-step needs no head of its own), a sampled row's is drawn by its acceptance.
     Greedy rows read only the head's argmax (`ModelRunner.head_argmax`) and compare on the host."""
@@ -102,7 +103,7 @@ def accept(runner: ModelRunner, rows: RowBatch, n: int, which: list[int], final:
     at = [0] * n
     for j, i in enumerate(which):
         at[i] = kept[j]
-    return torch.tensor(at, device=final.device)
+    return at
 
 
 def record_kept(runner: ModelRunner, rows: RowBatch, n: int, kept_l: list[int], checked: list[int]) -> None:

@@ -290,29 +290,31 @@ def fits(out_features: int, in_features: int, kind: int, group: int = 0) -> str 
     return None
 
 
-def linear(x: torch.Tensor, desc: Weights) -> torch.Tensor:
-    """x (rows, k) float32 contiguous -> (rows, n) through the described weights (bias included)."""
+def _check_input(x: torch.Tensor, desc: Weights) -> None:
     if x.dim() != 2 or x.shape[1] != desc.k or x.dtype != torch.float32 or not x.is_contiguous() or x.is_cuda:
         raise ValueError(f"the native product takes a contiguous float32 CPU (rows, {desc.k}) input, got "
                          f"{tuple(x.shape)} {x.dtype} on {x.device}")
+
+
+def linear(x: torch.Tensor, desc: Weights) -> torch.Tensor:
+    """x (rows, k) float32 contiguous -> (rows, n) through the described weights (bias included)."""
+    _check_input(x, desc)
     y = torch.empty(x.shape[0], desc.n, dtype=torch.float32)
     if _load()[0].hb_linear(x.data_ptr(), ctypes.byref(desc), y.data_ptr(), x.shape[0]):
         raise MemoryError("the native product could not allocate its quantized activations")
     return y
 
 
-
 def linear_argmax(x: torch.Tensor, desc: Weights) -> torch.Tensor:
     """x (rows, k) float32 contiguous -> (rows,) int64: the index of each row's largest output through the described
     weights (the bias included), the first of equal ones, a NaN first: `linear(x, desc).max(-1).indices`, bit
     for bit, without the outputs (greedy decoding's LM head)."""
-    if x.dim() != 2 or x.shape[1] != desc.k or x.dtype != torch.float32 or not x.is_contiguous() or x.is_cuda:
-        raise ValueError(f"the native product takes a contiguous float32 CPU (rows, {desc.k}) input, got "
-                         f"{tuple(x.shape)} {x.dtype} on {x.device}")
+    _check_input(x, desc)
     idx = torch.empty(x.shape[0], dtype=torch.int64)
     if _load()[0].hb_linear_argmax(x.data_ptr(), ctypes.byref(desc), x.shape[0], idx.data_ptr()):
         raise MemoryError("the native product could not allocate its outputs")
     return idx
+
 
 def _float_weights(w: torch.Tensor) -> torch.Tensor:
     w = w.detach()

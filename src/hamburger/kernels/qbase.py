@@ -116,9 +116,13 @@ class QuantizedLinear(nn.Module):
         self.wide = self.dequantize().to(torch.bfloat16).contiguous() if rows else None
         self.wide_rows = rows
 
+    def wide_pass(self, x: torch.Tensor) -> bool:
+        """Whether a pass over x multiplies by the bfloat16 copy (`set_wide`)."""
+        return self.wide is not None and x.numel() >= self.wide_rows * self.in_features
+
     def _wide(self, x: torch.Tensor) -> torch.Tensor | None:
         """The output through the bfloat16 copy when the pass is wide enough, else None."""
-        if self.wide is None or x.numel() < self.wide_rows * self.in_features:
+        if not self.wide_pass(x):
             return None
         y = F.linear(x.to(torch.bfloat16), self.wide).to(x.dtype)
         return y if self.bias is None else y + self.bias.to(y.dtype)
@@ -207,7 +211,6 @@ class NativeCodes:
         return native.linear(x, native.Weights(desc.kind, 0, desc.n, desc.k, desc.group, desc.w, desc.sz, None))
 
 
-
 def native_argmax(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """The index of each row's largest output of `layer` at (rows, in) x, from the native kernels' fused argmax
     (`native.linear_argmax`: the same products as its forward, no outputs handed back), or None where its forward
@@ -216,9 +219,10 @@ def native_argmax(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     if (not getattr(layer, "native", False) or not hasattr(layer, "native_desc") or x.dtype != torch.float32
             or x.device.type != "cpu" or layer._forward_hooks or layer._forward_pre_hooks
             or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
-            or (layer.wide is not None and x.numel() >= layer.wide_rows * layer.in_features)):
+            or layer.wide_pass(x)):
         return None
     return native.linear_argmax(x.contiguous(), layer.native_desc())
+
 
 def native_here(device: torch.device, out_features: int, in_features: int, kind: int, group: int = 0) -> bool:
     """Whether a layer of this shape made now on `device` is multiplied by the native kernels."""
