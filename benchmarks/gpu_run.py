@@ -57,6 +57,12 @@ SIZES = {
               "abs": 0.2, "rel": 0.5, "sources": "code",
               "systems": "engine_base,hamburger_engine,hamburger_verify",  # a tiny checkpoint has no merger
               "segment": ["--include-unfinished"]},  # replies of 8 tokens never finish
+    # `probe`: the acc@0 probe's three arms and a distill side by side, `budget` seconds in all (`probe_tail_s` of
+    # it for loading, the last held-out pass and packing)
+    "probe": {"budget": 430, "probe_tail_s": 75, "arms": "slot,reader,base", "batch": 32, "eval_every": 100,
+              "limit": 4000, "distill_batch": 256, "max_new_tokens": 256},
+    "probe-smoke": {"budget": 90, "probe_tail_s": 80, "arms": "slot,reader,base", "batch": 2, "eval_every": 2,
+                    "limit": 2, "distill_batch": 2, "max_new_tokens": 4, "probe": ["--eval-fraction", "0.5"]},
 }
 
 
@@ -197,6 +203,54 @@ def stage_all(work: Path, out: Path, size: dict, model: str, checkpoint: str, so
     print(f"stage all: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
 
 
+def stage_probe(out: Path, size: dict, model: str, checkpoint: str, data: str, sources: str) -> None:
+    """The acc@0 probe's arms (`benchmarks/slot_readers.py`: slot, reader, base) side by side on one GPU, each in its
+    own process for the same minutes, and beside them `hamburger distill` of the prompts not yet in the shipped data
+    (replies that come back for a later run's data). A 135M model's training step is bound by Python and small
+    kernels, so the GPU runs the four at once for about the time of one. Every row of every arm comes back."""
+    t0 = time.perf_counter()
+    minutes = max(0.05, (size["budget"] - size["probe_tail_s"]) / 60)
+    script = str(ROOT / "benchmarks" / "slot_readers.py")
+    children = []
+    for arm in size["arms"].split(","):
+        argv = [script, "--arm", arm, "--model", checkpoint, "--data", data, "--minutes", f"{minutes:.2f}",
+                "--batch-size", str(size["batch"]), "--eval-every", str(size["eval_every"]),
+                "--log", str(out / f"probe-{arm}.jsonl"), *size.get("probe", [])]
+        children.append((arm, argv))
+    children.append(("distill", ["-m", "hamburger.cli", "distill", "--model", model, "--sources", sources,
+                                 "--limit", str(size["limit"]), "--batch-size", str(size["distill_batch"]),
+                                 "--max-new-tokens", str(size["max_new_tokens"]), "--out",
+                                 str(out / "distill.jsonl")]))
+    running = []
+    for name, argv in children:
+        log = (out / f"{name}.log").open("w")
+        print(f"$ python {' '.join(argv)}", file=log, flush=True)
+        running.append((name, log, subprocess.Popen([sys.executable, *argv], stdout=log, stderr=subprocess.STDOUT,
+                                                    env={**os.environ, "PYTHONUNBUFFERED": "1"})))
+    # the arms stop themselves after `minutes` and a last held-out pass; distill is stopped with them
+    deadline = t0 + size["budget"] - 15
+    for name, _, child in running:
+        if name != "distill":
+            try:
+                child.wait(timeout=max(1.0, deadline - time.perf_counter()))
+            except subprocess.TimeoutExpired:
+                pass
+    for name, log, child in running:
+        if child.poll() is None:
+            child.send_signal(signal.SIGINT)
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        print(f"({time.perf_counter() - t0:.0f} s, {name}: exit {child.returncode})", file=log, flush=True)
+        log.close()
+        tail = (out / f"{name}.log").read_text().splitlines()[-3:]
+        print(f"{name}: exit {child.returncode}; " + " | ".join(tail), file=sys.stderr, flush=True)
+    print(f"distilled replies: {whole_lines(out / 'distill.jsonl')}", file=sys.stderr, flush=True)
+    print(f"stage probe: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+
 def pack(out: Path, paths: list[Path]) -> list[Path]:
     """`paths` as out/ckpt.tar in parts of at most BACK_MIB MiB (ckpt.tar.part-NN)."""
     tar = out / "ckpt.tar"
@@ -264,6 +318,18 @@ def cmd_receive(args: argparse.Namespace) -> None:
 def run_stage(args: argparse.Namespace) -> None:
     out = Path(args.out or os.environ.get("OUT", STAGE / "out"))
     out.mkdir(parents=True, exist_ok=True)
+    if args.stage == "smoke" and args.probe:
+        size = dict(SIZES["probe-smoke"], **({"budget": args.budget} if args.budget else {}))
+        stage_probe(out, size, args.model, args.checkpoint, args.probe, SIZES["smoke"]["sources"])
+        return
+    if args.stage == "probe":
+        device_env()
+        if not (DEFAULT / GGUF).is_file():
+            join_file(PARTS, DEFAULT)
+            (DEFAULT / "__init__.py").write_text("")
+        size = dict(SIZES["probe"], **({"budget": args.budget} if args.budget else {}))
+        stage_probe(out, size, "default", str(SHIPPED), str(SHIPPED_DATA), str(PROMPTS) if PROMPTS.is_file() else "code")
+        return
     if args.stage == "smoke":
         size, work = dict(SIZES["smoke"]), out / "work"
         model, checkpoint, sources, extra = args.model, args.checkpoint, SIZES["smoke"]["sources"], []
@@ -292,12 +358,16 @@ def main(argv: list[str] | None = None) -> None:
     s.add_argument("--tests", action="store_true", help="also run the GPU tests on tiny models (tests.log)")
     s.set_defaults(func=cmd_receive)
     for name, what in (("all", "there: bench, distill, segment, train, export, pack, in --budget seconds"),
-                       ("smoke", "the same on the CPU on a tiny model")):
+                       ("probe", "there: the acc@0 probe's arms (slot, reader, base) and a distill side by side"),
+                       ("smoke", "`all` (or with --probe, `probe`) on the CPU on a tiny model")):
         s = sub.add_parser(name, help=what)
         s.add_argument("--out", default=None, help="where what comes back goes (default: $OUT)")
         s.add_argument("--model", default=None, help="smoke: the tiny base's folder")
         s.add_argument("--checkpoint", default=None, help="smoke: a HAMburger checkpoint on that base")
         s.add_argument("--budget", type=float, default=None, help="seconds for the whole stage (default: its size's)")
+        if name == "smoke":
+            s.add_argument("--probe", default=None, metavar="DATA",
+                           help="run `probe` instead, on this segmented data (the checkpoint needs slot adapters)")
         s.set_defaults(func=run_stage)
     args = p.parse_args(argv)
     args.func(args)

@@ -51,9 +51,10 @@ def token0_right(model, examples: list, batch_size: int = 8):
     the number of tokens of the slot that predicts it (1: an exact one-token position; 2+: a smashed slot)."""
     k, pad = model.config.max_step_tokens, model.tokenizer.pad_token_id or 0
     examples = sorted(examples, key=lambda ex: ex.num_slots)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    device = next(model.parameters()).device
+    with torch.autocast(device.type, dtype=torch.bfloat16):
         for i in range(0, len(examples), batch_size):
-            batch = collate(examples[i : i + batch_size], k, pad)
+            batch = collate(examples[i : i + batch_size], k, pad).to(device)
             out = hamburger_loss(model, batch)
             first = out.in_step_index == 0  # token 0 of every step, in step order
             yield batch, out.logits[first].argmax(-1) == out.targets[first], \
