@@ -1,17 +1,18 @@
-"""The GPU run of issue 39, ready to the last command (driven by `benchmarks/gpu_run.sh`; docs/training.md "A GPU run").
+"""The GPU run, ready to the last command (driven by `benchmarks/gpu_run.sh`; docs/training.md "A GPU run").
 
 A GPU machine comes for about 15 minutes, runs commands of at most 10 minutes, and takes at most 64 MiB of working tree
-per command (the tracked tree is about 48 MiB) with no network; it keeps its disk between calls while it is warm.
-So the base's GGUF (98 MB) travels in parts of 12 MiB, one carried per call (`split` here, then `receive` calls
-there), and the work is two stages of under 9 minutes each, back to back on the same warm machine:
+per command with no network; it keeps its disk between calls while it is warm. So the base's GGUF (98 MB) travels
+in parts (`split` here, then `receive` calls there), and the work is one command whose every part is bounded in time,
+so that what is done comes back even when a part runs long:
 
-- `a`: join the GGUF (sha256 checked), the GPU tests, a bench table (the base, verify, compress, trust against HF
-  generate, at batch 1 and 16), and distilling the base's replies with the fast engine on the GPU;
-- `b`: segment, train the A/B winner (`--base-training lora` on the shipped checkpoint), export bf16, evaluate, and
-  pack what comes back into $OUT in files of at most 15 MiB (`split`; `cat part-* > ckpt.tar` joins them).
+- `all`: join the GGUF (sha256 checked), a bench table (the base, verify, compress, trust against HF generate, at
+  batch 1 and 16), distill the base's replies, segment, train (`--base-training lora` on the shipped checkpoint),
+  export, and pack what comes back into $OUT in files of at most 15 MiB (`cat ckpt.tar.part-* > ckpt.tar`);
+- `probe`: join the GGUF, then the acc@0 probe's arms (`benchmarks/slot_readers.py`: slot, reader, base) side by
+  side, each its own process for the same minutes, with a distill of the prompts not in the shipped data beside them.
 
-`smoke` runs stages a and b on the CPU on a tiny model (`--model`, `--checkpoint`) with tiny sizes, in one process:
-the test suite runs it (tests/training/test_gpu_run.py) so the script cannot rot.
+`smoke` runs `all` (or with `--probe DATA`, `probe`) on the CPU on a tiny model (`--model`, `--checkpoint`) with tiny
+sizes: the test suite runs both (tests/training/test_gpu_run.py) so the script cannot rot.
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ SHIPPED = ROOT / "src" / "hamburger" / "checkpoints" / "SmolLM2-135M-Instruct"
 BACK_MIB = 15  # files that come back: at most 16 MiB each, 8 in all
 PROMPTS = STAGE / "prompts.jsonl"  # made here (training prompts not in the shipped data), carried with the last part
 SHIPPED_DATA = ROOT / "data" / "segmented" / "train-k4-a0.2-r0.5.jsonl"  # the shipped checkpoint's training steps
+# the 2,057 stdlib prompts' replies, distilled on an H200 (2026-11-27) and segmented on the CPU: more training data
+STDLIB_DATA = ROOT / "data" / "segmented" / "stdlib-h200-k4-a0.2-r0.5.jsonl"
 GPU_TESTS = ["tests/inference/test_gpu.py", "tests/kernels/test_quantize.py", "tests/test_cli.py", "-k",
              "cuda or gpu or device"]
 
@@ -328,6 +331,8 @@ def run_stage(args: argparse.Namespace) -> None:
             join_file(PARTS, DEFAULT)
             (DEFAULT / "__init__.py").write_text("")
         size = dict(SIZES["probe"], **({"budget": args.budget} if args.budget else {}))
+        if STDLIB_DATA.is_file():  # for training only: the held-out split stays the shipped data's
+            size["probe"] = ["--extra-data", str(STDLIB_DATA)]
         stage_probe(out, size, "default", str(SHIPPED), str(SHIPPED_DATA), str(PROMPTS) if PROMPTS.is_file() else "code")
         return
     if args.stage == "smoke":
@@ -341,7 +346,7 @@ def run_stage(args: argparse.Namespace) -> None:
             (DEFAULT / "__init__.py").write_text("")
         model, checkpoint = "default", str(SHIPPED)
         sources = str(PROMPTS) if PROMPTS.is_file() else "code"
-        extra = [SHIPPED_DATA] if SHIPPED_DATA.is_file() else []
+        extra = [p for p in (SHIPPED_DATA, STDLIB_DATA) if p.is_file()]  # held out by id hash from both
     if args.budget:
         size["budget"] = args.budget
     stage_all(work, out, size, model, checkpoint, sources, extra)
