@@ -185,3 +185,37 @@ def test_micro_drafts_refuse_a_base_without_its_checkpoint():
         MicroDrafts(config(model="/models/another-base"))
     with pytest.raises(HamburgerError, match="checkpoint of the base vLLM serves"):
         MicroDrafts(config(model=DEFAULT_FOLDER, extra={"hamburger": {"checkpoint": "none"}}))
+
+
+def test_micro_drafts_of_a_row_do_not_depend_on_the_other_rows():
+    """`MicroDrafts.micro_drafts` runs every row's micro-steps as one batch (context entries padded to the longest
+    and masked): each row's drafts equal those it gets alone, whatever the other rows' contexts, counts and
+    `min_prob` stops."""
+    import torch
+    from conftest import hamburger
+
+    from hamburger.vllm.micro import MicroDrafts
+
+    ham = hamburger("llama", k=4, micro_context=6).eval()
+    cfg = ham.base.config
+    drafts = MicroDrafts.__new__(MicroDrafts)  # the proposer without vLLM's config: the parts micro_drafts reads
+    drafts.ham, drafts.vocab, drafts.min_prob = ham, cfg.vocab_size, 0.0
+    drafts.kv_heads, drafts.head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    g = torch.Generator().manual_seed(0)
+    n_ctx, d, width = len(ham.micro.context_layers), cfg.hidden_size, drafts.kv_heads * drafts.head_dim
+
+    def job(t: int, pos: int, count: int, t0: int):
+        feats = torch.randn(len(ham.micro.feature_layers), d, generator=g)
+        entries = {pos - t + 1 + i: (torch.randn(n_ctx, width, generator=g), torch.randn(n_ctx, width, generator=g))
+                   for i in range(t)}
+        return feats, t0, entries, pos, count
+
+    jobs = [job(6, 20, 3, 5), job(1, 7, 2, 40), job(3, 11, 3, 9), job(5, 30, 1, 77)]
+    with torch.inference_mode():
+        together = drafts.micro_drafts(jobs)
+        alone = [drafts.micro_drafts([j])[0] for j in jobs]
+        assert together == alone and [len(x) for x in together] == [3, 2, 3, 1]
+        drafts.min_prob = 0.2  # rows stop early, each at its own first unlikely token
+        stopped = drafts.micro_drafts(jobs)
+        assert stopped == [drafts.micro_drafts([j])[0] for j in jobs] and stopped != together and any(stopped)
+    assert drafts.micro_drafts([]) == []

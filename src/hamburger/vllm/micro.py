@@ -163,6 +163,7 @@ class MicroDrafts(LookupDrafts):
                 or any(j not in tap.states for j in micro.feature_layers)):
             return out  # no forward seen yet (or hooks that did not run): lookup drafts only
         self.context.begin()
+        jobs: dict[int, tuple[torch.Tensor, int, dict, int, int]] = {}
         with torch.inference_mode():
             for row, sampled in enumerate(sampled_token_ids):
                 n = int(num_tokens_no_spec[row])
@@ -174,34 +175,58 @@ class MicroDrafts(LookupDrafts):
                 positions = tap.positions[a:b].tolist()
                 self.context.admit(entries, positions, keys, values, upto)
                 room = min(self.micro_k, self.k, self.max_len - n - 1)
-                if sampled and not out[row] and room > 0 and upto in positions:
+                if sampled and not out[row] and room > 0 and upto in positions and entries:
                     at = a + positions.index(upto)
                     feats = torch.stack([tap.states[j][at] for j in micro.feature_layers])
-                    out[row] = self.micro_drafts(feats, sampled[-1], entries, upto, room)
+                    jobs[row] = (feats, sampled[-1], entries, upto, room)
+            for row, drafts in zip(jobs, self.micro_drafts(list(jobs.values()))):
+                out[row] = drafts
         return out
 
-    def micro_drafts(self, feats: torch.Tensor, t0: int, entries: dict, pos: int, count: int) -> list[int]:
-        """`count` greedy micro-step tokens after `t0`, from the features (m, d) of the state at `pos`."""
-        micro, ham = self.ham.micro, self.ham
-        order = sorted(entries)
-        t = len(order)
-        if t == 0:
+    def micro_drafts(self, jobs: list[tuple[torch.Tensor, int, dict, int, int]]) -> list[list[int]]:
+        """Greedy micro-step drafts for every row at once: each job is (the features (m, d) of the state at `pos`,
+        token 0 `t0`, the row's context `entries` by position (at least one), `pos`, how many drafts at most).
+        The rows run as one batch, their context entries padded to the longest and masked, and each micro-step
+        recomputes the decoder over [f_1..f_m, emb(t_0), ...] as in training; a row's drafts end at its count
+        or before its first token under `min_prob`. A row's drafts do not depend on the other rows (a test)."""
+        if not jobs:
             return []
-        keys = torch.stack([entries[p][0] for p in order], 1)  # (n_ctx, T, kv)
-        values = torch.stack([entries[p][1] for p in order], 1)
-        split = lambda x: x.view(x.shape[0], t, self.kv_heads, self.head_dim).transpose(1, 2)[:, None]  # noqa: E731
-        keys, values = split(keys), split(values)  # (n_ctx, 1, kv_heads, T, hd)
-        normed = torch.stack([norm(f) for f, norm in zip(feats, micro.feature_norms)])
-        tokens = [t0]
-        for _ in range(count):
-            x = torch.cat([normed, ham.embed(torch.tensor(tokens))])[None]
+        micro, ham = self.ham.micro, self.ham
+        b, longest, steps = len(jobs), max(len(e) for _, _, e, _, _ in jobs), max(c for *_, c in jobs)
+        n_ctx, kv, hd = len(micro.context_layers), self.kv_heads, self.head_dim
+        dtype = next(iter(jobs[0][2].values()))[0].dtype
+        keys = torch.zeros(n_ctx, b, kv, longest, hd, dtype=dtype)
+        values = torch.zeros_like(keys)
+        seen = torch.zeros(b, longest, dtype=torch.bool)  # the real entries; the padding after them is masked
+        for i, (_, _, entries, _, _) in enumerate(jobs):
+            order = sorted(entries)
+            t = len(order)
+            split = lambda x: x.reshape(n_ctx, t, kv, hd).transpose(1, 2)  # noqa: E731  (n_ctx, kv, T, hd)
+            keys[:, i, :, :t] = split(torch.stack([entries[p][0] for p in order], 1))
+            values[:, i, :, :t] = split(torch.stack([entries[p][1] for p in order], 1))
+            seen[i, :t] = True
+        normed = torch.stack([torch.stack([norm(f) for f, norm in zip(feats, micro.feature_norms)])
+                              for feats, *_ in jobs])  # (B, m, d)
+        tokens = torch.tensor([[t0] for _, t0, *_ in jobs])
+        pos = torch.tensor([p for *_, p, _ in jobs])
+        count = [c for *_, c in jobs]
+        out: list[list[int]] = [[] for _ in jobs]
+        going = [True] * b
+        for step in range(steps):
+            x = torch.cat([normed, ham.embed(tokens)], 1)  # (B, m + 1 + step, d)
             q = x.shape[1]
-            positions = pos + 1 + torch.arange(q)[None]
-            mask = torch.cat([torch.ones(q, t, dtype=torch.bool), torch.ones(q, q, dtype=torch.bool).tril()], 1)
-            h = micro.forward_context(x, positions, list(keys), list(values), mask[None, None])[0, -1]
+            positions = pos[:, None] + 1 + torch.arange(q)[None]
+            causal = torch.ones(q, q, dtype=torch.bool).tril()
+            mask = torch.cat([seen[:, None].expand(b, q, longest), causal.expand(b, q, q)], -1)[:, None]
+            h = micro.forward_context(x, positions, list(keys), list(values), mask)[:, -1]
             probs = torch.softmax(ham.lm_head(h).float(), -1)
-            best = int(probs.argmax(-1))
-            if float(probs[best]) < self.min_prob:
+            best = probs.argmax(-1)
+            sure = probs.gather(1, best[:, None])[:, 0].tolist()
+            for i, (tok, p) in enumerate(zip(best.tolist(), sure)):
+                going[i] = going[i] and step < count[i] and p >= self.min_prob
+                if going[i]:
+                    out[i].append(tok)
+            if not any(going):
                 break
-            tokens.append(best)
-        return in_vocab(tokens[1:], self.vocab)
+            tokens = torch.cat([tokens, best[:, None]], 1)
+        return [in_vocab(drafts, self.vocab) for drafts in out]
