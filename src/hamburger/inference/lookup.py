@@ -90,7 +90,7 @@ def _ngram_key(tokens: Sequence[int]) -> int:
 class ReplyStore:
     """Lookup drafts from the base's own earlier replies (retrieval drafts, as REST does with a datastore): a row
     whose own history offers no match drafts what followed its last `min_ngram`..`max_ngram` tokens in a stored
-    corpus of replies, here the base's greedy replies to the training prompts (`hamburger lookup-store`). The
+    corpus of replies, here the base's greedy replies to the training prompts (`hamburger export --replies`). The
     base checks these like any draft, so the output is unchanged; a phrase the base tends to write ("Here is a
     Python function that", a step of arithmetic, a list's form) is drafted whole.
 
