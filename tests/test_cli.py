@@ -305,6 +305,35 @@ def test_quantize_auto_resolves_by_device_and_dtype():
     assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+
+def test_quantize_auto_takes_the_gguf_blocks_for_a_checkpoint_on_the_default_base(tmp_path):
+    """A checkpoint folder trained on the embedded default's base (a copy of the shipped one, an export of a run
+    from it) decodes on the default's GGUF blocks too; not one that holds base weights of its own or a LoRA, nor one
+    on another base."""
+    from hamburger.kernels import native
+    from hamburger.kernels.qlinear import fp16_unavailable
+    from hamburger.loading import resolve_quantize
+    from hamburger.model.hamburger_model import packaged_checkpoint
+
+    expected = "fp16" if fp16_unavailable("cpu") is None else "none"
+    blocks = "int4/int8" if native.available() else expected
+
+    def folder(name: str, **cfg) -> str:
+        path = tmp_path / name
+        path.mkdir()
+        path.joinpath("config.json").write_text(json.dumps({"hamburger": {
+            "base_model": "SmolLM2-135M-Instruct", "base_in_checkpoint": False, "lora_rank": 0, **cfg}}))
+        return str(path)
+
+    assert resolve_quantize("auto", "cpu", model=folder("copy")) == blocks
+    assert resolve_quantize("auto", "cpu", model=str(packaged_checkpoint())) == blocks
+    assert resolve_quantize("auto", "cpu", model=folder("full", base_in_checkpoint=True)) == expected
+    assert resolve_quantize("auto", "cpu", model=folder("lora", lora_rank=16)) == expected
+    assert resolve_quantize("auto", "cpu", model=folder("other", base_model="Qwen/Qwen2-0.5B")) == expected
+    assert resolve_quantize("auto", "cpu", model=folder("copy2"), base="elsewhere") == expected
+    assert resolve_quantize("auto", "cpu", "bfloat16", model=folder("copy3")) == "none"
+
+
 def test_decoding_defaults_are_auto_and_one_line_says_what_runs(capsys, checkpoint, tiny_model_dir):
     from hamburger.cli import build_parser
     from hamburger.kernels.qlinear import fp16_unavailable

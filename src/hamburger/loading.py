@@ -41,9 +41,9 @@ GGUF_BLOCKS = "int4/int8"  # the embedded default's GGUF: Q4_1 projections, a Q8
 
 def resolve_quantize(spec: str, device: torch.device | str, dtype: str = "float32", model: str | None = None,
                      base: str | None = None) -> str:
-    """"auto": for the embedded default (`model` one of its names, no other `base`) on a CPU where the native
-    kernels run, int4/int8: its GGUF's own Q4_1 and Q8_0 blocks, so its weights exactly, and faster than the fp16
-    base there (`hamburger bench --quantize`; docs/quantize.md). Else fp16 where FBGEMM's packed float16 GEMM runs float32 models (x86 CPUs:
+    """"auto": for the embedded default (`model` one of its names, or a checkpoint folder on its base that holds no
+    base weights of its own and no LoRA: `on_default_base`; no other `base`) on a CPU where the native kernels run,
+    int4/int8: its GGUF's own Q4_1 and Q8_0 blocks, so its weights exactly, and faster than the fp16 base there (`hamburger bench --quantize`; docs/quantize.md). Else fp16 where FBGEMM's packed float16 GEMM runs float32 models (x86 CPUs:
     faster than float32 at decoding, the weights with which verify mode's drafts pay on a CPU), else none (a GPU
     decodes fast in --dtype). Any other spec is returned as it is."""
     if spec != AUTO:
@@ -53,10 +53,27 @@ def resolve_quantize(spec: str, device: torch.device | str, dtype: str = "float3
     from hamburger.model.base import DEFAULT_ALIASES
 
     cpu = getattr(device, "type", str(device)) == "cpu"
-    if model is not None and model.lower() in DEFAULT_ALIASES and base is None and cpu and dtype == "float32" \
-            and native.available():
+    default = model is not None and (model.lower() in DEFAULT_ALIASES or on_default_base(model))
+    if default and base is None and cpu and dtype == "float32" and native.available():
         return GGUF_BLOCKS
     return "fp16" if dtype == "float32" and fp16_unavailable(device) is None else "none"
+
+
+def on_default_base(model: str) -> bool:
+    """Whether `model` is a checkpoint folder (one trained from the shipped checkpoint, say) whose base is the embedded
+    default's, untouched: the base's weights are not in the checkpoint (no `--base-training full`) and no LoRA rides
+    on it, so the base it loads is the default's GGUF, as for the shipped checkpoint."""
+    from hamburger.model.base import DEFAULT_ALIASES
+    from hamburger.model.config import HamburgerConfig
+
+    if not HamburgerConfig.is_checkpoint(model):
+        return False
+    try:
+        config = HamburgerConfig.load(model)
+    except HamburgerError:
+        return False
+    return (str(config.base_model).lower() in DEFAULT_ALIASES and not config.base_in_checkpoint
+            and not config.lora_rank)
 
 
 def split_scheme(spec: str) -> tuple[str, str | None]:
