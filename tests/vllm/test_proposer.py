@@ -201,6 +201,7 @@ def test_micro_drafts_of_a_row_do_not_depend_on_the_other_rows():
     drafts = MicroDrafts.__new__(MicroDrafts)  # the proposer without vLLM's config: the parts micro_drafts reads
     drafts.ham, drafts.vocab, drafts.min_prob = ham, cfg.vocab_size, 0.0
     drafts.kv_heads, drafts.head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    drafts.shortlist(ham)  # no shortlist: the whole head
     g = torch.Generator().manual_seed(0)
     n_ctx, d, width = len(ham.micro.context_layers), cfg.hidden_size, drafts.kv_heads * drafts.head_dim
 
@@ -218,4 +219,10 @@ def test_micro_drafts_of_a_row_do_not_depend_on_the_other_rows():
         drafts.min_prob = 0.2  # rows stop early, each at its own first unlikely token
         stopped = drafts.micro_drafts(jobs)
         assert stopped == [drafts.micro_drafts([j])[0] for j in jobs] and stopped != together and any(stopped)
+        drafts.min_prob = 0.0
+        ham.micro_vocab = torch.arange(0, cfg.vocab_size, 2)  # a shortlist: drafts are its tokens, as vocabulary ids
+        drafts.shortlist(ham)
+        short = drafts.micro_drafts(jobs)
+        assert short == [drafts.micro_drafts([j])[0] for j in jobs] and all(t % 2 == 0 for d in short for t in d)
+        assert [len(x) for x in short] == [3, 2, 3, 1]
     assert drafts.micro_drafts([]) == []

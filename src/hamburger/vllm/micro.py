@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from hamburger.errors import HamburgerError
+from hamburger.inference.runner import head_rows
 from hamburger.model.hamburger_model import load_model
 from hamburger.vllm.proposer import LookupDrafts, checkpoint_for, in_vocab, settings
 
@@ -147,6 +148,14 @@ class MicroDrafts(LookupDrafts):
             self.store = None
         # a micro-step draft ends before its first token the decoder gives less than this probability (0: never)
         self.min_prob = float(settings(vllm_config).get("min_prob", 0.0))
+        self.shortlist(self.ham)
+
+    def shortlist(self, ham: Any) -> None:
+        """The micro-step head: the LM head's rows at the checkpoint's micro-step shortlist (`micro_vocab`), as the
+        engine's micro-steps and `train-drafter` use it (a 7,244-token head for the default instead of 49,152), or
+        the whole head for a checkpoint without one."""
+        self.short_vocab = ham.micro_vocab
+        self.short_head = None if ham.micro_vocab is None else head_rows(ham, ham.micro_vocab).float().contiguous()
 
     def load_model(self, model: Any = None, *args: Any, **kwargs: Any) -> None:
         super().load_model(model)
@@ -219,9 +228,12 @@ class MicroDrafts(LookupDrafts):
             causal = torch.ones(q, q, dtype=torch.bool).tril()
             mask = torch.cat([seen[:, None].expand(b, q, longest), causal.expand(b, q, q)], -1)[:, None]
             h = micro.forward_context(x, positions, list(keys), list(values), mask)[:, -1]
-            probs = torch.softmax(ham.lm_head(h).float(), -1)
+            logits = ham.lm_head(h) if self.short_head is None else torch.nn.functional.linear(h, self.short_head)
+            probs = torch.softmax(logits.float(), -1)
             best = probs.argmax(-1)
             sure = probs.gather(1, best[:, None])[:, 0].tolist()
+            if self.short_vocab is not None:
+                best = self.short_vocab[best]
             for i, (tok, p) in enumerate(zip(best.tolist(), sure)):
                 going[i] = going[i] and step < count[i] and p >= self.min_prob
                 if going[i]:
