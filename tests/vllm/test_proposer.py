@@ -226,3 +226,16 @@ def test_micro_drafts_of_a_row_do_not_depend_on_the_other_rows():
         assert short == [drafts.micro_drafts([j])[0] for j in jobs] and all(t % 2 == 0 for d in short for t in d)
         assert [len(x) for x in short] == [3, 2, 3, 1]
     assert drafts.micro_drafts([]) == []
+
+
+def test_micro_draft_rows_setting():
+    """The micro-step decoder drafts while at most `draft_rows` rows decode: DRAFT_ROWS on a CPU by default (as the
+    engine's verify mode), always on other devices, or what the setting says; a bad value is refused."""
+    from hamburger.model.config import DRAFT_ROWS
+    from hamburger.vllm.micro import micro_draft_rows
+
+    assert micro_draft_rows("auto", "cpu") == DRAFT_ROWS and micro_draft_rows("auto", "cuda") is None
+    assert micro_draft_rows(8, "cpu") == 8 and micro_draft_rows(0, "cuda") == 0 and micro_draft_rows(None, "cpu") is None
+    for bad in (-1, "many", True, 2.5):
+        with pytest.raises(HamburgerError, match="hamburger.draft_rows"):
+            micro_draft_rows(bad, "cpu")
