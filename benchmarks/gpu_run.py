@@ -119,6 +119,16 @@ def hamburger(*argv: str) -> None:
         raise SystemExit(f"hamburger {argv[0]} failed ({code})")
 
 
+def stop(child: subprocess.Popen) -> None:
+    """A child past its time: SIGINT (it may save what it has), then SIGKILL after 10 s."""
+    child.send_signal(signal.SIGINT)
+    try:
+        child.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+
+
 def timed(seconds: float, log: Path, *argv: str) -> bool:
     """One `hamburger` command in a child process, stopped (SIGINT, then SIGKILL) after `seconds`; its output goes
     to `log` (which comes back) and to stderr. True when it finished by itself with status 0."""
@@ -132,12 +142,7 @@ def timed(seconds: float, log: Path, *argv: str) -> bool:
         try:
             code = child.wait(timeout=max(1.0, seconds))
         except subprocess.TimeoutExpired:
-            child.send_signal(signal.SIGINT)
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+            stop(child)
             code = None
         f.write(f"({time.perf_counter() - t0:.0f} s, {'stopped at its time limit' if code is None else f'exit {code}'})\n")
     print(f"({time.perf_counter() - t0:.0f} s, {'stopped' if code is None else f'exit {code}'})", file=sys.stderr,
@@ -240,12 +245,7 @@ def stage_probe(out: Path, size: dict, model: str, checkpoint: str, data: str, s
                 pass
     for name, log, child in running:
         if child.poll() is None:
-            child.send_signal(signal.SIGINT)
-            try:
-                child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
+            stop(child)
         print(f"({time.perf_counter() - t0:.0f} s, {name}: exit {child.returncode})", file=log, flush=True)
         log.close()
         tail = (out / f"{name}.log").read_text().splitlines()[-3:]
