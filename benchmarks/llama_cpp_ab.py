@@ -23,7 +23,7 @@ from hamburger.evaluation.bench_systems import SETS, bench_messages, outside_sys
 from hamburger.inference.engine import Engine
 from hamburger.inference.reference import eos_ids
 from hamburger.inference.stats import GenerationStats
-from hamburger.kernels.quantize import DEFAULT_SKIP, quantize_model
+from hamburger.loading import quantize_loaded
 from hamburger.model.base import encode_chat
 from hamburger.model.hamburger_model import HamburgerModel, load_model
 
@@ -38,10 +38,9 @@ def main() -> None:
     started = time.perf_counter()
     engines = {}
     for spec in [s.strip() for s in args.schemes.split(",") if s.strip()]:
-        scheme, _, head = spec.partition("/")
         model, _ = load_model("default")
         model.eval()
-        quantize_model(model, scheme, head=head or None, skip=DEFAULT_SKIP)
+        quantize_loaded(model, spec, quiet=True)  # SCHEME/HEAD, +a8: as the command line's --quantize
         plain = HamburgerModel.plain(model.base, model.tokenizer)
         engines[f"base {spec}"] = (Engine(plain), None)
         engines[f"verify {spec}"] = (Engine(model), "verify")

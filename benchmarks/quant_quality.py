@@ -8,6 +8,7 @@ activations) and the native kernels (float16; int4 with int16 activations in blo
 
     python benchmarks/quant_quality.py                       # fp16, int4, int4/fp16; 2 min on 2 cores
     python benchmarks/quant_quality.py int4/int8 fp16        # the schemes given (SCHEME or SCHEME/HEAD)
+    python benchmarks/quant_quality.py int4/int8 int4/int8+a8   # +a8: the native 4-bit products' inputs in 8 bits
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch.nn.functional as F
 from hamburger.evaluation.bench_systems import SETS, bench_messages
 from hamburger.inference.engine import Engine
 from hamburger.kernels import native
-from hamburger.kernels.quantize import DEFAULT_SKIP, quantize_model
+from hamburger.loading import quantize_loaded, split_a8
 from hamburger.model.base import encode_chat
 from hamburger.model.hamburger_model import HamburgerModel, load_model
 
@@ -54,14 +55,13 @@ def main() -> None:
     float_nll, _, reference = scored(model.base, sequences, None)
     rows = [("float32 (the reference)", float_nll, 1.0)]
     for spec in (sys.argv[1:] or ("fp16", "int4", "int4/fp16")):
-        scheme, _, head = spec.partition("/")
-        for kernels in ("torch", "native"):
-            if kernels == "native" and not native.available():
+        for kernels in ("torch", "native"):  # (+a8: the native kernels' only)
+            if (kernels == "native" and not native.available()) or (kernels == "torch" and split_a8(spec)[1]):
                 continue
             with native.turned_off() if kernels == "torch" else contextlib.nullcontext():
                 copy, _ = load_model("default")
                 copy.eval()
-                quantize_model(copy, scheme, head=head or None, skip=DEFAULT_SKIP)
+                quantize_loaded(copy, spec, quiet=True)  # SCHEME/HEAD, +a8: as the command line's --quantize
             nll, agree, _ = scored(copy.base, sequences, reference)
             rows.append((f"{spec}, {kernels} kernels", nll, agree))
     tokens = sum(len(r) for r in replies)

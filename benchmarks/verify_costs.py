@@ -22,14 +22,14 @@ import torch
 from hamburger.inference.core import micro_context
 from hamburger.inference.engine import Engine
 from hamburger.inference.kv import KVCache
-from hamburger.kernels.quantize import DEFAULT_SKIP, quantize_model
+from hamburger.loading import quantize_loaded
 from hamburger.model.hamburger_model import load_model
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("model", nargs="?", default="default")
-    p.add_argument("--quantize", default="none", help="none, fp16, int8, int4 or SCHEME/HEAD (e.g. int4/int8)")
+    p.add_argument("--quantize", default="none", help="none, fp16, int8, int4 or SCHEME/HEAD (e.g. int4/int8), +a8 for 8-bit inputs")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--cached", type=int, default=256)
     p.add_argument("--rounds", type=int, default=15)
@@ -38,9 +38,7 @@ def main() -> None:
     torch.manual_seed(0)
     model, _ = load_model(a.model)
     model.eval()
-    if a.quantize != "none":
-        scheme, _, head = a.quantize.partition("/")
-        quantize_model(model, scheme, head=head or None, skip=DEFAULT_SKIP)
+    quantize_loaded(model, a.quantize, quiet=True)  # SCHEME/HEAD, +a8: as the command line's --quantize
     engine = Engine(model)
     cfg, k, m, b, s = model.base.config, engine.k, model.micro.num_features, a.batch, a.cached
     if k < 2:

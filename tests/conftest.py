@@ -32,6 +32,8 @@ from hamburger.model.merger import KVMerger
 OWN_CACHE = "HAMBURGER_TEST_CACHE" not in os.environ
 TEST_CACHE = os.environ.setdefault("HAMBURGER_TEST_CACHE", tempfile.mkdtemp(prefix="hamburger-test-cache-"))
 os.environ["HAMBURGER_CACHE"] = TEST_CACHE
+# vLLM's cache too (its model facts, compiled graphs): a warm ~/.cache/vllm hid a failure of a fresh machine once
+os.environ["VLLM_CACHE_ROOT"] = os.path.join(TEST_CACHE, "vllm")
 
 # Under pytest-xdist (`make test` runs a worker per CPU), each worker's torch gets its share of the threads: two
 # workers of all threads each would slow each other far more than twice.

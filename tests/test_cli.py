@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hamburger.cli import main
+from hamburger.kernels import native
 
 DECODING = ("generate", "info", "demo", "serve", "eval", "bench-serve")  # --quantize auto by default
 
@@ -84,6 +85,9 @@ def test_quantize_another_scheme_on_the_lm_head(capsys, checkpoint):
     (["info", "--model", "/no/such/model"], "does not exist"),
     (["info", "--model", "no such/hub id"], "neither a local path nor a valid hub id"),
     (["generate", "w1", "--model", "MODEL", "--device", "not-a-device"], "not usable here"),
+    (["generate", "w1", "--model", "MODEL", "--quantize", "fp16+a8"], "the layers' scheme must be int4"),
+    (["generate", "w1", "--model", "MODEL", "--quantize", "int8/int4+a8"], "the layers' scheme must be int4"),
+    (["generate", "w1", "--model", "MODEL", "--quantize", "int4+a8+bf16"], "--quantize must be one of"),
 ])
 def test_bad_input_exits_nonzero_with_a_message(capsys, tiny_model_dir, args, message):
     args = [str(tiny_model_dir) if a == "MODEL" else a for a in args]
@@ -202,6 +206,28 @@ def test_generate_quantized_int4_runs_and_says_what_it_did(capsys, checkpoint):
     line = next(s for s in captured.err.splitlines() if s.startswith("quantize:"))
     # every linear layer of the tiny model takes 64 or 128 inputs: all fit groups of 64, none is left float
     assert "int4 (groups of 64)" in line and "left float" not in line
+
+
+@pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.why_unavailable()}")
+def test_quantize_a8_gives_the_4_bit_layers_8_bit_inputs(capsys, checkpoint):
+    """SCHEME/HEAD+a8: every native 4-bit layer (base and micro-step decoder) takes 8-bit inputs (`native.INT4_Q8`),
+    the int8 head keeps its int16 ones; generate says so and runs."""
+    from hamburger.kernels.qlinear import Int4Linear, Int8Linear
+    from hamburger.loading import load
+
+    model, _ = load(str(checkpoint), quantize="int4/int8+a8", quiet=False)
+    fours = {id(m): m for m in model.modules() if isinstance(m, Int4Linear)}
+    fours.update({id(m.group.linear): m.group.linear for m in model.modules() if hasattr(m, "group")})  # q/k/v, gate/up
+    fours = list(fours.values())
+    assert len(fours) > 4 and all(m.activations8 and m.native_desc().kind == native.INT4_Q8 for m in fours)
+    assert model.micro is not None and any(isinstance(m, Int4Linear) for m in model.micro.modules())
+    assert model.base.get_output_embeddings().native_desc().kind == native.INT8_Q16
+    assert isinstance(model.base.get_output_embeddings(), Int8Linear)
+    line = next(s for s in capsys.readouterr().err.splitlines() if s.startswith("quantize:"))
+    assert f"8-bit inputs to {len(fours)} 4-bit layers" in line
+    assert main(["generate", "w5 w6", "--model", str(checkpoint), "--max-new-tokens", "6", "--quantize",
+                 "int4/int8+a8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["generated_tokens"] > 0
 
 
 def test_info_quantized(capsys, checkpoint):

@@ -21,6 +21,9 @@ if TYPE_CHECKING:
 AUTO = "auto"
 DTYPES = ("float32", "bfloat16", "float16")
 WIDE_SUFFIX = "+bf16"
+# the 4-bit layers' native products with their inputs in 8 bits (`native.INT4_Q8`): llama.cpp's precision, faster
+# checks of several positions where the CPU multiplies bytes (docs/quantize.md); last in a spec ("int4/int8+a8")
+A8_SUFFIX = "+a8"
 
 
 def resolve_device(device: str = AUTO) -> torch.device:
@@ -84,8 +87,16 @@ def split_scheme(spec: str) -> tuple[str, str | None]:
 
 
 def split_wide(spec: str) -> tuple[str, bool]:
-    """"fp16+bf16" -> ("fp16", True): the spec without the suffix, and whether wide passes use a bfloat16 copy."""
+    """"fp16+bf16" -> ("fp16", True): the spec without the suffix (nor +a8), and whether wide passes use a bfloat16
+    copy."""
+    spec = split_a8(spec)[0]
     return (spec.removesuffix(WIDE_SUFFIX), True) if spec.endswith(WIDE_SUFFIX) else (spec, False)
+
+
+def split_a8(spec: str) -> tuple[str, bool]:
+    """"int4/int8+a8" -> ("int4/int8", True): the spec without the suffix, and whether the 4-bit layers' native
+    products take 8-bit inputs."""
+    return (spec.removesuffix(A8_SUFFIX), True) if spec.endswith(A8_SUFFIX) else (spec, False)
 
 
 def parse_schemes(text: str, many: bool = False) -> list[str]:
@@ -99,7 +110,10 @@ def parse_schemes(text: str, many: bool = False) -> list[str]:
     if not specs or any(p not in SCHEMES for p in parts):
         kind = "a comma list from" if many else "one of"
         raise HamburgerError(f"--quantize must be {kind} {AUTO}, {', '.join(SCHEMES)} (or SCHEME/HEAD, e.g. int4/int8: "
-                             f"another scheme for the LM head; either with {WIDE_SUFFIX}), got {text!r}")
+                             f"another scheme for the LM head; either with {WIDE_SUFFIX}; int4 layers with {A8_SUFFIX}), got {text!r}")
+    if any(split_a8(spec)[1] and split_scheme(spec)[0] != "int4" for spec in specs):
+        raise HamburgerError(f"--quantize {text}: {A8_SUFFIX} gives the 4-bit layers' products 8-bit inputs: the "
+                             f"layers' scheme must be int4 (e.g. int4/int8{A8_SUFFIX})")
     if any(wide and b == "none" for b, (_, wide) in zip(bare, map(split_wide, specs))):
         raise HamburgerError(f"--quantize none{WIDE_SUFFIX}: {WIDE_SUFFIX} gives a quantized model's wide passes a "
                              "bfloat16 copy of its weights; with float weights use --dtype bfloat16")
@@ -108,6 +122,12 @@ def parse_schemes(text: str, many: bool = False) -> list[str]:
 
 def check_quantize(spec: str, group_size: int, device: torch.device, dtype: torch.dtype) -> None:
     """Refuse, before any loading, what the packed kernels cannot run: a HamburgerError naming the fix."""
+    if split_a8(spec)[1]:
+        from hamburger.kernels import native
+
+        if getattr(device, "type", str(device)) != "cpu" or not native.available():
+            why = native.why_unavailable() or "the native kernels run on a CPU"
+            raise HamburgerError(f"--quantize {spec}: 8-bit inputs are the native kernels' ({why})")
     spec, wide = split_wide(spec)
     if wide:
         from hamburger.kernels.qlinear import wide_unavailable
@@ -177,6 +197,8 @@ def quantize_loaded(model: HamburgerModel, spec: str, group_size: int = 32, quie
         raise HamburgerError(f"--quantize {spec}" + (f" --group-size {group_size}" if "int4" in spec else "")
                              + ": no linear layer of this model fits the kernels"
                              + (f" ({reasons[0]})" if reasons else ""))
+    if split_a8(spec)[1]:  # before the kernels are tried below: the 8-bit kind is one of them
+        summary["activations8"] = _a8_inputs(model, spec)
     layers: dict[str, int] = {}
     kernels = {}
     for name, module in model.named_modules():
@@ -199,6 +221,16 @@ def quantize_loaded(model: HamburgerModel, spec: str, group_size: int = 32, quie
     return summary
 
 
+def _a8_inputs(model: HamburgerModel, spec: str) -> int:
+    """`+a8`: the quantized model's 4-bit layers' native products take 8-bit inputs (`native.INT4_Q8`); how many."""
+    from hamburger.kernels.quantize import inputs_in_8_bits
+
+    count = inputs_in_8_bits(model)
+    if not count:
+        raise HamburgerError(f"--quantize {spec}: no 4-bit layer runs on the native kernels here")
+    return count
+
+
 def describe_quantization(summary: dict) -> str:
     """One line: scheme, layers (per module), skipped layers, weight MB before -> after."""
     mb = 2**20
@@ -211,6 +243,8 @@ def describe_quantization(summary: dict) -> str:
     before, after = summary["linear_bytes_before"] / mb, summary["linear_bytes_after"] / mb
     line += (f"; weights {summary['bytes_before'] / mb:.1f} MB -> {summary['bytes_after'] / mb:.1f} MB "
              f"(quantized layers {before:.1f} MB -> {after:.1f} MB)")
+    if summary.get("activations8"):
+        line += f"; 8-bit inputs to {summary['activations8']} 4-bit layers"
     if summary.get("wide_bytes"):
         line += f"; wide passes in bfloat16: {summary['wide_bytes'] / mb:.1f} MB more"
     return line

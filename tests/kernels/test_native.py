@@ -53,12 +53,12 @@ def test_fp16_products_are_the_rounded_weights_with_the_bias(rows):
     assert (F.linear(x, lin.weight.half().float()) - want).abs().max() > 1e-2
 
 
-def q16_products(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
+def q16_products(layer: Int4Linear, x: torch.Tensor, limit: int = 32767) -> torch.Tensor:
     """What `native.INT4_Q16` computes, in float64: each block of 32 inputs as int16 codes times max|x| / 32767
     (rounded to nearest even, as the kernel converts), the codes' dot product scaled by scale * dx, plus
-    min times the block's float sum; and the bias."""
+    min times the block's float sum; and the bias. `limit` 127: `native.INT4_Q8`'s 8-bit codes."""
     n, k, g = layer.out_features, layer.in_features, layer.group_size
-    xb, x16, dx = int16_blocks(x)
+    xb, x16, dx = int16_blocks(x, limit)
     codes, scales, mins = layer.unpack()
     scale, low = (t.double().repeat_interleave(g // 32, 1) for t in (scales, mins))  # (n, k/32)
     dots = torch.einsum("rbi,nbi->rnb", x16, codes.double().reshape(n, k // 32, 32))
@@ -66,12 +66,12 @@ def q16_products(layer: Int4Linear, x: torch.Tensor) -> torch.Tensor:
     return (out + (layer.bias.double() if layer.bias is not None else 0)).float()
 
 
-def int16_blocks(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x in blocks of 32, their int16 codes as the kernels round them, float64, and each block's max|x| / 32767)."""
+def int16_blocks(x: torch.Tensor, limit: int = 32767) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x in blocks of 32, their int16 codes as the kernels round them, float64, and each block's max|x| / limit)."""
     xb = x.reshape(x.shape[0], -1, 32)
     top = xb.abs().amax(-1, keepdim=True)
-    inv = torch.where(top > 0, torch.tensor(32767.0) / top, torch.zeros(()))
-    return xb, torch.round(xb * inv).clamp(-32768, 32767).double(), (top / 32767).double().squeeze(-1)
+    inv = torch.where(top > 0, torch.tensor(float(limit)) / top, torch.zeros(()))
+    return xb, torch.round(xb * inv).clamp(-limit - 1, limit).double(), (top / limit).double().squeeze(-1)
 
 
 def check_int16_products(layer, weights: torch.Tensor, emulated, scales: torch.Tensor, rows: int) -> None:
@@ -97,6 +97,27 @@ def test_int4_products_with_int16_activations_are_that_arithmetic(rows, n, k, gr
     # an identity through the kernel gives each weight back to the activations' rounding
     assert (layer._mm(torch.eye(k)).t() - weights).abs().max() <= 1e-4 * weights.abs().max()
     check_int16_products(layer, weights, q16_products, layer.tiles[..., 256:288], rows)
+
+
+@every_variant
+@pytest.mark.parametrize(("n", "k", "group"), [(48, 256, 32), (64, 256, 128), (40, 96, 32)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 9])
+def test_int4_products_with_8bit_activations_are_that_arithmetic(rows, n, k, group):
+    """`native.INT4_Q8` (`--quantize ...+a8`): the same tiles, the inputs in 8-bit codes per block of 32 (where the
+    CPU multiplies bytes, stored as bytes in the tiles' nibble order): the int16 reference's arithmetic with codes
+    within 127, so about 1e-2 of the float product off where int16's are 3e-5."""
+    layer, weights = q4_layer(n, k, group)
+    layer.activations8 = True
+    assert layer.native_desc().kind == native.INT4_Q8
+    x = torch.randn(rows, k)
+    x[0, 32:64] = 0
+    got, want = layer(x), q16_products(layer, x, 127)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    exact = F.linear(x, weights, layer.bias)
+    assert 1e-3 * exact.norm() < (got - exact).norm() <= 3e-2 * exact.norm()
+    assert torch.equal(torch.cat([layer(x[i : i + 1]) for i in range(rows)]), got)  # each row alone: the same
+    layer.activations8 = False
+    assert layer.native_desc().kind == native.INT4_Q16 and (layer(x) - exact).norm() <= 3e-4 * exact.norm()
 
 
 @every_variant

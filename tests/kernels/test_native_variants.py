@@ -111,9 +111,9 @@ def linear_case(kind: str, n: int, k: int, rows: int, seed: int, group: int = 32
     bias = case.add(torch.randn(n, generator=gen))
     if kind == "fp16":
         desc = native.Weights(native.FP16, 0, n, k, 0, case.add(w.half()), None, bias)
-    elif kind == "int4":
-        desc = native.Weights(native.INT4_Q16, 0, n, k, group, case.add(native.tile_q4(*native.quantize_q4_1(w, group),
-                                                                                        group)), None, bias)
+    elif kind in ("int4", "int4a8"):
+        desc = native.Weights(native.INT4_Q8 if kind == "int4a8" else native.INT4_Q16, 0, n, k, group,
+                              case.add(native.tile_q4(*native.quantize_q4_1(w, group), group)), None, bias)
     else:
         desc = native.Weights(native.INT8_Q16, 0, n, k, 32, case.add(native.tile_q8(*native.quantize_q8_0(w))), None,
                               bias)
@@ -136,9 +136,9 @@ def layers_case(kind: str, seed: int, compress: bool = False, context: bool = Fa
         w, b_ = torch.randn(n, k, generator=gen) / math.sqrt(k), torch.randn(n, generator=gen) * 0.1 if bias else None
         if kind == "fp16":
             return native.Weights(native.FP16, 0, n, k, 0, case.add(w.half()), None, case.add(b_))
-        if kind == "int4":
-            return native.Weights(native.INT4_Q16, 0, n, k, 32, case.add(native.tile_q4(*native.quantize_q4_1(w, 32), 32)),
-                                  None, case.add(b_))
+        if kind in ("int4", "int4a8"):
+            return native.Weights(native.INT4_Q8 if kind == "int4a8" else native.INT4_Q16, 0, n, k, 32,
+                                  case.add(native.tile_q4(*native.quantize_q4_1(w, 32), 32)), None, case.add(b_))
         return native.Weights(native.INT8_Q16, 0, n, k, 32, case.add(native.tile_q8(*native.quantize_q8_0(w))), None,
                               case.add(b_))
 
@@ -195,16 +195,17 @@ def quantize_cases() -> list[Case]:
 def cases() -> list[Case]:
     out = [linear_case(kind, n, k, rows, seed)
            for seed, (kind, n, k) in enumerate([("fp16", 40, 96), ("int4", 40, 128), ("int4", 48, 96), ("int8", 7, 96),
-                                                ("int8", 40, 192)])
+                                                ("int8", 40, 192), ("int4a8", 40, 128), ("int4a8", 48, 96)])
            for rows in (1, 3, 4, 5, 9)]
     # every row count a variant's products block rows by (1 to 8 and beyond), with one and two tiles of 16 outputs
     # a call, a partial second tile, a single block of inputs, and the largest sums
     out += [linear_case(kind, n, k, rows, 100 + seed, extreme=True)
-            for seed, (kind, n, k) in enumerate([("int4", 56, 64), ("int8", 56, 64), ("int4", 16, 32), ("int8", 24, 32)])
+            for seed, (kind, n, k) in enumerate([("int4", 56, 64), ("int8", 56, 64), ("int4", 16, 32), ("int8", 24, 32),
+                                                 ("int4a8", 56, 64)])
             for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9)]
     out += [layers_case(kind, 10 + i) for i, kind in enumerate(("fp16", "int4", "int8"))]
     out += [layers_case("int4", 20, compress=True, biases=True), layers_case("fp16", 21, context=True),
-            layers_case("int8", 22, compress=True, context=True)]
+            layers_case("int8", 22, compress=True, context=True), layers_case("int4a8", 23, biases=True)]
     return out + quantize_cases()
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import types
 
 from hamburger.vllm import media
 
@@ -27,3 +28,21 @@ def test_a_package_that_fails_to_import_is_marked_absent_and_one_that_imports_is
     finally:
         for name in ("hb_broken_media", "hb_broken_media.part", "hb_fine_media"):
             sys.modules.pop(name, None)
+
+
+def test_vllms_registry_child_shields_them_too(monkeypatch):
+    """vLLM inspects a model's class in a child process (`python -m vllm.model_executor.models.registry`) that
+    imports nothing of ours: where a package was shielded, that child runs the shield first, then the same module."""
+    registry = types.SimpleNamespace(_SUBPROCESS_COMMAND=[sys.executable, "-m", "vllm.model_executor.models.registry"])
+    monkeypatch.setattr(media, "_vllm_registry", lambda: registry)
+    assert media.shield_children()
+    assert registry._SUBPROCESS_COMMAND == [sys.executable, "-c", media.REGISTRY_CHILD]
+    assert "shield_vision()" in media.REGISTRY_CHILD and "run_module('vllm.model_executor.models.registry'" in \
+        media.REGISTRY_CHILD
+    assert media.shield_children()  # told already: left as it is
+    assert registry._SUBPROCESS_COMMAND == [sys.executable, "-c", media.REGISTRY_CHILD]
+    other = types.SimpleNamespace(_SUBPROCESS_COMMAND=[sys.executable, "-m", "something.else"])
+    monkeypatch.setattr(media, "_vllm_registry", lambda: other)
+    assert not media.shield_children() and other._SUBPROCESS_COMMAND[1:] == ["-m", "something.else"]
+    monkeypatch.setattr(media, "_vllm_registry", lambda: None)
+    assert not media.shield_children()

@@ -15,7 +15,7 @@ from hamburger.errors import HamburgerError
 from hamburger.model.files import read_safetensors
 from hamburger.model.hamburger_model import REPLIES_NAME, packaged_checkpoint
 from hamburger.vllm import LOOKUP_PROPOSER
-from hamburger.vllm.launch import serve_argv, speculative_config, vllm_installed
+from hamburger.vllm.launch import cpu_build, serve_argv, speculative_config, vllm_installed
 from hamburger.vllm.offline import since, spec_metrics
 from hamburger.vllm.proposer import LookupDrafts
 
@@ -117,7 +117,8 @@ def test_hamburger_vllm_command_prints_the_vllm_serve_line(capsys, tmp_path):
     assert argv[argv.index("serve") + 1] == str(tmp_path)
     assert argv[argv.index("--port") + 1] == "9123" and argv[-3:] == ["--max-model-len", "256", "--enforce-eager"]
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == speculative_config("lookup")
-    assert argv == serve_argv(str(tmp_path), port=9123, extra=["--max-model-len", "256", "--enforce-eager"])
+    assert argv == serve_argv(str(tmp_path), port=9123, extra=["--max-model-len", "256", "--enforce-eager"],
+                              cpu=cpu_build())
     assert main(["vllm", "command", "--model", str(tmp_path), "--drafts", "micro", "--micro-min-prob", "0.3",
                  "--checkpoint", "/ckpt"]) == 0
     argv = shlex.split(capsys.readouterr().out)
@@ -125,6 +126,20 @@ def test_hamburger_vllm_command_prints_the_vllm_serve_line(capsys, tmp_path):
                                                                                      "min_prob": 0.3}}
     assert "--enforce-eager" in argv and json.loads(argv[argv.index("--speculative-config") + 1])["model"] == (
         "hamburger.vllm.micro.MicroDrafts")
+
+
+def test_vllms_cpu_build_gets_a_memory_share_and_a_kv_cache_unless_told():
+    """vLLM's CPU build reserves 0.92 of the machine's memory by default (it fails beside other processes) and keeps
+    as KV cache what is left of its share: `hamburger vllm serve` gives it `CPU_MEMORY_ARGS`, unless the user's
+    arguments set either."""
+    from hamburger.vllm.launch import CPU_MEMORY_ARGS
+
+    argv = serve_argv("/m", cpu=True, extra=["--max-model-len", "256"])
+    assert argv[-len(CPU_MEMORY_ARGS) - 2 : -2] == CPU_MEMORY_ARGS and argv[-2:] == ["--max-model-len", "256"]
+    assert not set(CPU_MEMORY_ARGS) & set(serve_argv("/m"))  # another build (CUDA): vLLM's own defaults
+    for told in (["--gpu-memory-utilization", "0.3"], ["--kv-cache-memory-bytes=2000000000"]):
+        argv = serve_argv("/m", cpu=True, extra=told)
+        assert argv[-len(told):] == told and argv.count(told[0]) == 1 and "0.1" not in argv
 
 
 @pytest.mark.skipif(vllm_installed(), reason="vLLM is installed here")

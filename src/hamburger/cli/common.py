@@ -95,7 +95,9 @@ def add_quantize_args(parser: argparse.ArgumentParser, many: bool = False, defau
                        "on CPU, the fastest there; SCHEME/HEAD, e.g. int4/int8, puts another scheme on the LM "
                        "head; a +bf16 suffix, e.g. fp16+bf16, also gives passes of 8 or more rows (prefill, batches) "
                        "a bfloat16 copy of the weights, faster there on CPUs with AMX/AVX512-BF16, at bfloat16's "
-                       "rounding and one more copy of the weights in memory), applied after loading; the embedder, "
+                       "rounding and one more copy of the weights in memory); a last +a8 suffix, e.g. int4/int8+a8, "
+                       "gives the 4-bit layers' native products 8-bit inputs (llama.cpp's precision: faster checks "
+                       "of several positions on AVX-512, further from the float model), applied after loading; the embedder, "
                        "stop head and slot adapters stay float")
     group.add_argument("--group-size", type=int, default=32, metavar="N",
                        help=f"int4: input weights per scale and zero, one of {', '.join(map(str, GROUP_SIZES))} "

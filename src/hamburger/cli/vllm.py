@@ -55,7 +55,7 @@ def cmd_vllm(args: argparse.Namespace) -> int:
     extra = shlex.split(args.vllm_args)
     settings = {k: v for k, v in (("checkpoint", args.checkpoint), ("min_prob", args.micro_min_prob)) if v}
     argv = launch.serve_argv(launch.hf_folder(args.model), args.drafts, args.num_drafts, args.host, args.port,
-                             args.dtype, args.served_model_name, extra, settings)
+                             args.dtype, args.served_model_name, extra, settings, cpu=launch.cpu_build())
     if args.action == "command":
         print(shlex.join(argv))
         return 0

@@ -156,13 +156,25 @@ class NativeLayers:
             self.layers[i] = native.Layer(f.norm1.data_ptr(), f.norm2.data_ptr(), index=i, ctx_gate=gate[0],
                                           ctx_index=gate[1], **weights)
         self._owners, self._keys, self._values = (list(column) for column in zip(*held))
+        self._intact: bool | None = None  # the modules and tensors still in place, as `usable` last found them
 
     def usable(self) -> bool:
         """No hook on any module the call stands in for (nor a global one), and the modules and tensors still in
-        place (read from the modules' own dicts through flat lists, at C speed: it runs at every pass)."""
+        place (read from the modules' own dicts through flat lists, at C speed). `takes` asks at every pass, but
+        checks the modules and tensors only when `recheck` has asked for it (the runner does at every prefill):
+        after a pass has streamed the weights through the caches, walking those 500 dict entries showed in a
+        profile of decoding (docs/RESULTS.md, section 13). A hook counts from the next pass; a module or tensor replaced
+        while a request decodes, from the next request's prefill."""
+        self._intact = all(map(operator.is_, map(dict.get, self._owners, self._keys), self._values))
+        return self._intact and not self._hooked()
+
+    def recheck(self) -> None:
+        """Have the next pass check that the modules and tensors are still in place (`usable`)."""
+        self._intact = None
+
+    def _hooked(self) -> bool:
         hooks = torch.nn.modules.module
-        return (not (hooks._global_forward_hooks or hooks._global_forward_pre_hooks or any(self._hooks))
-                and all(map(operator.is_, map(dict.get, self._owners, self._keys), self._values)))
+        return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks or any(self._hooks))
 
     def __call__(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache,
                  start: int | RowSlots, mask: torch.Tensor, first: int, last: int) -> torch.Tensor:
@@ -229,7 +241,7 @@ class NativeLayers:
         return (x.shape[0] * x.shape[1] <= NATIVE_ROWS and x.dtype == torch.float32 and not callable(mask)
                 and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[-1] == end
                 and cache.k.dtype == torch.float32 and cache.k.stride(-1) == 1 and cache.v.stride() == cache.k.stride()
-                and self.usable())
+                and (self.usable() if self._intact is None else self._intact and not self._hooked()))
 
 
 def native_weights(parts: list[LayerParts] | None) -> bool:

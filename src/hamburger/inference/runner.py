@@ -143,6 +143,9 @@ class ModelRunner:
         slots 0..P-1 of the cache's `rows` (m,). Causal attention keeps each prompt's real positions from seeing
         its padding, and the padding's entries lie past the row's cache length, where the next step overwrites
         them and no mask reaches. Returns each prompt's states at its last token, (m, 1 + features, d)."""
+        for layers in (self.native, self.micro_native):  # a module or tensor replaced since: seen from now on
+            if layers is not None:
+                layers.recheck()
         dev, lens = self.device, [len(p) for p in prompts]
         m, width = len(prompts), max(lens)
         ids = torch.zeros(m, width, dtype=torch.long, device=dev)

@@ -45,20 +45,33 @@ int hb_isa(void) { return HB_ISA; }
    outputs' codes summed exactly in int32 (the variant's `codes_tile`), then scaled in float: per row, block and 16
    outputs sum * (scale * dx) + f as one fused multiply-add (Q4_1: and then min * sum(x) + f, fused). The codes are
    unpacked once for all the rows of a tile, so a row more costs little beside the weights' bytes. */
-static void quantize_rows16(const float *x, int64_t rows, int64_t k, uint8_t *out) {
+static void quantize_rows16(const float *x, int64_t rows, int64_t k, uint8_t *out, const int a8) {
     const int64_t blocks = k / 32;
+    const float limit = a8 ? 127.0f : 32767.0f;  /* kind 7: 8-bit codes (native.h) */
     for (int64_t m = 0; m < rows; m++) {
         int16_t *xs = (int16_t *)(out + m * blocks * XQ_BLOCK);
         float *dx = (float *)(xs + k), *sx = dx + blocks;
         for (int64_t b = 0; b < blocks; b++) {
             const vf a = vf_load(x + m * k + 32 * b), c = vf_load(x + m * k + 32 * b + 16);
             const float top = hmax(vf_max(vf_abs(a), vf_abs(c)));
-            dx[b] = top / 32767.0f;
+            dx[b] = top / limit;
             sx[b] = hsum(vf_add(a, c));
-            const vf inv = vf_set1(top > 0.0f ? 32767.0f / top : 0.0f);
+            const vf inv = vf_set1(top > 0.0f ? limit / top : 0.0f);
             vf_store_i16(xs + 32 * b, vf_mul(a, inv));
             vf_store_i16(xs + 32 * b + 16, vf_mul(c, inv));
         }
+#ifdef HB_A8_BYTES
+        if (a8) {  /* the int16 codes (within -127..127) as bytes, in the tiles' nibble order, in place */
+            static const int order[8] = {0, 4, 1, 5, 2, 6, 3, 7};
+            int8_t *bytes = (int8_t *)xs;
+            for (int64_t b = 0; b < blocks; b++) {
+                int16_t block[32];
+                memcpy(block, xs + 32 * b, sizeof block);
+                for (int j = 0; j < 4; j++)
+                    for (int i = 0; i < 8; i++) bytes[32 * b + 8 * j + i] = (int8_t)block[8 * j + order[i]];
+            }
+        }
+#endif
     }
 }
 
@@ -72,16 +85,16 @@ static void quantize_rows16(const float *x, int64_t rows, int64_t k, uint8_t *ou
         case 1: CALL(1); break;                       \
     }
 
-INL int int16_activations(int32_t kind) { return kind == 3 || kind == 5; }
+INL int int16_activations(int32_t kind) { return kind == 3 || kind == 5 || kind == 7; }  /* (7: 8-bit codes) */
 
-/* kinds 3 and 5 need `xq`: hb_quantized_bytes(rows, k) bytes, filled here (by one thread) */
+/* kinds 3, 5 and 7 need `xq`: hb_quantized_bytes(rows, k) bytes, filled here (by one thread) */
 static void gemm_for(const float *x, const hb_weights *w, float *y, int64_t rows, uint8_t *xq) {
     const int64_t n = w->n, k = w->k;
     if (int16_activations(w->kind)) {
-        const int q4 = w->kind == 3;
+        const int q4 = w->kind == 3 || w->kind == 7, a8 = w->kind == 7;
         const int64_t tb = q4 ? TB_Q4 : TB_Q8, xrow = (k / 32) * XQ_BLOCK, groups = (n + 16 * TW - 1) / (16 * TW);
         #pragma omp single
-        quantize_rows16(x, rows, k, xq);
+        quantize_rows16(x, rows, k, xq, a8);
         #pragma omp for schedule(static)
         for (int64_t g = 0; g < groups; g++) {
             const uint8_t *wt = (const uint8_t *)w->w + g * TW * (k / 32) * tb;
@@ -92,6 +105,13 @@ static void gemm_for(const float *x, const hb_weights *w, float *y, int64_t rows
 #define Q4_ONE(mt) codes_tile(xq + r * xrow, wt, yg + r * n, k, n, width, mt, 1, 1)
 #define Q8_WIDE(mt) codes_tile(xq + r * xrow, wt, yg + r * n, k, n, width, mt, TW, 0)
 #define Q8_ONE(mt) codes_tile(xq + r * xrow, wt, yg + r * n, k, n, width, mt, 1, 0)
+#define A8_WIDE(mt) codes_tile(xq + r * xrow, wt, yg + r * n, k, n, width, mt, TW, 2)
+#define A8_ONE(mt) codes_tile(xq + r * xrow, wt, yg + r * n, k, n, width, mt, 1, 2)
+#ifdef HB_A8_BYTES
+            if (a8 && width > 16) { TILES(T_MT, A8_WIDE) }  /* q4 = 2: kind 7's bytes (elsewhere kind 3's code) */
+            else if (a8) { TILES(T_MT, A8_ONE) }
+            else
+#endif
             if (q4 && width > 16) { TILES(T_MT, Q4_WIDE) }
             else if (q4) { TILES(T_MT, Q4_ONE) }
             else if (width > 16) { TILES(T_MT, Q8_WIDE) }
@@ -100,6 +120,8 @@ static void gemm_for(const float *x, const hb_weights *w, float *y, int64_t rows
 #undef Q4_ONE
 #undef Q8_WIDE
 #undef Q8_ONE
+#undef A8_WIDE
+#undef A8_ONE
             if (w->bias)
                 for (int64_t i = 0; i < rows; i++)
                     for (int64_t j = 0; j < width; j++) yg[i * n + j] += w->bias[g * 16 * TW + j];

@@ -67,6 +67,10 @@ typedef struct {
    (rounded to nearest even, saturated), int16; stored as the row's k int16 in order, then dx and sum(x) of each
    block (floats): this many bytes a block */
 #define XQ_BLOCK 72
+/* Kind 7: kind 3's tiles with the activations in 8 bits (x ~ x8 * dx, dx = max|x| / 127, per block of 32, as
+   llama.cpp's Q8 blocks): the same bytes a block. Where the variant multiplies bytes (HB_A8_BYTES: AVX-512's
+   vpdpbusd) the row's k codes are int8 in the order a tile's nibbles come out in (part j: inputs
+   8j + 0 4 1 5 2 6 3 7), else int16 as kind 3's, within -127..127: the same integer sums either way. */
 #define MAX_HEAD_DIM 256
 #ifndef AHEAD
 #define AHEAD 8192  /* bytes of weights prefetched ahead of each row's reads */

@@ -63,10 +63,11 @@ FAMILIES = {"avx512": "avx512-vnni", "neon": "neon"}  # a family's name for its 
 OFF = ("0", "off", "no", "false")
 # The kinds of weights (native.c's hb_weights): float16; GGUF's Q4_1 and Q8_0 blocks in tiles of 16 outputs by 32
 # inputs (`tile_q4` / `tile_q8`), the activations quantized to int16 in blocks of 32 (about 3e-5 of each product
-# off its float value)
-FP16, INT4_Q16, INT8_Q16 = 1, 3, 5
+# off its float value); INT4_Q8: INT4_Q16's tiles with the activations in 8 bits (`--quantize ...+a8`: llama.cpp's
+# precision, multiplied twice as many at a time where the CPU multiplies bytes; native.h)
+FP16, INT4_Q16, INT8_Q16, INT4_Q8 = 1, 3, 5, 7
 TILE_OUT, CODES_TILE, CODES_BLOCK = 4, 16, 32  # float16's outputs a tile computes; the codes' tiles and blocks
-TILE_BYTES = {INT4_Q16: 320, INT8_Q16: 544}  # a tile's 16 outputs by 32 inputs: codes, scales (and mins)
+TILE_BYTES = {INT4_Q16: 320, INT8_Q16: 544, INT4_Q8: 320}  # a tile's 16 outputs by 32 inputs: codes, scales (and mins)
 MAX_HEAD_DIM = 256
 _lock = threading.RLock()
 _using: list[str] = []  # `using(name)` blocks open: the innermost one's variant

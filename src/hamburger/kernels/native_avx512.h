@@ -6,6 +6,7 @@
 #define NB 4   /* float16: outputs a tile computes */
 #define MT 4   /* float16: rows a tile takes */
 #define TW 2   /* codes: tiles of 16 outputs a call takes side by side */
+#define HB_A8_BYTES 1  /* kind 7's activations as bytes, multiplied by vpdpbusd (native.h) */
 
 typedef __m512 vf;
 
@@ -110,6 +111,26 @@ INL void codes_tile(const uint8_t *xq, const uint8_t *wt, float *y, int64_t k, i
         for (int t = 0; t < tw; t++)
             for (int64_t l = 0; l < tb; l += 64)
                 _mm_prefetch((const char *)(wt + (t * blocks + b) * tb + l) + AHEAD, _MM_HINT_T0);
+        if (q4 == 2) {  /* kind 7: a part's codes as two byte vectors (inputs 8j + 0 4 1 5 and 2 6 3 7 of an
+                           output in each lane), each taking four of the row's byte codes a product */
+            const __m512i nib = _mm512_set1_epi16(0x0F0F);
+            for (int j = 0; j < 4; j++) {
+                __m512i lo[TW], hi[TW];
+                for (int t = 0; t < tw; t++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(wt + (t * blocks + b) * tb + 64 * j));
+                    lo[t] = _mm512_and_si512(v, nib);
+                    hi[t] = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+                }
+                for (int m = 0; m < mt; m++) {
+                    const int32_t *quads = (const int32_t *)(xq + m * xrow) + 8 * b + 2 * j;
+                    const __m512i xa = _mm512_set1_epi32(quads[0]), xb = _mm512_set1_epi32(quads[1]);
+                    for (int t = 0; t < tw; t++) {
+                        acc[m][t][0] = _mm512_dpbusd_epi32(acc[m][t][0], lo[t], xa);
+                        acc[m][t][1] = _mm512_dpbusd_epi32(acc[m][t][1], hi[t], xb);
+                    }
+                }
+            }
+        } else
         for (int j = 0; j < 4; j++) {
             __m512i w[TW][4];
             for (int t = 0; t < tw; t++) unpack_part(wt + (t * blocks + b) * tb, j, q4, w[t]);

@@ -192,7 +192,7 @@ class NativeCodes:
         """The native kernels' description of these weights (made again if the buffers moved)."""
         kind, tiles = self.native_tensors()
         bias = None if self.bias is None else self.bias.data_ptr()
-        ptrs = (tiles.data_ptr(), bias)
+        ptrs = (tiles.data_ptr(), bias, kind)
         if self._desc is None or self._desc[0] != ptrs:
             if self.bias is not None and self.bias.dtype != torch.float32:
                 raise ValueError(f"native {self.scheme} layers take a float32 bias")

@@ -139,6 +139,8 @@ class Int4Linear(NativeCodes, QuantizedLinear):
     CUDA (scale and zero in bfloat16 on CPU)."""
 
     scheme = "int4"
+    # natively, the activations in 8 bits instead of 16 (`native.INT4_Q8`; `--quantize ...+a8`, `quantize.inputs_in_8_bits`)
+    activations8 = False
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int,
                  bias: torch.Tensor | None = None) -> None:
@@ -173,7 +175,7 @@ class Int4Linear(NativeCodes, QuantizedLinear):
         self.register_buffer("tiles", tiles)
 
     def native_tensors(self) -> tuple[int, torch.Tensor]:
-        return native.INT4_Q16, self.tiles
+        return native.INT4_Q8 if self.activations8 else native.INT4_Q16, self.tiles
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group_size: int, dtype: torch.dtype | None = None) -> Int4Linear:

@@ -266,6 +266,21 @@ def wide_bytes(model: nn.Module) -> int:
     return sum(layer.wide.numel() * layer.wide.element_size() for layer in layers.values() if layer.wide is not None)
 
 
+def inputs_in_8_bits(model: nn.Module) -> int:
+    """`--quantize ...+a8`: every native 4-bit layer of `model` takes its inputs in 8 bits (`native.INT4_Q8`), the
+    fused groups' layers (q/k/v, gate/up) included. Returns how many layers, each counted once."""
+    from hamburger.kernels.qlinear import Int4Linear
+
+    layers = {}
+    for m in model.modules():
+        layer = m.group.linear if isinstance(m, QuantizedLinear) and hasattr(m, "group") else m
+        if isinstance(layer, Int4Linear) and layer.native:
+            layers[id(layer)] = layer
+    for layer in layers.values():
+        layer.activations8 = True
+    return len(layers)
+
+
 # --- the disk cache -----------------------------------------------------------------------------------------
 
 

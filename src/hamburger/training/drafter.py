@@ -21,6 +21,7 @@ import json
 import math
 import random
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -304,7 +305,11 @@ class DrafterTrainer:
                 torch.nn.utils.clip_grad_norm_(self.params, 1.0)
                 self.opt.step()
                 positions += len(batch.inputs)
-            self.sched.step()
+                self.sched.step()
+            else:  # the schedule counts examples, also one that gave no batch (before any optimizer step, torch
+                with warnings.catch_warnings():  # warns that the step came first: the order is meant here)
+                    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step\\(\\)` before")
+                    self.sched.step()
             if batch is not None:
                 rate = positions / (time.perf_counter() - t0)
                 self.tracker.log({**parts, "positions_per_s": rate, "lr": self.sched.get_last_lr()[0]}, self.step,

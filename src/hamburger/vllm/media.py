@@ -9,6 +9,12 @@ package as absent in the process (`sys.modules[name] = None`: `import` raises Im
 `importlib.util.find_spec` answers None, which is how transformers and vLLM ask). It runs when `hamburger.vllm` is
 imported: in our processes before vLLM is, and in vLLM's own spawned engine processes, which import the main
 module (ours) before anything of vLLM's. A package that imports is left alone.
+
+vLLM also inspects a model's class in a child process of its own (`python -m vllm.model_executor.models.registry`,
+so that the parent does not initialise CUDA), which imports nothing of ours and so failed on the same torchvision
+(`Error in inspecting model architecture 'LlamaForCausalLM'`) wherever vLLM's cache of model facts
+(`~/.cache/vllm/modelinfos`) did not already hold the answer: found on a fresh machine, 2026-11-28. Where a package
+was shielded, `shield_children` has that child shield it first too.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ import importlib.util
 import sys
 
 MEDIA_PACKAGES = ("torchvision", "torchaudio", "torchcodec")
+# vLLM's registry child, shielded first: what `python -m vllm.model_executor.models.registry` runs, after our shield
+REGISTRY_CHILD = ("from hamburger.vllm.media import shield_vision; shield_vision(); import runpy; "
+                  "runpy.run_module('vllm.model_executor.models.registry', run_name='__main__', alter_sys=True)")
 
 
 def shield_vision() -> list[str]:
@@ -43,4 +52,30 @@ def shield_vision() -> list[str]:
         for attr in dir(utils):
             if attr.startswith("is_torch") and callable(clear := getattr(getattr(utils, attr), "cache_clear", None)):
                 clear()
+    if shielded:
+        shield_children()
     return shielded
+
+
+def shield_children() -> bool:
+    """Have vLLM's registry child (the process that inspects a model's class) shield the media packages before it
+    imports vLLM (`REGISTRY_CHILD`). Returns whether vLLM's registry was there to tell (False where vLLM is absent
+    or has no such child)."""
+    registry = _vllm_registry()
+    if registry is None:
+        return False
+    command = getattr(registry, "_SUBPROCESS_COMMAND", None)
+    if not isinstance(command, list) or command[1:] != ["-m", "vllm.model_executor.models.registry"]:
+        return command is not None and REGISTRY_CHILD in command  # told already, or a child we do not know
+    registry._SUBPROCESS_COMMAND = [sys.executable, "-c", REGISTRY_CHILD]
+    return True
+
+
+def _vllm_registry():
+    """vLLM's model registry module, or None where vLLM is absent."""
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    try:
+        return importlib.import_module("vllm.model_executor.models.registry")
+    except ImportError:
+        return None

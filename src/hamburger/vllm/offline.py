@@ -55,17 +55,22 @@ def since(after: dict[str, Any], before: dict[str, Any]) -> dict[str, Any]:
 
 
 def build(model: str | None = None, drafts: str = "none", num_drafts: int = 4, concurrency: int = 1,
-          max_model_len: int = 2048, dtype: str = "float32", settings: dict | None = None, memory: float = 0.15):
+          max_model_len: int = 2048, dtype: str = "float32", settings: dict | None = None, memory: float = 0.15,
+          kv_bytes: int = 1 << 30):
     """A `vllm.LLM` on `model` (default: the embedded default's folder) with `drafts` ("none", "ngram", "suffix",
     "lookup"). `memory`: vLLM's gpu_memory_utilization, on its CPU backend the share of the machine's memory it
-    reserves (its default, 0.92, fails beside other processes). `settings`: the proposer's (`proposer.settings`)."""
+    reserves (its default, 0.92, fails beside other processes). `kv_bytes`: its KV cache, set apart from that share:
+    sized by the share, the cache is what is left of it after the process's own memory, and with the micro-step
+    decoder loaded beside the model nothing was left on a machine whose memory node holds 12.7 GiB (2026-11-28).
+    `settings`: the proposer's (`proposer.settings`)."""
     require_vllm()
     from vllm import LLM
 
     extra = {"hamburger": settings} if settings else {}
     return LLM(hf_folder(model), dtype=dtype, max_model_len=max_model_len, max_num_seqs=max(concurrency, 1),
                speculative_config=speculative_config(drafts, num_drafts), additional_config=extra,
-               disable_log_stats=False, enforce_eager=True, seed=0, gpu_memory_utilization=memory)
+               disable_log_stats=False, enforce_eager=True, seed=0, gpu_memory_utilization=memory,
+               kv_cache_memory_bytes=kv_bytes)
 
 
 def run(prompts: list[list[dict[str, str]]], drafts: str = "none", max_tokens: int = 128, concurrency: int = 1,
