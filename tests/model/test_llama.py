@@ -150,3 +150,21 @@ print(sorted(m for m in sys.modules if m.split(".")[0] == "transformers"))
     done = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.splitlines()[-2:] == ["CausalLM Tokenizer True", "[]"]
+
+
+def test_rms_norm_gives_the_formulas_bits():
+    """`rms_norm`'s fused operator (float32) against transformers' formula written out: the same bits, over shapes
+    and magnitudes; other dtypes take the formula itself."""
+    from hamburger.model.llama import rms_norm
+
+    gen = torch.Generator().manual_seed(0)
+    for shape, scale, eps in (((1, 576), 3.0, 1e-5), ((2, 5, 64), 1e-3, 1e-6), ((16, 576), 40.0, 1e-5),
+                              ((3, 7, 128), 1.0, 1e-6)):
+        x = torch.randn(*shape, generator=gen) * scale
+        w = torch.randn(shape[-1], generator=gen)
+        formula = w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+        assert torch.equal(rms_norm(x, w, eps), formula), shape
+        xb = x.to(torch.bfloat16)
+        x32 = xb.float()
+        expected = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(torch.bfloat16)
+        assert torch.equal(rms_norm(xb, w, eps), expected)

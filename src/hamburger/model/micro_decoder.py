@@ -10,6 +10,7 @@ from torch import nn
 
 from hamburger.model.base import cache_kwargs
 from hamburger.model.layers import attention, finish, project
+from hamburger.model.llama import rms_norm
 
 if TYPE_CHECKING:
     from transformers import DynamicCache, PreTrainedModel
@@ -22,8 +23,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+        return rms_norm(x, self.weight, self.eps)
 
 
 def causal_mask(q_len: int, kv_len: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
