@@ -54,22 +54,21 @@ def check(runner: ModelRunner, rows: RowBatch, n: int) -> None:
         embeds[:, 0] = torch.where(checked[:, None], embeds[:, 0], smashed)
     positions = (rows.prompt_len[:n] + rows.gen_len[:n] - 1).clamp(min=0)
     compress = rows.compress[:n] & live
-    merging = bool(compress.any())  # compress rows in the pass (a host bool, read once)
     merged = torch.zeros(n, width, dtype=torch.bool, device=dev)
     merged[:, 0] = ~checked & (step_len > 1)
     states = check_pass(runner, embeds, positions, torch.where(live, rows.cache_len[:n], 0),
                         CacheView(rows.cache, slice(0, n)), merged,
-                        merged_len=rows.merged_len[:n] if merging else None)
+                        merged_len=rows.merged_len[:n] if bool(compress.any()) else None)
     which = [i for i, on in enumerate(checked.tolist()) if on]  # on the host: acceptance compares lists
     kept_l = accept(runner, rows, n, which, states[0], width)
     kept = torch.tensor(kept_l, device=dev)
     window = None
-    if model.config.merge_window > 1 and merging:
+    if model.config.merge_window > 1 and bool(compress.any()):
         window = Window(model.config.merge_window, n)
         window.steps = [r.window_steps if r is not None else [] for r in rows.requests[:n]]  # the requests' lists
         window.first_pos = positions
     rows.states[:n] = torch.stack(settle(model.merger, states, kept, rows.cache, rows.cache_len[:n], live,
-                                         compress if merging else None, rows.merged_len, window, kept_l), 1)
+                                         compress, rows.merged_len, window), 1)
     if window is not None:
         for req in rows.requests[:n]:
             if req is not None and req.mode.merged:
@@ -196,27 +195,21 @@ def check_pass(runner: ModelRunner, embeds: torch.Tensor, first_pos: torch.Tenso
 
 
 def settle(merger: KVMerger | None, states: list[torch.Tensor], kept: torch.Tensor, cache: KVCache,
-           cache_len: torch.Tensor, live: torch.Tensor, compress: torch.Tensor | None,
-           merged_len: torch.Tensor, window: Window | None = None,
-           kept_list: list[int] | None = None) -> list[torch.Tensor]:
+           cache_len: torch.Tensor, live: torch.Tensor, compress: torch.Tensor,
+           merged_len: torch.Tensor, window: Window | None = None) -> list[torch.Tensor]:
     """After a `check_pass`, with `kept` (B,) drafts kept per row: the states at each row's last kept position
     (the features of its next draft), each (B, d); a compress row's decided step [t0, kept drafts] merged into
     one entry at the step's first slot (`merge_step`); and the live rows' cache lengths advanced in place, by
     1 + kept (1 for a compress row). Rows are the cache's rows 0..B-1. With a `window`, a compress row's step
-    stays as its own entries until it lies `window.size` positions behind (`Window.close`). `compress` None: no
-    compress row; `kept_list`: `kept` on the host, where the caller has it."""
+    stays as its own entries until it lies `window.size` positions behind (`Window.close`)."""
     if kept.shape[0] == 1:  # one row: its position as a view, no gather
-        at = kept_list[0] if kept_list is not None else int(kept[0])
-        states = [s[:, at] for s in states]
+        states = [s[:, int(kept[0])] for s in states]
     else:
         rows = torch.arange(kept.shape[0], device=kept.device)
         states = [s[rows, kept] for s in states]
     if window is not None:
         cache_len += live.long() * (1 + kept)
         window.close(merger, cache, cache_len, merged_len, compress, kept)
-        return states
-    if compress is None:
-        cache_len += live.long() * (1 + kept)
         return states
     merge = compress.nonzero().squeeze(1)
     if len(merge):
