@@ -23,6 +23,11 @@ matches.
 again with the decoder layers run module by module (`Engine(native_layers=False)`: no native call).
 
     python benchmarks/verify_ab.py default --quantize fp16 --variants both --module-layers --max-new-tokens 256
+
+`--batched-step` adds each system again with a lone request stepped by the batched step (`Engine(alone=False)`),
+not on host integers (`solo.py`):
+
+    python benchmarks/verify_ab.py --quantize int4/int8 --variants both --batched-step --max-new-tokens 256
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ def main() -> None:
                    help="decode the prompts in batches of this many (cycled to fill the last), a batch per turn")
     p.add_argument("--module-layers", action="store_true",
                    help="also every system with the decoder layers module by module (Engine(native_layers=False))")
+    p.add_argument("--batched-step", action="store_true",
+                   help="also every system with a lone request on the batched step (Engine(alone=False))")
     a = p.parse_args()
     if a.batch_size < 1:
         raise SystemExit("--batch-size must be >= 1")
@@ -78,12 +85,14 @@ def main() -> None:
     plain = HamburgerModel.plain(model.base, model.tokenizer)
     conf = a.confidence if a.confidence is not None else model.config.verify_confidence
     settings = {"micro": (0, conf), "lookup": (a.lookup, 1.0), "both": (a.lookup, conf)}
-    kinds = {"": True}  # native_layers
+    kinds = {"": {}}  # Engine's settings
     if a.module_layers:
-        kinds[", module layers"] = False
-    bases = {c: Engine(plain, native_layers=fast) for c, fast in kinds.items()}
-    engines = {(v, c): Engine(model, lookup=settings[v][0], draft_rows=a.draft_rows, native_layers=fast)
-               for v in variants for c, fast in kinds.items()}
+        kinds[", module layers"] = {"native_layers": False}
+    if a.batched_step:
+        kinds[", batched step"] = {"alone": False}
+    bases = {c: Engine(plain, **kw) for c, kw in kinds.items()}
+    engines = {(v, c): Engine(model, lookup=settings[v][0], draft_rows=a.draft_rows, **kw)
+               for v in variants for c, kw in kinds.items()}
     sets = [s.strip() for s in a.sets.split(",")]
     prompts = [encode_chat(model.tokenizer, m) for s in sets for m in bench_messages(s, a.prompts_per_set)]
     b = a.batch_size
@@ -136,7 +145,7 @@ def main() -> None:
             print(", ".join(line), flush=True)
     print(f"\n{a.model} ({a.quantize}), verify confidence {conf:g}, lookup n-grams {a.lookup}..3, {len(prompts)} "
           f"prompts ({','.join(sets)}) x {a.rounds} rounds, {a.max_new_tokens} new tokens, batch {b}, draft_rows "
-          f"{a.draft_rows}, interleaved{'; ratios to the eager base' if len(kinds) > 1 else ''}:\n")
+          f"{a.draft_rows}, interleaved{'; ratios to the first base' if len(kinds) > 1 else ''}:\n")
     replies = a.rounds * len(cycled)
     print("| system | decode tok/s | x base (median over rounds, min-max) | tokens / base forward | drafts kept "
           "| of them by lookup (kept / drafted) | replies = base |\n| --- | --- | --- | --- | --- | --- | --- |")

@@ -11,6 +11,7 @@ from hamburger.inference.draft_policy import (
     RowDrafts,
     SourceRecord,
     StepCosts,
+    _solve3,
     best_length,
     pays,
 )
@@ -200,3 +201,10 @@ def test_verify_with_the_policy_on_real_timings_is_the_base_output(arch):
         for _ in range(2):  # the second time with the costs the first one measured
             out = engine.generate(prompts, max_new_tokens=24, confidence=0.05, mode="verify")
             assert out.tokens == [base_greedy(model, p, 24) for p in prompts]
+
+
+def test_the_3x3_solve_is_the_systems_solution():
+    m = [[4.0, 1.0, 2.0], [1.0, 3.0, 0.5], [2.0, 0.5, 5.0]]
+    x = [1.5, -2.0, 0.25]
+    v = [sum(m[r][c] * x[c] for c in range(3)) for r in range(3)]
+    assert _solve3(m, v) == pytest.approx(x, rel=1e-12)

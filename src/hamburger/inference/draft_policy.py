@@ -45,17 +45,18 @@ LOOKUP_RATE = 0.15  # the lookup record's decay per drafting step: about the las
 
 
 def _solve3(m: list[list[float]], v: list[float]) -> list[float]:
-    """m x = v for a 3x3 symmetric positive definite m (Cramer's rule: no numpy/torch for a 3x3)."""
-    def det(a: list[list[float]]) -> float:
-        return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1]) - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
-                + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))
-
-    d = det(m)
-    out = []
-    for j in range(3):
-        mj = [[v[i] if c == j else m[i][c] for c in range(3)] for i in range(3)]
-        out.append(det(mj) / d)
-    return out
+    """m x = v for a 3x3 symmetric positive definite m, by Cramer's rule written out: no numpy/torch for a 3x3, and
+    few Python operations (it runs once a decode step, right after a pass has streamed the weights through the
+    caches, where each Python operation costs several times its usual time)."""
+    (a, b, c), (d, e, f), (g, h, i) = m
+    x, y, z = v
+    ei_fh, di_fg, dh_eg = e * i - f * h, d * i - f * g, d * h - e * g
+    det = a * ei_fh - b * di_fg + c * dh_eg
+    yi_fz, yh_ez = y * i - f * z, y * h - e * z
+    dz_yg = d * z - y * g
+    return [(x * ei_fh - b * yi_fz + c * yh_ez) / det,
+            (a * yi_fz - x * di_fg + c * dz_yg) / det,
+            (a * (e * z - y * h) - b * dz_yg + x * dh_eg) / det]
 
 
 @dataclass

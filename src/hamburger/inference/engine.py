@@ -80,7 +80,7 @@ class EngineGeneration:
         n, width = len(self.prompts), max(map(len, self.prompts))
         sched = Scheduler(self.engine.model, max_batch_size=n, max_len=width + self.max_new_tokens,
                           prefill_tokens=max(PREFILL_TOKENS, min(n * width, PREFILL_PASS)), interleave_prefill=False,
-                          runner=self.engine.runner, drafter=self.engine.drafter)
+                          runner=self.engine.runner, drafter=self.engine.drafter, alone=self.engine.alone)
         context = sched.max_len
         if width + self.max_new_tokens > context:
             raise HamburgerError(f"prompt ({width}) + max_new_tokens ({self.max_new_tokens}) exceed the model's "
@@ -121,15 +121,17 @@ class EngineGeneration:
 class Engine:
     """Static-cache decoding of a `HamburgerModel` (or of its plain base with `max_step_tokens` 1) over a fixed
     batch of prompts. `drafter`: drafts for verify and compress rows from elsewhere (`proposers.Drafter`) in
-    place of the micro-step decoder and lookup; the other arguments: `ModelRunner`, made once and kept as
-    `runner` (its passes, its measured step costs and the checkpoint's stored replies serve every `stream`)."""
+    place of the micro-step decoder and lookup; `alone`: see `Scheduler` (False: a lone request takes the batched
+    step too); the other arguments: `ModelRunner`, made once and kept as `runner` (its passes, its measured step
+    costs and the checkpoint's stored replies serve every `stream`)."""
 
     def __init__(self, model: HamburgerModel, shortlist: bool = True,
                  draft_rows: int | str | None = "auto", lookup: int | None = None,
-                 draft_policy: bool | None = None, drafter: Drafter | None = None, native_layers: bool = True) -> None:
+                 draft_policy: bool | None = None, drafter: Drafter | None = None, native_layers: bool = True,
+                 alone: bool | None = None) -> None:
         self.runner = ModelRunner(model, shortlist=shortlist, draft_rows=draft_rows, lookup=lookup,
                                   draft_policy=draft_policy, native_layers=native_layers)
-        self.model, self.k, self.drafter = model, self.runner.k, drafter
+        self.model, self.k, self.drafter, self.alone = model, self.runner.k, drafter, alone
 
     def stream(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int = 256, confidence: float | None = None,

@@ -143,6 +143,15 @@ def reply_store(tokens: torch.Tensor | None) -> ReplyStore | None:
     return _stores[key][1]
 
 
+def find(index: NgramIndex, store: ReplyStore | None, limit: int, tail: Sequence[int] = ()) -> list[int]:
+    """A row's lookup draft of at most `limit` tokens: from its own history (`NgramIndex.draft`; `tail`: tokens
+    after it not indexed yet), else from the stored replies."""
+    found = index.draft(limit, tail=tail)
+    if not found and store is not None:
+        found = store.draft(index.tokens[-store.max :] + list(tail), limit)
+    return found
+
+
 class Lookup:
     """`core.macro_step`'s `lookup` over rows with these indexes (None: a row that never looks up): up to `width`
     drafts per row (one index per row of the batch). `indexed_token0`: the histories already end with the step's token 0 (the engine records it
@@ -165,10 +174,7 @@ class Lookup:
             if index is None or not on or r <= 0:
                 continue
             cap = width if self.caps is None else min(width, self.caps[b])
-            tail = () if self.indexed_token0 else (t0,)
-            found = index.draft(min(r, cap), tail=tail)
-            if not found and self.store is not None:
-                found = self.store.draft(index.tokens[-self.store.max :] + list(tail), min(r, cap))
+            found = find(index, self.store, min(r, cap), () if self.indexed_token0 else (t0,))
             if found:
                 drafts[b, : len(found)] = torch.tensor(found, dtype=torch.long)
                 counts[b] = len(found)

@@ -28,7 +28,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 
 from hamburger.errors import HamburgerError
-from hamburger.inference import verify
+from hamburger.inference import solo, verify
 from hamburger.inference.admission import (
     PREFILL_TOKENS,
     EntriesEstimate,
@@ -66,14 +66,16 @@ class Scheduler:
     (`admission`; `interleave_prefill`: one pass a step, the default). `runner`: the model runner to decode with
     (its compiled passes, drafting settings and measured step costs); None: a new one with `draft_rows`,
     `draft_policy` and `lookup` (see `ModelRunner`). `drafter`: drafts for checked rows from elsewhere
-    (`proposers.Drafter`), in place of the micro-step decoder and lookup."""
+    (`proposers.Drafter`), in place of the micro-step decoder and lookup. `alone`: a request running alone, greedy,
+    in verify mode (or on the plain base) is stepped on host integers (`solo.py`, the same tokens and decisions);
+    False: always the batched step; None: `solo.ON_BY_DEFAULT`."""
 
     def __init__(self, model: HamburgerModel, max_batch_size: int = 8, max_len: int | None = None,
                  prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = True,
                  decode_threads: int | None = None, draft_rows: int | str | None = "auto",
                  draft_policy: bool | None = None, lookup: int | None = None, runner: ModelRunner | None = None,
                  drafter: Drafter | None = None, kv_memory: int | None = None,
-                 entries_per_token: dict[str, float] | None = None) -> None:
+                 entries_per_token: dict[str, float] | None = None, alone: bool | None = None) -> None:
         self.runner = runner or ModelRunner(model, draft_rows=draft_rows, draft_policy=draft_policy, lookup=lookup)
         if decode_threads is not None and decode_threads < 1:
             raise HamburgerError(f"decode_threads must be >= 1 (or None: torch's setting), got {decode_threads}")
@@ -81,6 +83,7 @@ class Scheduler:
         # torch had here.
         self.decode_threads, self.prefill_threads = decode_threads, torch.get_num_threads()
         self.model, self.k, self.drafter = model, self.runner.k, drafter
+        self.alone = solo.ON_BY_DEFAULT if alone is None else alone
         cfg = model.base.config
         self.context = getattr(cfg, "max_position_embeddings", None) or 2048
         self.max_len = min(max_len or self.context, self.context)
@@ -185,14 +188,20 @@ class Scheduler:
             start = time.perf_counter()
             n = self.batch.span()
             width = 1 + int(self.batch.n_drafts[:n].max()) if n else 1
-            self._feed_steps()
+            alone = self._alone(n)
+            self._feed_steps(alone)
             fed_s = time.perf_counter() - start
-            self._threads(self.prefill_threads)
-            self._admit()
-            self._threads(self._decode_threads())
+            if not alone:  # (a request submitted meanwhile is admitted at the next step)
+                self._threads(self.prefill_threads)
+                self._admit()
+                self._threads(self._decode_threads())
             if self.running:
                 start = time.perf_counter()
-                events += self._macro_step()
+                if alone:
+                    step_events, self._micro_calls = solo.macro_step(self.runner, self.batch, self.max_len)
+                    events += step_events
+                else:
+                    events += self._macro_step()
                 self._measure_entries(events)
                 # The decode work of a step (its base pass and its micro-steps, not the prefill): what the draft
                 # policy weighs a drafting step against a plain one by.
@@ -227,14 +236,23 @@ class Scheduler:
             self.batch.free(req)
         return [RequestEvent(r.id, [], True, "cancelled", r.stats, r.mode) for r in dropped]
 
-    def _feed_steps(self) -> None:
+    def _alone(self, n: int) -> bool:
+        """Whether this step runs one request alone on host integers (`solo.py`): a lone greedy verify row (or the
+        plain base's), with no request waiting to be admitted."""
+        return (self.alone and n == 1 and not self._waiting
+                and solo.takes(self.runner, self.batch.requests[0], self.drafter is not None))
+
+    def _feed_steps(self, alone: bool = False) -> None:
         """The base pass over the running rows' last steps: one smashed slot per trust row; a checked row's
-        token 0 and its drafts as separate positions, of which the base keeps the ones it agrees with."""
+        token 0 and its drafts as separate positions, of which the base keeps the ones it agrees with (`alone`: row
+        0's, on host integers)."""
         n = self.batch.span()
         if n == 0:
             return
         with self._base_lora(self.rows[:n]):
-            if any(r is not None and r.mode.checked for r in self.rows[:n]):
+            if alone:
+                solo.check(self.runner, self.batch)
+            elif any(r is not None and r.mode.checked for r in self.rows[:n]):
                 verify.check(self.runner, self.batch, n)
             else:
                 self._feed_trust(n)

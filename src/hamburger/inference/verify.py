@@ -107,31 +107,38 @@ def accept(runner: ModelRunner, rows: RowBatch, n: int, which: list[int], final:
 
 
 def record_kept(runner: ModelRunner, rows: RowBatch, n: int, kept_l: list[int], checked: list[int]) -> None:
-    """Each checked row's kept drafts become `pending` (cut after EOS, which ends the request early), its lookup
-    counts and draft policy learn from the pass, and its generated length grows by them."""
+    """Each checked row's kept drafts become `pending` (`record_row`), and its generated length grows by them."""
     tokens = rows.step_tok[:n].tolist()
     added = [0] * n
-    costs, drafted = runner.step_costs(n), rows.n_drafts[:n].tolist()
+    drafted = rows.n_drafts[:n].tolist()
     for i in checked:
-        req = rows.requests[i]
-        if req.mode.paced and drafted[i]:  # the draft policy learns what this row's drafts keep
-            req.drafting.observe(drafted[i], kept_l[i], req.looked > 0, costs, rows.drafts)
-        if req.looked:
-            req.stats.lookup_drafts += req.looked
-            req.stats.lookup_kept += kept_l[i]
-            req.looked = 0
-        new = tokens[i][1 : 1 + kept_l[i]]
-        new = new[: next((j + 1 for j, t in enumerate(new) if t in req.eos), len(new))]  # cut after EOS
-        rows.pending[i], added[i] = new, len(new)
-        if req.index is not None:  # before this step's lookup, which follows them
-            req.index.extend(new)
-        if new and new[-1] in req.eos:
-            rows.ended_early[i] = True
+        added[i] = len(record_row(runner, rows, n, i, tokens[i][1 : 1 + drafted[i]], kept_l[i]))
     dev = rows.gen_len.device
     rows.gen_len[:n] += torch.tensor(added, device=dev)
     if any(rows.ended_early[:n]):
         rows.live[:n] &= ~torch.tensor(rows.ended_early[:n], device=dev)
     rows.n_drafts[:n] = 0
+
+
+def record_row(runner: ModelRunner, rows: RowBatch, n: int, i: int, drafts: list[int], kept: int) -> list[int]:
+    """Row i's pass (of a batch of n rows) drafted `drafts` and kept the first `kept`: its lookup counts and draft
+    policy learn from it; the kept drafts, cut after EOS (which ends the request early: `rows.ended_early`),
+    become its pending tokens and go into its lookup history. Returns them."""
+    req = rows.requests[i]
+    if req.mode.paced and drafts:  # the draft policy learns what this row's drafts keep
+        req.drafting.observe(len(drafts), kept, req.looked > 0, runner.step_costs(n), rows.drafts)
+    if req.looked:
+        req.stats.lookup_drafts += req.looked
+        req.stats.lookup_kept += kept
+        req.looked = 0
+    new = drafts[:kept]
+    new = new[: next((j + 1 for j, t in enumerate(new) if t in req.eos), len(new))]  # cut after EOS
+    rows.pending[i] = new
+    if req.index is not None:  # before this step's lookup, which follows them
+        req.index.extend(new)
+    if new and new[-1] in req.eos:
+        rows.ended_early[i] = True
+    return new
 
 
 def accept_greedy(drafts: list[list[int]], n_drafts: list[int], choice: list[list[int]]) -> tuple[list[int], list[int]]:

@@ -1,0 +1,133 @@
+"""One greedy request decoding alone: the verify step (check, then the macro-step) on host integers.
+
+At batch 1 a decode step's own work is one base pass over a few positions, the LM head's argmax and, now and then,
+a few micro-step passes. The batched step (`verify.check`, `core.macro_step`) wraps that work in some forty small
+PyTorch operations on one-row tensors (masks, `where`s, gathers, per-row limits), which on a 2-core CPU cost about
+as much as the LM head itself (`benchmarks/step_time.py`). When the scheduler runs one request, greedy, in verify
+mode, or the plain base (trust mode with one token a step), it steps it here instead: the same passes and the same
+decisions (acceptance and rollback, lookup, the draft policy, the stop head, EOS and the budget), with the row's
+lengths and tokens as Python integers. They are read from row 0 of the `RowBatch` and written back to it, so the
+batched step takes over at any step (another request arrives) with nothing to convert.
+
+tests/inference/test_solo.py holds this to the batched step: the same events, stats and row state at every step.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from hamburger.inference import verify
+from hamburger.inference.admission import Request, RequestEvent
+from hamburger.inference.core import MicroRun, micro_context
+from hamburger.inference.kv import CacheView
+from hamburger.inference.lookup import find
+from hamburger.inference.proposers import drafts_wanted
+from hamburger.inference.rows import RowBatch
+
+if TYPE_CHECKING:
+    from hamburger.inference.runner import ModelRunner
+
+# The scheduler steps a lone greedy verify (or plain base) row here unless told not to (`Scheduler(alone=False)`).
+ON_BY_DEFAULT = True
+
+
+def takes(runner: ModelRunner, req: Request | None, custom_drafter: bool) -> bool:
+    """Whether a request running alone can be stepped here: greedy, not forced, and verify mode (compress merges
+    its steps: the batched step) or a model of one token a step (the plain base); no custom drafter."""
+    if req is None or custom_drafter or req.forced is not None or not req.sampling.greedy:
+        return False
+    return (req.mode.checked and not req.mode.merged) or (not req.mode.checked and runner.k == 1)
+
+
+def check(runner: ModelRunner, b: RowBatch) -> None:
+    """`verify.check` for row 0 alone: one base pass over [t0, d1..dn] at the row's next slots, the drafts the base
+    agrees with kept, the cache length advanced past them, the base's own token after them as the next token 0.
+    A plain base's row (trust mode, one token a step) feeds its token the same way and keeps nothing more."""
+    req = b.requests[0]
+    drafted = int(b.n_drafts[0])
+    width, slot = 1 + drafted, int(b.cache_len[0])
+    pos = max(0, int(b.prompt_len[0]) + int(b.gen_len[0]) - 1)
+    step = b.step_tok[:1, :width]
+    states = verify.check_pass(runner, runner.model.embed(step), torch.tensor([pos]), b.cache_len[:1],
+                               CacheView(b.cache, slice(0, 1)))
+    kept, new = 0, []
+    if req.mode.checked:
+        drafts, choice = step[0, 1:].tolist(), runner.head_argmax(states[0][0]).tolist()
+        (kept,), (b.next_t0[0],) = verify.accept_greedy([drafts], [drafted], [choice])
+        new = verify.record_row(runner, b, 1, 0, drafts, kept)
+        if b.ended_early[0]:
+            b.live[0] = False
+    b.states[0] = torch.stack([s[0, kept] for s in states])
+    b.cache_len[0] = slot + 1 + kept
+    if new:
+        b.gen_len[0] += len(new)
+    b.n_drafts[0] = 0
+
+
+def macro_step(runner: ModelRunner, b: RowBatch, max_len: int) -> tuple[list[RequestEvent], int]:
+    """`core.macro_step` for row 0 alone, and its report: token 0 (the check's choice; the head's after a prefill
+    and for a plain base), then lookup drafts or micro-step drafts while the draft policy, the budget and the stop
+    head allow. Returns the events and the micro-step decoder's calls."""
+    req, k = b.requests[0], runner.k
+    look, most = drafts_wanted(runner, b, 1)[0]  # once a step: the draft policy counts its waits down
+    lookup = k > 1 and look > 0 and req.index is not None
+    tokens = [0] * (1 + max(k - 1, b.drafts if lookup else 0))
+    if not bool(b.live[0]):  # a kept draft was EOS: the row reports its pending tokens and ends
+        tokens[0] = max(0, int(b.next_t0[0]))
+        return _report(b, tokens, 0, False, 0), 0
+    gen, max_new = int(b.gen_len[0]) + 1, int(b.max_new[0])
+    t0 = int(b.next_t0[0])
+    if t0 < 0 or not req.mode.checked:
+        t0 = int(runner.head_argmax(b.states[:1, 0])[0])
+    tokens[0] = t0
+    ended = t0 in req.eos or gen >= max_new
+    drafts = calls = 0
+    if req.mode.checked and not ended and k > 1:
+        room = min(max_new - gen - 1, len(tokens) - 1)  # a drafting row leaves room for the base's own token
+        if lookup and room > 0:
+            found = find(req.index, runner.store, min(room, b.drafts, look), (t0,))
+            if found:
+                req.looked = drafts = len(found)
+                tokens[1 : 1 + drafts] = found
+        if not drafts and room > 0 and most > 0:
+            drafts = calls = _micro_drafts(runner, b, req, tokens, min(room, most))
+    b.gen_len[0] = gen
+    ended = ended or int(b.cache_len[0]) >= max_len  # the row's entries have run out
+    return _report(b, tokens, 1, ended, drafts), calls
+
+
+def _micro_drafts(runner: ModelRunner, b: RowBatch, req: Request, tokens: list[int], most: int) -> int:
+    """Micro-step drafts after token 0 into `tokens[1:]` while the stop head's product of P(go on) over the step
+    beats the row's confidence: at most `most`, up to K tokens in all, through the first EOS. Returns how many
+    (the micro-step decoder's calls)."""
+    model, k = runner.model, runner.k
+    confidence = float(b.confidence[0])  # a float32 value, compared as the batched step compares it
+    reach = np.float32(1.0)
+
+    def goes_on(h: torch.Tensor) -> bool:
+        nonlocal reach
+        reach = reach * np.float32(torch.sigmoid(-model.stop_logits(h, True).float()).item())  # float32, as batched
+        return float(reach) > confidence
+
+    if not goes_on(b.states[:1, 0]):
+        return 0
+    slot, pos = int(b.cache_len[0]), int(b.prompt_len[0]) + int(b.gen_len[0]) - 1
+    run = MicroRun(runner, list(b.states[:1, 1:].unbind(1)), CacheView(b.micro_cache, slice(0, 1)),
+                   lambda: micro_context(runner, CacheView(b.cache, slice(0, 1)), [slot], torch.tensor([pos])))
+    calls, tok, shortlist = 0, tokens[0], runner.vocab is not None
+    while True:
+        h = run(torch.tensor([tok]))
+        calls += 1
+        tokens[calls] = tok = int(runner.head_argmax(h, shortlist)[0])
+        if tok in req.eos or calls >= most or calls + 1 >= k or not goes_on(h):
+            return calls
+
+
+def _report(b: RowBatch, tokens: list[int], emitted: int, ended: bool, drafts: int) -> list[RequestEvent]:
+    """The step's tokens into row 0 (for the next check, or the batched step), then `RowBatch.report`."""
+    b.step_tok[0, : len(tokens)] = torch.tensor(tokens)
+    b.step_len[0], b.n_drafts[0] = emitted, drafts
+    return b.report([tokens], [emitted], [ended], [drafts])
