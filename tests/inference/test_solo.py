@@ -119,8 +119,8 @@ def test_not_taken_for_sampled_compress_trust_or_a_custom_drafter():
     for name, (expected, kw) in cases.items():
         sched.submit(PROMPTS[1], 8, mode="verify" if name == "sampled" else name, **kw)
         sched.step()  # the prefill
-        assert solo.takes(sched.runner, sched.rows[0], False) is expected, name
-        assert not solo.takes(sched.runner, sched.rows[0], True)  # a custom drafter: the batched step
+        assert solo.takes(sched.runner, sched.batch, False) is expected, name
+        assert not solo.takes(sched.runner, sched.batch, True)  # a custom drafter: the batched step
         while sched.has_work():
             sched.step()
 

@@ -200,7 +200,8 @@ class NativeLayers:
             slots, end = start.slots.reshape(b * t).to(torch.int64).contiguous(), start.end
             low, high = int(slots.min()), int(slots.max())
         else:
-            slots, end = torch.arange(start, start + t).repeat(b), start + t
+            slots, end = torch.arange(start, start + t), start + t
+            slots = slots.repeat(b) if b > 1 else slots
             low, high = start, start + t - 1
         if end > k.shape[3] or low < 0 or high >= k.shape[3]:  # C would write out of bounds
             raise IndexError(f"cache slots {low}..{high} (attending to {end}) outside the cache's {k.shape[3]}")

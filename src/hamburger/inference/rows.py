@@ -8,6 +8,7 @@ moves the highest running rows down into freed ones, so no pass computes a free 
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
 import torch
@@ -37,6 +38,8 @@ def rows_in(kv_memory: int, runner: ModelRunner, max_len: int) -> int:
 # The per-row tensors (dimension 0 is the row), all moved together by `compact`.
 ROW_TENSORS = ("states", "step_tok", "step_len", "cache_len", "gen_len", "prompt_len", "max_new", "confidence",
                "live", "checked", "compress", "n_drafts", "next_t0", "eos", "merged_len")
+HOST_VIEWS = ("step_tok", "step_len", "cache_len", "gen_len", "prompt_len", "max_new", "confidence", "live", "n_drafts",
+              "next_t0")
 
 
 class RowBatch:
@@ -73,6 +76,10 @@ class RowBatch:
         self.requests: list[Request | None] = [None] * size
         self.pending: list[list[int]] = [[] for _ in range(size)]
         self.ended_early = [False] * size
+        # numpy views of the per-row scalars on a CPU (the same memory): a lone request's step (`solo.py`) reads
+        # and writes its row through them without a PyTorch operator each
+        self.host = (SimpleNamespace(**{name: getattr(self, name).numpy() for name in HOST_VIEWS})
+                     if self.cache_len.device.type == "cpu" else None)
 
     @classmethod
     def for_model(cls, runner: ModelRunner, size: int, max_len: int) -> RowBatch:

@@ -187,9 +187,8 @@ class Scheduler:
             self._threads(self._decode_threads())
             start = time.perf_counter()
             n = self.batch.span()
-            width = 1 + int(self.batch.n_drafts[:n].max()) if n else 1
             alone = self._alone(n)
-            self._feed_steps(alone)
+            width = self._feed_steps(alone)
             fed_s = time.perf_counter() - start
             if not alone:  # (a request submitted meanwhile is admitted at the next step)
                 self._threads(self.prefill_threads)
@@ -239,19 +238,19 @@ class Scheduler:
     def _alone(self, n: int) -> bool:
         """Whether this step runs one request alone on host integers (`solo.py`): a lone greedy verify row (or the
         plain base's), with no request waiting to be admitted."""
-        return (self.alone and n == 1 and not self._waiting
-                and solo.takes(self.runner, self.batch.requests[0], self.drafter is not None))
+        return self.alone and n == 1 and not self._waiting and solo.takes(self.runner, self.batch, self.drafter is not None)
 
-    def _feed_steps(self, alone: bool = False) -> None:
+    def _feed_steps(self, alone: bool = False) -> int:
         """The base pass over the running rows' last steps: one smashed slot per trust row; a checked row's
         token 0 and its drafts as separate positions, of which the base keeps the ones it agrees with (`alone`: row
-        0's, on host integers)."""
+        0's, on host integers). Returns the pass's width (1 + the most drafts a row checked)."""
         n = self.batch.span()
         if n == 0:
-            return
+            return 1
+        width = 1 + int(self.batch.n_drafts[:n].max()) if not alone else 1
         with self._base_lora(self.rows[:n]):
             if alone:
-                solo.check(self.runner, self.batch)
+                width = solo.check(self.runner, self.batch)
             elif any(r is not None and r.mode.checked for r in self.rows[:n]):
                 verify.check(self.runner, self.batch, n)
             else:
@@ -261,6 +260,7 @@ class Scheduler:
             if req is not None:
                 req.stats.base_forwards += 1
                 req.stats.row_forwards += 1
+        return width
 
     def _feed_trust(self, n: int) -> None:
         """Trust rows only: each row's last step smashed into one entry at its own slot (`ModelRunner.trust_pass`)."""

@@ -34,52 +34,52 @@ if TYPE_CHECKING:
 ON_BY_DEFAULT = True
 
 
-def takes(runner: ModelRunner, req: Request | None, custom_drafter: bool) -> bool:
-    """Whether a request running alone can be stepped here: greedy, not forced, and verify mode (compress merges
-    its steps: the batched step) or a model of one token a step (the plain base); no custom drafter."""
-    if req is None or custom_drafter or req.forced is not None or not req.sampling.greedy:
+def takes(runner: ModelRunner, b: RowBatch, custom_drafter: bool) -> bool:
+    """Whether row 0's request, running alone, can be stepped here: on a CPU (the row's numpy views), greedy, not
+    forced, and verify mode (compress merges its steps: the batched step) or a model of one token a step (the plain
+    base); no custom drafter."""
+    req = b.requests[0]
+    if b.host is None or req is None or custom_drafter or req.forced is not None or not req.sampling.greedy:
         return False
     return (req.mode.checked and not req.mode.merged) or (not req.mode.checked and runner.k == 1)
 
 
-def check(runner: ModelRunner, b: RowBatch) -> None:
+def check(runner: ModelRunner, b: RowBatch) -> int:
     """`verify.check` for row 0 alone: one base pass over [t0, d1..dn] at the row's next slots, the drafts the base
     agrees with kept, the cache length advanced past them, the base's own token after them as the next token 0.
-    A plain base's row (trust mode, one token a step) feeds its token the same way and keeps nothing more."""
-    req = b.requests[0]
-    drafted = int(b.n_drafts[0])
-    width, slot = 1 + drafted, int(b.cache_len[0])
-    pos = max(0, int(b.prompt_len[0]) + int(b.gen_len[0]) - 1)
-    step = b.step_tok[:1, :width]
-    states = verify.check_pass(runner, runner.model.embed(step), torch.tensor([pos]), b.cache_len[:1],
+    A plain base's row (trust mode, one token a step) feeds its token the same way and keeps nothing more.
+    Returns the pass's width."""
+    req, h = b.requests[0], b.host
+    drafted, slot = int(h.n_drafts[0]), int(h.cache_len[0])
+    width, pos = 1 + drafted, max(0, int(h.prompt_len[0]) + int(h.gen_len[0]) - 1)
+    states = verify.check_pass(runner, runner.model.embed(b.step_tok[:1, :width]), pos, slot,
                                CacheView(b.cache, slice(0, 1)))
     kept, new = 0, []
     if req.mode.checked:
-        drafts, choice = step[0, 1:].tolist(), runner.head_argmax(states[0][0]).tolist()
-        (kept,), (b.next_t0[0],) = verify.accept_greedy([drafts], [drafted], [choice])
+        drafts, choice = h.step_tok[0, 1:width].tolist(), runner.head_argmax(states[0][0]).tolist()
+        (kept,), (h.next_t0[0],) = verify.accept_greedy([drafts], [drafted], [choice])
         new = verify.record_row(runner, b, 1, 0, drafts, kept)
         if b.ended_early[0]:
-            b.live[0] = False
-    b.states[0] = torch.stack([s[0, kept] for s in states])
-    b.cache_len[0] = slot + 1 + kept
-    if new:
-        b.gen_len[0] += len(new)
-    b.n_drafts[0] = 0
+            h.live[0] = False
+    b.states[0] = torch.cat(states).select(1, kept)
+    h.cache_len[0] = slot + 1 + kept
+    h.gen_len[0] += len(new)
+    h.n_drafts[0] = 0
+    return width
 
 
 def macro_step(runner: ModelRunner, b: RowBatch, max_len: int) -> tuple[list[RequestEvent], int]:
     """`core.macro_step` for row 0 alone, and its report: token 0 (the check's choice; the head's after a prefill
     and for a plain base), then lookup drafts or micro-step drafts while the draft policy, the budget and the stop
     head allow. Returns the events and the micro-step decoder's calls."""
-    req, k = b.requests[0], runner.k
+    req, k, h = b.requests[0], runner.k, b.host
     look, most = drafts_wanted(runner, b, 1)[0]  # once a step: the draft policy counts its waits down
     lookup = k > 1 and look > 0 and req.index is not None
     tokens = [0] * (1 + max(k - 1, b.drafts if lookup else 0))
-    if not bool(b.live[0]):  # a kept draft was EOS: the row reports its pending tokens and ends
-        tokens[0] = max(0, int(b.next_t0[0]))
+    if not h.live[0]:  # a kept draft was EOS: the row reports its pending tokens and ends
+        tokens[0] = max(0, int(h.next_t0[0]))
         return _report(b, tokens, 0, False, 0), 0
-    gen, max_new = int(b.gen_len[0]) + 1, int(b.max_new[0])
-    t0 = int(b.next_t0[0])
+    gen, max_new, t0 = int(h.gen_len[0]) + 1, int(h.max_new[0]), int(h.next_t0[0])
     if t0 < 0 or not req.mode.checked:
         t0 = int(runner.head_argmax(b.states[:1, 0])[0])
     tokens[0] = t0
@@ -94,8 +94,8 @@ def macro_step(runner: ModelRunner, b: RowBatch, max_len: int) -> tuple[list[Req
                 tokens[1 : 1 + drafts] = found
         if not drafts and room > 0 and most > 0:
             drafts = calls = _micro_drafts(runner, b, req, tokens, min(room, most))
-    b.gen_len[0] = gen
-    ended = ended or int(b.cache_len[0]) >= max_len  # the row's entries have run out
+    ended = ended or int(h.cache_len[0]) >= max_len  # the row's entries have run out
+    h.gen_len[0] = gen
     return _report(b, tokens, 1, ended, drafts), calls
 
 
@@ -103,31 +103,32 @@ def _micro_drafts(runner: ModelRunner, b: RowBatch, req: Request, tokens: list[i
     """Micro-step drafts after token 0 into `tokens[1:]` while the stop head's product of P(go on) over the step
     beats the row's confidence: at most `most`, up to K tokens in all, through the first EOS. Returns how many
     (the micro-step decoder's calls)."""
-    model, k = runner.model, runner.k
-    confidence = float(b.confidence[0])  # a float32 value, compared as the batched step compares it
+    model, k, h = runner.model, runner.k, b.host
+    confidence = float(h.confidence[0])  # a float32 value, compared as the batched step compares it
     reach = np.float32(1.0)
 
-    def goes_on(h: torch.Tensor) -> bool:
+    def goes_on(state: torch.Tensor) -> bool:
         nonlocal reach
-        reach = reach * np.float32(torch.sigmoid(-model.stop_logits(h, True).float()).item())  # float32, as batched
+        reach = reach * np.float32(torch.sigmoid(-model.stop_logits(state, True).float()).item())  # in float32
         return float(reach) > confidence
 
     if not goes_on(b.states[:1, 0]):
         return 0
-    slot, pos = int(b.cache_len[0]), int(b.prompt_len[0]) + int(b.gen_len[0]) - 1
+    slot, pos = int(h.cache_len[0]), int(h.prompt_len[0]) + int(h.gen_len[0]) - 1
     run = MicroRun(runner, list(b.states[:1, 1:].unbind(1)), CacheView(b.micro_cache, slice(0, 1)),
                    lambda: micro_context(runner, CacheView(b.cache, slice(0, 1)), [slot], torch.tensor([pos])))
     calls, tok, shortlist = 0, tokens[0], runner.vocab is not None
     while True:
-        h = run(torch.tensor([tok]))
+        state = run(torch.tensor([tok]))
         calls += 1
-        tokens[calls] = tok = int(runner.head_argmax(h, shortlist)[0])
-        if tok in req.eos or calls >= most or calls + 1 >= k or not goes_on(h):
+        tokens[calls] = tok = int(runner.head_argmax(state, shortlist)[0])
+        if tok in req.eos or calls >= most or calls + 1 >= k or not goes_on(state):
             return calls
 
 
 def _report(b: RowBatch, tokens: list[int], emitted: int, ended: bool, drafts: int) -> list[RequestEvent]:
     """The step's tokens into row 0 (for the next check, or the batched step), then `RowBatch.report`."""
-    b.step_tok[0, : len(tokens)] = torch.tensor(tokens)
-    b.step_len[0], b.n_drafts[0] = emitted, drafts
+    h = b.host
+    h.step_tok[0, : len(tokens)] = tokens
+    h.step_len[0], h.n_drafts[0] = emitted, drafts
     return b.report([tokens], [emitted], [ended], [drafts])

@@ -175,7 +175,7 @@ def accept_sampled(drafts: torch.Tensor, n_drafts: torch.Tensor, q: torch.Tensor
     return kept, torch.multinomial(residual, 1, generator=generator).squeeze(1)
 
 
-def check_pass(runner: ModelRunner, embeds: torch.Tensor, first_pos: torch.Tensor, cache_len: torch.Tensor,
+def check_pass(runner: ModelRunner, embeds: torch.Tensor, first_pos: torch.Tensor | int, cache_len: torch.Tensor | int,
                cache: KVCache, merged: torch.Tensor | None = None, visible: torch.Tensor | None = None,
                merged_len: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The base pass of verify and compress mode (`check`): (B, W, d) inputs per row
@@ -183,8 +183,13 @@ def check_pass(runner: ModelRunner, embeds: torch.Tensor, first_pos: torch.Tenso
     slots cache_len... Each position sees its row's entries up to its own slot (and only the `visible` ones
     (B, S): a left-padded prompt's padding is hidden); with `merged_len` (B, S), the merger's bias on entries
     that merge several tokens. `merged` (B, W): positions that are smashed steps (the slot adapters act there).
-    Returns the states at every position, each (B, W, d)."""
+    Returns the states at every position, each (B, W, d). One row may give its position and cache length as ints
+    (`solo.py`): its mask is then a band of two operators."""
     width = embeds.shape[1]
+    if isinstance(cache_len, int):  # one row, nothing hidden or merged
+        mask = torch.ones(width, cache_len + width, dtype=torch.bool, device=embeds.device).tril_(cache_len)
+        positions = torch.arange(first_pos, first_pos + width, device=embeds.device)[None]
+        return runner.base_pass(embeds, positions, cache, cache_len, mask[None, None], merged, last=False)
     offsets = torch.arange(width, device=embeds.device)
     slots = cache_len[:, None] + offsets
     end = int(slots.max()) + 1
