@@ -9,10 +9,12 @@ its callees'. The clock is the main thread's CPU time (`time.thread_time`), whic
 disturb less than the wall clock; the main thread runs Python and takes its share of every native call, so the
 native calls' entries are their wall time on it. The Python entries are what issue 51 calls "Python per step".
 
-It also counts the verify passes' widths (1 + the drafts checked) and the tokens each step emits. The wrappers
-cost a few microseconds a call; compare entries within one run.
+It also counts the verify passes' widths (1 + the drafts checked), the tokens each step emits and, in an untimed
+decode of the first prompt, the PyTorch operators a step runs. The wrappers cost a few microseconds a call; compare
+entries within one run. A request decoding alone takes `solo.py`'s step; `--batched-step` the batched one.
 
     python benchmarks/step_time.py --json results/step-time-2026-11-27.json       # about a minute on 2 cores
+    python benchmarks/step_time.py --batched-step
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ import json
 import time
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import hamburger.inference.core as core
 import hamburger.inference.native_layers as native_layers
 import hamburger.inference.rows as rows_mod
 import hamburger.inference.runner as runner_mod
 import hamburger.inference.scheduler as scheduler
+import hamburger.inference.solo as solo
 import hamburger.inference.verify as verify
 from hamburger.evaluation.bench_systems import SETS, bench_messages
 from hamburger.inference.engine import Engine
@@ -36,6 +40,18 @@ from hamburger.kernels import native
 from hamburger.loading import load
 from hamburger.model.base import encode_chat
 from hamburger.model.hamburger_model import HamburgerModel
+
+
+class Operators(TorchDispatchMode):
+    """Counts the PyTorch operators run under it (views and scalar reads included)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
 
 
 class Ledger:
@@ -89,6 +105,9 @@ def instrument(ledger: Ledger, widths: collections.Counter) -> None:
         setattr(verify, name, ledger.wrap(f"verify.{name}", getattr(verify, name)))
     for name in ("macro_step", "drafts_wanted", "proposer_for", "micro_context"):
         setattr(scheduler, name, ledger.wrap(name, getattr(scheduler, name)))
+    for name in ("check", "macro_step"):  # a request alone (`solo.py`)
+        setattr(solo, name, ledger.wrap(f"solo.{name}", getattr(solo, name)))
+    verify.record_row = ledger.wrap("verify.record_row", verify.record_row)
     core._propose = ledger.wrap("core._propose (proposers)", core._propose)
     core._goes_on = ledger.wrap("core._goes_on", core._goes_on)
 
@@ -100,13 +119,17 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--top", type=int, default=14, help="Python entries listed per mode")
     p.add_argument("--json", help="write every entry (seconds per step) here")
+    p.add_argument("--batched-step", action="store_true",
+                   help="the lone request on the batched step (Engine(alone=False)), not on host integers (solo.py)")
     a = p.parse_args()
     torch.manual_seed(0)
     model, _ = load("default", quantize="auto", decode_only=True)
     prompts = [encode_chat(model.tokenizer, m) for s in a.sets.split(",") for m in bench_messages(s, a.prompts_per_set)]
     ledger, widths = Ledger(), collections.Counter()
     instrument(ledger, widths)
-    engines = {"base": (Engine(HamburgerModel.plain(model.base, model.tokenizer)), None), "verify": (Engine(model), "verify")}
+    alone = False if a.batched_step else None
+    engines = {"base": (Engine(HamburgerModel.plain(model.base, model.tokenizer), alone=alone), None),
+               "verify": (Engine(model, alone=alone), "verify")}
     report = {}
     with torch.inference_mode():
         for name, (engine, mode) in engines.items():
@@ -124,25 +147,33 @@ def main() -> None:
                 own.update(ledger.own)
                 calls.update(ledger.calls)
                 seen.update(widths)
-            report[name] = (dict(own), dict(calls), steps, tokens, dict(seen))
+            # PyTorch operators per decode step, in an untimed decode of the first prompt
+            gen = engine.stream([prompts[0]], max_new_tokens=a.max_new_tokens, mode=mode)
+            events, counter, op_steps = iter(gen), Operators(), 0
+            next(events)
+            with counter:
+                op_steps = sum(1 for _ in events)
+            report[name] = (dict(own), dict(calls), steps, tokens, dict(seen), counter.count / max(op_steps, 1))
     print(f"{len(prompts)} prompts ({a.sets}), {a.max_new_tokens} new tokens, batch 1, the default (int4/int8), "
-          "main-thread CPU time per decode step (the prefill's step left out):\n")
+          f"{'the batched step, ' if a.batched_step else ''}main-thread CPU time per decode step (the prefill's "
+          "step left out):\n")
     print("| | base | verify |\n| --- | ---: | ---: |")
     rows = {}
-    for name, (own, calls, steps, tokens, _) in report.items():
+    for name, (own, calls, steps, tokens, *_) in report.items():
         nat = sum(v for k, v in own.items() if k.startswith("native hb_layers"))
         head = sum(v for k, v in own.items() if k.startswith("native hb_linear"))
         py = sum(v for k, v in own.items() if not k.startswith("native"))
-        rows[name] = (steps, tokens, nat, head, py)
+        rows[name] = (steps, tokens, nat, head, py, report[name][5])
     fmt = {"tokens per step": lambda r: f"{r[1] / r[0]:.2f}",
            "step, ms": lambda r: f"{(r[2] + r[3] + r[4]) / r[0] * 1e3:.2f}",
            "native layers (hb_layers), ms": lambda r: f"{r[2] / r[0] * 1e3:.2f}",
            "LM head (hb_linear_argmax or hb_linear), ms": lambda r: f"{r[3] / r[0] * 1e3:.2f}",
            "Python and PyTorch around them, ms": lambda r: f"{r[4] / r[0] * 1e3:.2f}",
-           "ms per token": lambda r: f"{(r[2] + r[3] + r[4]) / r[1] * 1e3:.2f}"}
+           "ms per token": lambda r: f"{(r[2] + r[3] + r[4]) / r[1] * 1e3:.2f}",
+           "PyTorch operators per step (the first prompt, untimed)": lambda r: f"{r[5]:.0f}"}
     for label, f in fmt.items():
         print(f"| {label} | {f(rows['base'])} | {f(rows['verify'])} |")
-    for name, (own, calls, steps, _, w) in report.items():
+    for name, (own, calls, steps, _, w, _) in report.items():
         print(f"\n{name}: the Python entries, microseconds per step (calls per step)")
         py = sorted(((v, k) for k, v in own.items() if not k.startswith("native")), reverse=True)[: a.top]
         print(", ".join(f"{k} {v / steps * 1e6:.0f} ({calls[k] / steps:.2f})" for v, k in py))
@@ -153,8 +184,8 @@ def main() -> None:
     if a.json:
         out = {name: {"steps": steps, "tokens": tokens, "pass_widths": w,
                       "seconds_per_step": {k: v / steps for k, v in own.items()},
-                      "calls_per_step": {k: c / steps for k, c in calls.items()}}
-               for name, (own, calls, steps, tokens, w) in report.items()}
+                      "calls_per_step": {k: c / steps for k, c in calls.items()}, "operators_per_step": ops}
+               for name, (own, calls, steps, tokens, w, ops) in report.items()}
         with open(a.json, "w") as f:
             json.dump({"command": "python benchmarks/step_time.py", "sets": a.sets, "prompts_per_set": a.prompts_per_set,
                        "max_new_tokens": a.max_new_tokens, "modes": out}, f, indent=1)

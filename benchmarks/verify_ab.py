@@ -13,8 +13,8 @@ projection's input, so the last-bit differences between the base's one-position 
 
 Variants (`--variants`, a comma list): `micro` (drafts from the micro-step decoder only: lookup 0), `lookup`
 (drafts by lookup only: the micro-step decoder never runs, confidence 1.0), `both` (lookup drafts where a row's
-last tokens occurred before, micro-step drafts elsewhere); `--lookup N` is the shortest n-gram that lookup
-matches.
+last tokens occurred before, micro-step drafts elsewhere), `every` (`both` drafting at every step: the draft
+policy off); `--lookup N` is the shortest n-gram that lookup matches.
 
     python benchmarks/verify_ab.py default --quantize fp16 --variants micro,lookup,both --lookup 2    # ~15 min
     python benchmarks/verify_ab.py default --quantize fp16 --variants micro,lookup --batch-size 16 --rounds 2
@@ -46,7 +46,7 @@ from hamburger.model.base import encode_chat
 from hamburger.model.config import parse_draft_rows
 from hamburger.model.hamburger_model import HamburgerModel, load_model
 
-VARIANTS = ("micro", "lookup", "both")
+VARIANTS = ("micro", "lookup", "both", "every")
 
 
 def main() -> None:
@@ -84,14 +84,15 @@ def main() -> None:
         quantize_model(model, scheme, head=head or None, skip=DEFAULT_SKIP, wide=wide)
     plain = HamburgerModel.plain(model.base, model.tokenizer)
     conf = a.confidence if a.confidence is not None else model.config.verify_confidence
-    settings = {"micro": (0, conf), "lookup": (a.lookup, 1.0), "both": (a.lookup, conf)}
+    settings = {"micro": (0, conf), "lookup": (a.lookup, 1.0), "both": (a.lookup, conf), "every": (a.lookup, conf)}
     kinds = {"": {}}  # Engine's settings
     if a.module_layers:
         kinds[", module layers"] = {"native_layers": False}
     if a.batched_step:
         kinds[", batched step"] = {"alone": False}
     bases = {c: Engine(plain, **kw) for c, kw in kinds.items()}
-    engines = {(v, c): Engine(model, lookup=settings[v][0], draft_rows=a.draft_rows, **kw)
+    engines = {(v, c): Engine(model, lookup=settings[v][0], draft_rows=a.draft_rows, **kw,
+                              **({"draft_policy": False} if v == "every" else {}))
                for v in variants for c, kw in kinds.items()}
     sets = [s.strip() for s in a.sets.split(",")]
     prompts = [encode_chat(model.tokenizer, m) for s in sets for m in bench_messages(s, a.prompts_per_set)]
