@@ -238,7 +238,8 @@ class Scheduler:
     def _alone(self, n: int) -> bool:
         """Whether this step runs one request alone on host integers (`solo.py`): a lone greedy verify row (or the
         plain base's), with no request waiting to be admitted."""
-        return self.alone and n == 1 and not self._waiting and solo.takes(self.runner, self.batch, self.drafter is not None)
+        return (self.alone and n == 1 and not self._waiting
+                and solo.takes(self.runner, self.batch, self.drafter is not None))
 
     def _feed_steps(self, alone: bool = False) -> int:
         """The base pass over the running rows' last steps: one smashed slot per trust row; a checked row's

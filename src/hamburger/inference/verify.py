@@ -175,9 +175,9 @@ def accept_sampled(drafts: torch.Tensor, n_drafts: torch.Tensor, q: torch.Tensor
     return kept, torch.multinomial(residual, 1, generator=generator).squeeze(1)
 
 
-def check_pass(runner: ModelRunner, embeds: torch.Tensor, first_pos: torch.Tensor | int, cache_len: torch.Tensor | int,
-               cache: KVCache, merged: torch.Tensor | None = None, visible: torch.Tensor | None = None,
-               merged_len: torch.Tensor | None = None) -> list[torch.Tensor]:
+def check_pass(runner: ModelRunner, embeds: torch.Tensor, first_pos: torch.Tensor | int,
+               cache_len: torch.Tensor | int, cache: KVCache, merged: torch.Tensor | None = None,
+               visible: torch.Tensor | None = None, merged_len: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The base pass of verify and compress mode (`check`): (B, W, d) inputs per row
     (token 0 or a trust row's smashed step, then the drafts) at positions first_pos.., written at the row's own
     slots cache_len... Each position sees its row's entries up to its own slot (and only the `visible` ones
@@ -187,6 +187,8 @@ def check_pass(runner: ModelRunner, embeds: torch.Tensor, first_pos: torch.Tenso
     (`solo.py`): its mask is then a band of two operators."""
     width = embeds.shape[1]
     if isinstance(cache_len, int):  # one row, nothing hidden or merged
+        if visible is not None or merged_len is not None:
+            raise ValueError("a row given as ints has no hidden or merged entries")
         mask = torch.ones(width, cache_len + width, dtype=torch.bool, device=embeds.device).tril_(cache_len)
         positions = torch.arange(first_pos, first_pos + width, device=embeds.device)[None]
         return runner.base_pass(embeds, positions, cache, cache_len, mask[None, None], merged, last=False)
