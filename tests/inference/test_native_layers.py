@@ -372,9 +372,14 @@ def test_the_rotary_tables_are_the_embeddings_own_values_at_every_position():
         torch.testing.assert_close(cos, want[0], rtol=0, atol=1e-6)
         torch.testing.assert_close(sin, want[1], rtol=0, atol=1e-6)
     assert table.cos.shape[0] >= 2001
+    for first, count in ((0, 1), (699, 4), (4094, 3)):  # a row's consecutive positions as a range: the same rows
+        by_range = table(range(first, first + count))
+        by_index = table(torch.arange(first, first + count)[None])
+        assert all(torch.equal(a, b) and a.is_contiguous() for a, b in zip(by_range, by_index))
     rotary.rope_type = "dynamic"  # rescaled by the longest position of a call: computed per pass instead
     dynamic = RopeTable(rotary)
     positions = torch.tensor([[7, 8]])
     cos, sin = dynamic(positions)
     want = [t.reshape(cos.shape) for t in rope_tables(rotary(torch.empty(0), positions))]
     assert not dynamic.static and dynamic.cos is None and torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+    assert all(torch.equal(a, b) for a, b in zip(dynamic(range(7, 9)), (cos, sin)))

@@ -111,18 +111,31 @@ class RopeTable:
         cos, sin = rope_tables(self.rotary(torch.empty(0, device=positions.device), positions))
         return cos.reshape(-1, cos.shape[-1]).contiguous(), sin.reshape(-1, sin.shape[-1]).contiguous()
 
-    def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and the signed sine at `positions` (B, T), each (B * T, head_dim) contiguous."""
+    def __call__(self, positions: torch.Tensor | range) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and the signed sine at `positions` (B, T), each (B * T, head_dim) contiguous. A `range` (one row's
+        consecutive positions) is read as a slice of the table, without an indexing operator."""
+        if isinstance(positions, range):
+            if not self.static:
+                return self._compute(torch.arange(positions.start, positions.stop, device=self._device())[None])
+            self._cover(positions.stop, self._device())
+            return self.cos[positions.start : positions.stop], self.sin[positions.start : positions.stop]
         if not self.static:
             return self._compute(positions)
         flat = positions.reshape(-1)
-        need = int(flat.max()) + 1
+        self._cover(int(flat.max()) + 1, flat.device)
+        return self.cos[flat], self.sin[flat]
+
+    def _device(self) -> torch.device:
+        freq = getattr(self.rotary, "inv_freq", None)
+        return freq.device if isinstance(freq, torch.Tensor) else torch.device("cpu")
+
+    def _cover(self, need: int, device: torch.device) -> None:
+        """The table over positions 0..need-1 at least (made again, twice as long, past its end)."""
         freq = getattr(self.rotary, "inv_freq", None)
         if self.cos is None or self.cos.shape[0] < need or freq is not self._freq:
             size = max(need, 512, 2 * self.cos.shape[0] if self.cos is not None else 0)
-            self.cos, self.sin = self._compute(torch.arange(size, device=flat.device)[None])
+            self.cos, self.sin = self._compute(torch.arange(size, device=device)[None])
             self._freq = freq
-        return self.cos[flat], self.sin[flat]
 
 
 class NativeLayers:
@@ -205,17 +218,18 @@ class NativeLayers:
             low, high = start, start + t - 1
         if end > k.shape[3] or low < 0 or high >= k.shape[3]:  # C would write out of bounds
             raise IndexError(f"cache slots {low}..{high} (attending to {end}) outside the cache's {k.shape[3]}")
-        allowed = mask.expand(b, 1, t, end).contiguous()
+        same = mask.shape == (b, 1, t, end) and mask.is_contiguous()
+        allowed = mask if same else mask.expand(b, 1, t, end).contiguous()
         lib = native.library()
         scratch = torch.empty(lib.hb_scratch_floats(b * t, d, self.heads, self.kv_heads, self.head_dim, self.inner))
         if any(later <= earlier for earlier, later in zip([first, *stops], stops)):
             raise ValueError(f"stops must ascend past layer {first}, got {stops}")
         out = {stop: torch.empty_like(x) for stop in stops[:-1]}  # copies of x after the earlier stops, in the call
-        after = torch.tensor([stop - first for stop in out], dtype=torch.int64)
+        after = (ctypes.c_int64 * max(1, len(out)))(*[stop - first for stop in out])
         to = (ctypes.c_void_p * max(1, len(out)))(*[copy.data_ptr() for copy in out.values()])
         p = native.Pass(b, t, d, self.heads, self.kv_heads, self.head_dim, self.inner, end, self.eps, self.scaling,
                         cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), *k.stride()[:4],
-                        slots.data_ptr(), allowed.data_ptr(), scratch.data_ptr(), len(out), after.data_ptr(),
+                        slots.data_ptr(), allowed.data_ptr(), scratch.data_ptr(), len(out), ctypes.addressof(after),
                         ctypes.addressof(to))
         if bias is not None:
             parts = [t.detach().float().expand(b, -1).contiguous() for t in bias[:2]]  # alive until the call returns

@@ -15,7 +15,7 @@ import torch
 
 from hamburger.errors import HamburgerError
 from hamburger.inference.admission import Request, RequestEvent
-from hamburger.inference.kv import KVCache
+from hamburger.inference.kv import CacheView, KVCache
 from hamburger.inference.stats import kv_bytes_per_entry
 
 if TYPE_CHECKING:
@@ -76,10 +76,14 @@ class RowBatch:
         self.requests: list[Request | None] = [None] * size
         self.pending: list[list[int]] = [[] for _ in range(size)]
         self.ended_early = [False] * size
-        # numpy views of the per-row scalars on a CPU (the same memory): a lone request's step (`solo.py`) reads
-        # and writes its row through them without a PyTorch operator each
-        self.host = (SimpleNamespace(**{name: getattr(self, name).numpy() for name in HOST_VIEWS})
-                     if self.cache_len.device.type == "cpu" else None)
+        # numpy views of the per-row tensors on a CPU (the same memory), and row 0's caches: a lone request's step
+        # (`solo.py`) reads and writes its row through them without a PyTorch operator each
+        self.host = None
+        if self.cache_len.device.type == "cpu":
+            self.host = SimpleNamespace(**{name: getattr(self, name).numpy() for name in HOST_VIEWS})
+            self.host.states = self.states.numpy() if self.states.dtype in (torch.float32, torch.float16) else None
+        self.first_cache = CacheView(cache, slice(0, 1))
+        self.first_micro_cache = CacheView(micro_cache, slice(0, 1)) if micro_cache is not None else None
 
     @classmethod
     def for_model(cls, runner: ModelRunner, size: int, max_len: int) -> RowBatch:

@@ -176,8 +176,9 @@ class ModelRunner:
     def base_pass(self, embeds, positions, cache: KVCache, start: int | RowSlots, mask, merged=None,
               last: bool = True) -> list[torch.Tensor]:
         """Base pass over (B, T, d) at cache slots start.. -> [final normed state, feature_1 .. feature_m] at the
-        last position, each (B, d); with `last=False` at every position, each (B, T, d). `mask`: one for every
-        layer, or a function of the layer index (compress mode's merged entries carry a per-layer bias).
+        last position, each (B, d); with `last=False` at every position, each (B, T, d). `positions` (B, T), or a
+        `range` where one row's positions follow one another (read as a slice of the rotary table). `mask`: one for
+        every layer, or a function of the layer index (compress mode's merged entries carry a per-layer bias).
         `merged` (B, T): the slot adapters act there (inline, in the engine's own layer code)."""
         adapters = self.model.slot_adapters.inline(merged)
         return self._layers(embeds, positions, cache, start, mask, last, adapters)
@@ -196,6 +197,8 @@ class ModelRunner:
                                  start, native_mask, self._stops, bias=bias)  # the native layers write in place
             final = base.norm(xs[depth][:, -1] if last else xs[depth])
             return [final] + [(xs[i][:, -1] if last else xs[i]) if i < depth else final for i in wanted]
+        if isinstance(positions, range):
+            positions = torch.arange(positions.start, positions.stop, device=embeds.device)[None]
         x, rope = embeds, base.rotary_emb(embeds, positions)
         for i, layer in enumerate(base.layers):
             m = mask(i) if callable(mask) else mask

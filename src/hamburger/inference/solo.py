@@ -22,7 +22,6 @@ import torch
 from hamburger.inference import verify
 from hamburger.inference.admission import Request, RequestEvent
 from hamburger.inference.core import MicroRun, micro_context
-from hamburger.inference.kv import CacheView
 from hamburger.inference.lookup import find
 from hamburger.inference.proposers import drafts_wanted
 from hamburger.inference.rows import RowBatch
@@ -52,8 +51,7 @@ def check(runner: ModelRunner, b: RowBatch) -> int:
     req, h = b.requests[0], b.host
     drafted, slot = int(h.n_drafts[0]), int(h.cache_len[0])
     width, pos = 1 + drafted, max(0, int(h.prompt_len[0]) + int(h.gen_len[0]) - 1)
-    states = verify.check_pass(runner, runner.model.embed(b.step_tok[:1, :width]), pos, slot,
-                               CacheView(b.cache, slice(0, 1)))
+    states = verify.check_pass(runner, runner.model.embed(b.step_tok[:1, :width]), pos, slot, b.first_cache)
     kept, new = 0, []
     if req.mode.checked:
         drafts, choice = h.step_tok[0, 1:width].tolist(), runner.head_argmax(states[0][0]).tolist()
@@ -61,7 +59,11 @@ def check(runner: ModelRunner, b: RowBatch) -> int:
         new = verify.record_row(runner, b, 1, 0, drafts, kept)
         if b.ended_early[0]:
             h.live[0] = False
-    b.states[0] = torch.cat(states).select(1, kept)
+    if h.states is not None:  # the states at the last kept position, into row 0
+        for j, state in enumerate(states):
+            h.states[0, j] = state.numpy()[0, kept]
+    else:
+        b.states[0] = torch.cat(states).select(1, kept)
     h.cache_len[0] = slot + 1 + kept
     h.gen_len[0] += len(new)
     h.n_drafts[0] = 0
@@ -115,8 +117,8 @@ def _micro_drafts(runner: ModelRunner, b: RowBatch, req: Request, tokens: list[i
     if not goes_on(b.states[:1, 0]):
         return 0
     slot, pos = int(h.cache_len[0]), int(h.prompt_len[0]) + int(h.gen_len[0]) - 1
-    run = MicroRun(runner, list(b.states[:1, 1:].unbind(1)), CacheView(b.micro_cache, slice(0, 1)),
-                   lambda: micro_context(runner, CacheView(b.cache, slice(0, 1)), [slot], torch.tensor([pos])))
+    run = MicroRun(runner, list(b.states[:1, 1:].unbind(1)), b.first_micro_cache,
+                   lambda: micro_context(runner, b.first_cache, [slot], torch.tensor([pos])))
     calls, tok, shortlist = 0, tokens[0], runner.vocab is not None
     while True:
         state = run(torch.tensor([tok]))

@@ -189,9 +189,9 @@ def check_pass(runner: ModelRunner, embeds: torch.Tensor, first_pos: torch.Tenso
     if isinstance(cache_len, int):  # one row, nothing hidden or merged
         if visible is not None or merged_len is not None:
             raise ValueError("a row given as ints has no hidden or merged entries")
-        mask = torch.ones(width, cache_len + width, dtype=torch.bool, device=embeds.device).tril_(cache_len)
-        positions = torch.arange(first_pos, first_pos + width, device=embeds.device)[None]
-        return runner.base_pass(embeds, positions, cache, cache_len, mask[None, None], merged, last=False)
+        mask = torch.ones(1, 1, width, cache_len + width, dtype=torch.bool, device=embeds.device).tril_(cache_len)
+        return runner.base_pass(embeds, range(first_pos, first_pos + width), cache, cache_len, mask, merged,
+                                last=False)
     offsets = torch.arange(width, device=embeds.device)
     slots = cache_len[:, None] + offsets
     end = int(slots.max()) + 1
