@@ -76,12 +76,11 @@ class RowBatch:
         self.requests: list[Request | None] = [None] * size
         self.pending: list[list[int]] = [[] for _ in range(size)]
         self.ended_early = [False] * size
-        # numpy views of the per-row tensors on a CPU (the same memory), and row 0's caches: a lone request's step
+        # numpy views of the per-row scalars on a CPU (the same memory), and row 0's caches: a lone request's step
         # (`solo.py`) reads and writes its row through them without a PyTorch operator each
         self.host = None
         if self.cache_len.device.type == "cpu":
             self.host = SimpleNamespace(**{name: getattr(self, name).numpy() for name in HOST_VIEWS})
-            self.host.states = self.states.numpy() if self.states.dtype in (torch.float32, torch.float16) else None
         self.first_cache = CacheView(cache, slice(0, 1))
         self.first_micro_cache = CacheView(micro_cache, slice(0, 1)) if micro_cache is not None else None
 

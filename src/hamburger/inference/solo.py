@@ -59,11 +59,7 @@ def check(runner: ModelRunner, b: RowBatch) -> int:
         new = verify.record_row(runner, b, 1, 0, drafts, kept)
         if b.ended_early[0]:
             h.live[0] = False
-    if h.states is not None:  # the states at the last kept position, into row 0
-        for j, state in enumerate(states):
-            h.states[0, j] = state.numpy()[0, kept]
-    else:
-        b.states[0] = torch.cat(states).select(1, kept)
+    b.states[0] = torch.cat(states).select(1, kept)  # the states at the last kept position
     h.cache_len[0] = slot + 1 + kept
     h.gen_len[0] += len(new)
     h.n_drafts[0] = 0
