@@ -56,7 +56,9 @@ class RowBatch:
       acceptance; -1: none, as after a prefill);
     - merged_len (rows, slots): tokens merged into each entry (0: an ordinary one), for the merger's bias;
     - q (rows, drafts, V): a sampled checked row's draft distributions, made on first use;
-    - pending: the drafts a check pass kept, reported with this step; ended_early: one of them was EOS.
+    - pending: the drafts a check pass kept, reported with this step; ended_early: one of them was EOS;
+    - host (on a CPU): numpy views of the per-row scalars (`HOST_VIEWS`, the same memory); first_cache,
+      first_micro_cache: row 0's caches as views: what a request alone reads and writes (`solo.py`).
     """
 
     def __init__(self, size: int, slots: int, drafts: int, k: int, cache: KVCache, micro_cache: KVCache | None,
@@ -76,8 +78,7 @@ class RowBatch:
         self.requests: list[Request | None] = [None] * size
         self.pending: list[list[int]] = [[] for _ in range(size)]
         self.ended_early = [False] * size
-        # numpy views of the per-row scalars on a CPU (the same memory), and row 0's caches: a lone request's step
-        # (`solo.py`) reads and writes its row through them without a PyTorch operator each
+        # a lone request's step (`solo.py`) reads and writes its row through these without a PyTorch operator each
         self.host = None
         if self.cache_len.device.type == "cpu":
             self.host = SimpleNamespace(**{name: getattr(self, name).numpy() for name in HOST_VIEWS})

@@ -1,13 +1,14 @@
 """One greedy request decoding alone: the verify step (check, then the macro-step) on host integers.
 
 At batch 1 a decode step's own work is one base pass over a few positions, the LM head's argmax and, now and then,
-a few micro-step passes. The batched step (`verify.check`, `core.macro_step`) wraps that work in some forty small
-PyTorch operations on one-row tensors (masks, `where`s, gathers, per-row limits), which on a 2-core CPU cost about
-as much as the LM head itself (`benchmarks/step_time.py`). When the scheduler runs one request, greedy, in verify
-mode, or the plain base (trust mode with one token a step), it steps it here instead: the same passes and the same
-decisions (acceptance and rollback, lookup, the draft policy, the stop head, EOS and the budget), with the row's
-lengths and tokens as Python integers. They are read from row 0 of the `RowBatch` and written back to it, so the
-batched step takes over at any step (another request arrives) with nothing to convert.
+a few micro-step passes. The batched step (`verify.check`, `core.macro_step`) wraps that work in a few hundred small
+PyTorch operators on one-row tensors (masks, `where`s, gathers, per-row limits), each costing several times its
+usual time right after a pass has streamed the weights (`benchmarks/step_time.py` counts and times them). When the
+scheduler runs one request, greedy, in verify mode, or the plain base (trust mode with one token a step), it steps
+it here instead: the same passes and the same decisions (acceptance and rollback, lookup, the draft policy, the
+stop head, EOS and the budget), with the row's lengths and tokens as Python integers, read from row 0 of the
+`RowBatch` and written back to it through numpy views of the same memory (`RowBatch.host`), so the batched step
+takes over at any step (another request arrives) with nothing to convert.
 
 tests/inference/test_solo.py holds this to the batched step: the same events, stats and row state at every step.
 """
