@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from conftest import base_greedy, hamburger
+from conftest import base_greedy, hamburger, run_staggered
 from hamburger import HamburgerModel
 from hamburger.inference import solo
 from hamburger.inference.scheduler import Scheduler
@@ -144,3 +144,20 @@ def test_a_request_arriving_hands_the_row_to_the_batched_step():
     assert out[first] == base_greedy(model, PROMPTS[0], 30)[: len(out[first])] and len(out[first]) > 0
     second = next(i for i in out if i != first)
     assert out[second] == base_greedy(model, PROMPTS[2], 20)[: len(out[second])] and len(out[second]) > 0
+
+
+def test_requests_coming_and_going_get_the_batched_steps_events(monkeypatch):
+    """A short request beside a long one, then a third arriving while the long one runs alone: the hand-overs both
+    ways (batched to alone when the short one ends, alone to batched when the third arrives) change no event."""
+    model = hamburger("qwen2", k=4, micro_context=4, lookup=2)
+    lone_steps, check = [], solo.check
+    monkeypatch.setattr(solo, "check", lambda *a: lone_steps.append(1) or check(*a))
+    jobs = [(0, PROMPTS[0], 40, "verify"), (0, PROMPTS[1], 4, "verify"), (14, PROMPTS[2], 12, "verify")]
+    got = {}
+    for alone in (True, False):
+        sched = Scheduler(model, max_batch_size=3, max_len=64, draft_rows=None, alone=alone)
+        events = run_staggered(sched, jobs, confidence=0.05)
+        got[alone] = {j: [(e.tokens, e.finished, e.finish_reason, e.stats.drafted_tokens) for e in evs]
+                      for j, evs in events.items()}
+    assert got[True] == got[False] and 3 <= len(lone_steps) < len(got[True][0]) - 1  # alone, then batched again
+    assert sum(len(e[0]) for e in got[True][0]) == 40 or got[True][0][-1][2] == "stop"
