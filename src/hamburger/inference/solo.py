@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from hamburger.inference import verify
@@ -26,6 +25,7 @@ from hamburger.inference.core import MicroRun, micro_context
 from hamburger.inference.lookup import find
 from hamburger.inference.proposers import drafts_wanted
 from hamburger.inference.rows import RowBatch
+from hamburger.inference.sampling import continues
 
 if TYPE_CHECKING:
     from hamburger.inference.runner import ModelRunner
@@ -102,17 +102,17 @@ def _micro_drafts(runner: ModelRunner, b: RowBatch, req: Request, tokens: list[i
     """Micro-step drafts after token 0 into `tokens[1:]` while the stop head's product of P(go on) over the step
     beats the row's confidence: at most `most`, up to K tokens in all, through the first EOS. Returns how many
     (the micro-step decoder's calls)."""
-    model, k, h = runner.model, runner.k, b.host
-    confidence = float(h.confidence[0])  # a float32 value, compared as the batched step compares it
-    reach = np.float32(1.0)
+    model, k = runner.model, runner.k
+    confidence, reach = b.confidence[:1], torch.ones(1)  # the product of P(go on) over the step, as `core._goes_on`
 
     def goes_on(state: torch.Tensor) -> bool:
-        nonlocal reach
-        reach = reach * np.float32(torch.sigmoid(-model.stop_logits(state, True).float()).item())  # in float32
-        return float(reach) > confidence
+        logits = model.stop_logits(state, True)
+        reach.mul_(torch.sigmoid(-logits.float()))
+        return bool(continues(logits, confidence, reach))
 
     if not goes_on(b.states[:1, 0]):
         return 0
+    h = b.host
     slot, pos = int(h.cache_len[0]), int(h.prompt_len[0]) + int(h.gen_len[0]) - 1
     run = MicroRun(runner, list(b.states[:1, 1:].unbind(1)), b.first_micro_cache,
                    lambda: micro_context(runner, b.first_cache, [slot], torch.tensor([pos])))
