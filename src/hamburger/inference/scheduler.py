@@ -248,14 +248,15 @@ class Scheduler:
         n = self.batch.span()
         if n == 0:
             return 1
-        width = 1 + int(self.batch.n_drafts[:n].max()) if not alone else 1
         with self._base_lora(self.rows[:n]):
             if alone:
                 width = solo.check(self.runner, self.batch)
-            elif any(r is not None and r.mode.checked for r in self.rows[:n]):
-                verify.check(self.runner, self.batch, n)
             else:
-                self._feed_trust(n)
+                width = 1 + int(self.batch.n_drafts[:n].max())
+                if any(r is not None and r.mode.checked for r in self.rows[:n]):
+                    verify.check(self.runner, self.batch, n)
+                else:
+                    self._feed_trust(n)
         self.passes += 1
         for req in self.rows[:n]:
             if req is not None:
