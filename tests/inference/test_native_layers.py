@@ -15,7 +15,8 @@ from native_variant import every_variant, pytest_generate_tests, variant  # noqa
 from hamburger.inference.core import MicroContext
 from hamburger.inference.engine import Engine
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
-from hamburger.inference.native_layers import NATIVE_ROWS, NativeLayers, RopeTable, layer_parts, rope_tables
+from hamburger.inference.native_layers import (NATIVE_ROWS, NORMED, NativeLayers, RopeTable, layer_parts,
+                                               rope_tables)
 from hamburger.inference.merge import MergedMask
 from hamburger.kernels import native
 from hamburger.kernels import quantize
@@ -359,6 +360,72 @@ def test_a_hook_or_a_replaced_module_sends_the_pass_back_to_the_modules():
     engine.generate(PROMPTS, **kw)  # the next request's prefill looks again (`NativeLayers.recheck`)
     assert runs[0] == 0
     assert not engine.runner.native.usable()
+
+
+@every_variant
+@pytest.mark.parametrize("scheme", ["fp16", "int4"])
+def test_the_final_norms_in_the_call_are_the_modules_norms(scheme):
+    """The base's and the micro-step decoder's final norms, run at the end of the native call (`FinalNorm`): the
+    modules' values to float32's rounding, at every position or each row's last; a mutation (another eps) is far
+    outside that."""
+    model = micro_packed("llama", scheme)
+    runner = Engine(model).runner
+    base, micro = runner.base, model.micro
+    gen = torch.Generator().manual_seed(3)
+    for norm in (base.norm, micro.norm):
+        norm.weight.data.copy_(0.5 + torch.rand(norm.weight.shape, generator=gen))  # in place: the same tensor
+    assert runner._norm.here() and runner._micro_norm.here()
+    x = torch.randn(2, 3, base.config.hidden_size, generator=gen)
+    mask = torch.ones(2, 1, 3, 8, dtype=torch.bool).tril(5)
+    depth = len(base.layers)
+    with torch.inference_mode():
+        rope = base.rotary_emb(x, torch.arange(5, 8)[None].expand(2, -1))
+        for last in (False, True):
+            xs = runner.native.run(x.clone(), rope, random_cache(base, 2), 5, mask, [depth], norm=runner._norm,
+                                   last=last)
+            want = base.norm(xs[depth][:, -1] if last else xs[depth])
+            torch.testing.assert_close(xs[NORMED], want, rtol=1e-5, atol=1e-6)
+            assert not torch.equal(want, xs[depth][:, -1] if last else xs[depth])
+        base.norm.variance_epsilon = 1e-1  # read at each call
+        xs = runner.native.run(x.clone(), rope, random_cache(base, 2), 5, mask, [depth], norm=runner._norm, last=True)
+        torch.testing.assert_close(xs[NORMED], base.norm(xs[depth][:, -1]), rtol=1e-5, atol=1e-6)
+        base.norm.variance_epsilon = 1e-5
+        assert (xs[NORMED] - base.norm(xs[depth][:, -1])).abs().max() > 1e-3
+        # the micro-step decoder's pass, normed in its call and by its module
+        h = torch.randn(2, 1, base.config.hidden_size, generator=gen)
+        cache = KVCache.for_layers(micro.layers, base.config, 2, 8, torch.float32, "cpu")
+        fused = runner._micro_layers(h, cache, 0, None)
+        runner._micro_norm = None
+        plain = runner._micro_layers(h, KVCache.for_layers(micro.layers, base.config, 2, 8, torch.float32, "cpu"), 0,
+                                     None)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+
+
+def test_a_hook_on_the_final_norm_runs_the_module_after_the_native_call():
+    """A hook on the base's final norm, or the norm replaced, has the module norm the call's output (the layers stay
+    native); the tokens do not change."""
+    model = packed("llama", "int4")
+    kw = {"max_new_tokens": 8, "mode": "verify", "eos_token_ids": set()}
+    want = Engine(model, draft_policy=False).generate(PROMPTS, **kw)
+    engine = Engine(model, draft_policy=False)
+    seen, runs = [], [0]
+    run = engine.runner.native.run
+
+    def counted(*args, **kwargs):
+        runs[0] += kwargs.get("norm") is None
+        return run(*args, **kwargs)
+
+    engine.runner.native.run = counted
+    handle = model.base.model.norm.register_forward_hook(lambda m, a, out: seen.append(1))
+    assert engine.generate(PROMPTS, **kw).tokens == want.tokens
+    assert seen and runs[0] == len(seen)  # every native pass left the norm to the hooked module
+    handle.remove()
+    runs[0] = 0
+    assert engine.generate(PROMPTS, **kw).tokens == want.tokens and runs[0] == 0
+    old = model.base.model.norm
+    model.base.model.norm = type(old)(old.weight.shape[0], old.variance_epsilon)
+    model.base.model.norm.weight.data.copy_(old.weight)
+    assert engine.generate(PROMPTS, **kw).tokens == want.tokens and runs[0] > 0
 
 
 def test_the_rotary_tables_are_the_embeddings_own_values_at_every_position():

@@ -108,6 +108,8 @@ int main(int argc, char **argv) {
             FIX(p.merged);
             FIX(p.bias_a);
             FIX(p.bias_c);
+            FIX(p.out_norm);
+            FIX(p.normed);
             if (p.copies != 0) die("copies are not taken here");
             p.copy_after = NULL;
             p.copy_to = NULL;

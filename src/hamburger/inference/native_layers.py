@@ -33,6 +33,7 @@ from hamburger.kernels.qlinear import Fp16Linear, Int4Linear, Int8Linear, Quanti
 # rows of 4 positions; a longer prefill runs module by module (benchmarks/pass_paths.py measures both).
 NATIVE_ROWS = 128
 NATIVE_TYPES = ("llama", "mistral", "qwen2")
+NORMED = "normed"  # `NativeLayers.run`'s entry for the final norm's output
 _HOOKS = operator.attrgetter("_forward_hooks", "_forward_pre_hooks")
 
 
@@ -81,6 +82,33 @@ def layer_parts(layers, config) -> list[LayerParts] | None:
             or not all(_fits(layer) for layer in layers)):
         return None
     return [LayerParts(layer, config) for layer in layers]
+
+
+class FinalNorm:
+    """A model's final RMSNorm, run at the end of the native call (`hb_pass.out_norm`, the C norm the layers' own
+    norms use) while it stays the module it was: in its place, the same weight, float32, no hook. Otherwise the
+    caller runs the module on the call's output."""
+
+    def __init__(self, parent: nn.Module, name: str) -> None:
+        self.parent, self.name = parent, name
+        self.module = getattr(parent, name)
+        self.weight = self.module.weight
+
+    @staticmethod
+    def fits(norm: nn.Module | None) -> bool:
+        weight = getattr(norm, "weight", None)
+        return (hasattr(norm, "variance_epsilon") and weight is not None and weight.dtype == torch.float32
+                and weight.dim() == 1)
+
+    def here(self) -> bool:
+        m, w = self.module, self.weight
+        return (self.parent._modules.get(self.name) is m and m._parameters.get("weight") is w and not m._forward_hooks
+                and not m._forward_pre_hooks and w.dtype == torch.float32 and w.is_contiguous())
+
+
+def final_norm(parent: nn.Module, name: str = "norm") -> FinalNorm | None:
+    """`FinalNorm` for parent.<name> where the native call can run it (a float32 RMSNorm), else None."""
+    return FinalNorm(parent, name) if FinalNorm.fits(getattr(parent, name, None)) else None
 
 
 def rope_tables(rope: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,13 +226,15 @@ class NativeLayers:
     def run(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], cache: KVCache, start: int | RowSlots,
             mask: torch.Tensor, stops: list[int], first: int = 0,
             context: tuple[KVCache, torch.Tensor] | None = None,
-            bias: tuple[torch.Tensor, ...] | None = None) -> dict[int, torch.Tensor]:
+            bias: tuple[torch.Tensor, ...] | None = None, norm: FinalNorm | None = None,
+            last: bool = False) -> dict[int | str, torch.Tensor]:
         """Layers first.. up to each of `stops` in turn (ascending) over x, in place: {stop: x after layer stop-1}
         (x itself for the last stop, a copy for the others, made inside the one native call). `rope`: the rotary
         embedding's (cos, sin), each (B, T, head_dim), or a `RopeTable`'s rows, each (B * T, head_dim). `context`: the
         base's cache and the entries (B, end) bool each row may read, for layers with a context gate. `bias`:
         compress mode's merged entries, (log k (B, end), merged (B, end), a, c (layers, heads)): a score on an entry
-        that merges k tokens gains a * log k + c (`merge.MergedMask`)."""
+        that merges k tokens gains a * log k + c (`merge.MergedMask`). `norm`: the model's final norm over the last
+        stop's x (each row's last position where `last`), computed in the call: {NORMED: (B, d) or (B, T, d)}."""
         b, t, d = x.shape
         cos, sin = rope if rope[0].dim() == 2 else (table.reshape(b * t, self.head_dim).contiguous()
                                                     for table in rope_tables(rope))
@@ -244,10 +274,16 @@ class NativeLayers:
             p.ctx_k, p.ctx_v, p.ctx_len, p.ctx_mask = (base_cache.k.data_ptr(), base_cache.v.data_ptr(),
                                                        seen.shape[1], seen.data_ptr())
             p.c_s_layer, p.c_s_row, p.c_s_head, p.c_s_slot = base_cache.k.stride()[:4]
+        if norm is not None:
+            normed = torch.empty((b, d) if last else (b, t, d))
+            p.out_norm, p.normed = norm.weight.data_ptr(), normed.data_ptr()
+            p.out_eps, p.out_last = norm.module.variance_epsilon, int(last)
         if lib.hb_layers(ctypes.byref(self.layers, first * ctypes.sizeof(native.Layer)), stops[-1] - first,
                          ctypes.byref(p), x.data_ptr()):
             raise MemoryError("the native layers could not allocate their attention scores")
         out[stops[-1]] = x
+        if norm is not None:
+            out[NORMED] = normed
         return out
 
     def takes(self, x: torch.Tensor, cache: KVCache, start, mask) -> bool:

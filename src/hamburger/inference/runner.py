@@ -16,7 +16,7 @@ from hamburger.inference import draft_policy as draft_policy_mod
 from hamburger.inference.draft_policy import StepCosts
 from hamburger.inference.kv import KVCache, MicroContext, RowSlots, layer_forward
 from hamburger.inference.lookup import reply_store
-from hamburger.inference.native_layers import RopeTable, micro_native_layers
+from hamburger.inference.native_layers import NORMED, RopeTable, final_norm, micro_native_layers
 from hamburger.inference.native_layers import native_layers as make_native
 from hamburger.inference.sampling import greedy_tokens
 from hamburger.kernels.qbase import native_argmax
@@ -104,6 +104,9 @@ class ModelRunner:
         self.native = make_native(self.base) if native_layers else None
         # the micro-step decoder's layers in one native call too (their attention to the base's entries included)
         self.micro_native = micro_native_layers(model.micro, self.base.config, self.native)
+        # the final norms, run inside those calls where they can be (`native_layers.FinalNorm`)
+        self._norm = final_norm(self.base) if self.native is not None else None
+        self._micro_norm = final_norm(model.micro) if self.micro_native is not None else None
         self.k = model.config.max_step_tokens
         # the native calls' rotary tables, read by position (the module path computes its own each pass)
         self.rope, self.micro_rope = RopeTable(self.base.rotary_emb), RopeTable(model.micro.rotary_emb)
@@ -193,9 +196,10 @@ class ModelRunner:
         # compress mode's mask is a function of the layer (`merge.MergedMask`): the native call takes its parts
         native_mask, bias = mask.native_parts() if hasattr(mask, "native_parts") else (mask, None)
         if adapters is None and self.native is not None and self.native.takes(embeds, cache, start, native_mask):
+            norm = self._norm if self._norm is not None and self._norm.here() else None
             xs = self.native.run(embeds.clone(memory_format=torch.contiguous_format), self.rope(positions), cache,
-                                 start, native_mask, self._stops, bias=bias)  # the native layers write in place
-            final = base.norm(xs[depth][:, -1] if last else xs[depth])
+                                 start, native_mask, self._stops, bias=bias, norm=norm, last=last)  # x in place
+            final = xs[NORMED] if norm is not None else base.norm(xs[depth][:, -1] if last else xs[depth])
             return [final] + [(xs[i][:, -1] if last else xs[i]) if i < depth else final for i in wanted]
         if isinstance(positions, range):
             positions = torch.arange(positions.start, positions.stop, device=embeds.device)[None]
@@ -231,9 +235,10 @@ class ModelRunner:
             ctx, positions = (context.cache, context.visible), context.base_pos[:, None] + 1 + offsets
         rope = self.micro_rope(positions)
         depth = len(micro.layers)
+        norm = self._micro_norm if self._micro_norm is not None and self._micro_norm.here() else None
         xs = self.micro_native.run(x.clone(memory_format=torch.contiguous_format), rope, cache, start, own, [depth],
-                                   context=ctx)
-        return micro.norm(xs[depth][:, -1])
+                                   context=ctx, norm=norm, last=True)
+        return xs[NORMED] if norm is not None else micro.norm(xs[depth][:, -1])
 
     def _micro_layers(self, x: torch.Tensor, cache: KVCache, start: int, context: MicroContext | None,
                       native: bool = True) -> torch.Tensor:

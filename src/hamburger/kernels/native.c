@@ -504,6 +504,12 @@ int hb_layers(const hb_layer *layers, int64_t count, const hb_pass *p, float *x)
                         for (int64_t r = 0; r < rows; r++) memcpy(p->copy_to[j] + r * d, x + r * d, d * sizeof(float));
                     }
             }
+        if (!failed && p->out_norm != NULL) {  /* the model's final norm, in the same region */
+            const int64_t outs = p->out_last ? p->b : rows;
+            #pragma omp for schedule(static)
+            for (int64_t o = 0; o < outs; o++)
+                rms_norm(x + (p->out_last ? o * p->t + p->t - 1 : o) * d, p->out_norm, p->normed + o * d, d, p->out_eps);
+        }
         free(scores);
     }
     free(xq);

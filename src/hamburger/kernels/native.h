@@ -54,6 +54,11 @@ typedef struct {
     const float *log_k, *merged;     /* compress mode (or NULL): (b, slots_len) log of the tokens an entry merges,
                                         1 where it merges; a score gains merged * (a * log_k + c) */
     const float *bias_a, *bias_c;    /* (layers, heads): the KV merger's a and c of each layer's heads */
+    const float *out_norm;           /* the model's final RMSNorm weight (d), or NULL: after the last layer, x's rows
+                                        (each row's last position where out_last) normed into `normed` */
+    float *normed;                   /* (b, d) where out_last, else (b*t, d) */
+    float out_eps;
+    int64_t out_last;
 } hb_pass;
 
 /* The codes' tiles: 16 outputs by 32 inputs, a tile's blocks one after the other (`hb_tile` makes them). Kind 3:

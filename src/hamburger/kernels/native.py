@@ -97,6 +97,8 @@ class Pass(ctypes.Structure):
     _fields_ += [(name, ctypes.c_int64) for name in ("c_s_layer", "c_s_row", "c_s_head", "c_s_slot", "ctx_len")]
     _fields_ += [("ctx_mask", ctypes.c_void_p), ("log_k", ctypes.c_void_p), ("merged", ctypes.c_void_p),
                  ("bias_a", ctypes.c_void_p), ("bias_c", ctypes.c_void_p)]
+    _fields_ += [("out_norm", ctypes.c_void_p), ("normed", ctypes.c_void_p), ("out_eps", ctypes.c_float),
+                 ("out_last", ctypes.c_int64)]
 
 
 def _cpu_flags() -> str:
