@@ -1,5 +1,7 @@
-"""Probe: the final norms inside the native call (`native_layers.FinalNorm`) against PyTorch's norm after it,
-interleaved prompt by prompt in one process, base and verify, the default (int4/int8), greedy, batch 1.
+"""Probe: the final norms inside the native call (`native_layers.FinalNorm`), and the LM head's argmax after them in
+the same call (`hb_pass.head`), against PyTorch's norm and the head's own call after the layers' call, interleaved
+prompt by prompt in one process, base and verify, the default (int4/int8), greedy, batch 1. Variants: "head" (both
+in the call), "norm" (the norm in the call, the head's own call), "torch" (neither).
 
     python benchmarks/probes/final_norm_ab.py --rounds 3
 """
@@ -7,6 +9,8 @@ import argparse
 import time
 
 import torch
+
+import hamburger.inference.runner as runner_mod
 
 from hamburger.evaluation.bench_systems import bench_messages
 from hamburger.inference.engine import Engine
@@ -22,10 +26,12 @@ torch.manual_seed(0)
 model, _ = load("default", quantize="auto", decode_only=True)
 prompts = [encode_chat(model.tokenizer, m) for s in ("code", "math", "chat") for m in bench_messages(s, 3)]
 systems = {}
-for fused in (True, False):
+VARIANTS = ("head", "norm", "torch")
+native_head = runner_mod.native_head
+for fused in VARIANTS:
     for name, m, mode in (("base", HamburgerModel.plain(model.base, model.tokenizer), None), ("verify", model, "verify")):
         e = Engine(m)
-        if not fused:
+        if fused == "torch":
             e.runner._norm = e.runner._micro_norm = None
         systems[(name, fused)] = (e, mode)
 times = {k: 0.0 for k in systems}
@@ -33,6 +39,7 @@ toks = {k: 0 for k in systems}
 outs = {}
 with torch.inference_mode():
     for k, (e, mode) in systems.items():
+        runner_mod.native_head = native_head if k[1] == "head" else (lambda *args: None)
         e.generate([prompts[0]], max_new_tokens=16, mode=mode)
     order = list(systems)
     for r in range(a.rounds):
@@ -40,6 +47,7 @@ with torch.inference_mode():
             rot = order[(i + r) % len(order):] + order[:(i + r) % len(order)]
             for k in rot:
                 e, mode = systems[k]
+                runner_mod.native_head = native_head if k[1] == "head" else (lambda *args: None)
                 gen = e.stream([prompt], max_new_tokens=a.max_new_tokens, mode=mode)
                 events = iter(gen)
                 first = next(events)
@@ -49,12 +57,15 @@ with torch.inference_mode():
                 times[k] += time.perf_counter() - t0
                 out = gen.output().tokens[0]
                 toks[k] += len(out) - len(first.tokens[0])
-                outs.setdefault((i, k[0] if k[0] == "base" else "v", k[1]), out)
-        print(f"round {r}: " + ", ".join(f"{k[0]}{' fused' if k[1] else ' torch'} {times[k] / toks[k] * 1e3:.3f} ms/tok" for k in systems), flush=True)
+                outs.setdefault((i, k[0], k[1]), out)
+        print(f"round {r}: " + ", ".join(f"{k[0]} {k[1]} {times[k] / toks[k] * 1e3:.3f} ms/tok" for k in systems),
+              flush=True)
+ms = {k: times[k] / toks[k] * 1e3 for k in systems}
 for name in ("base", "verify"):
-    print(f"{name}: fused {times[(name, True)] / toks[(name, True)] * 1e3:.3f} ms/token, torch norm "
-          f"{times[(name, False)] / toks[(name, False)] * 1e3:.3f}: fused is "
-          f"{(times[(name, False)] / toks[(name, False)]) / (times[(name, True)] / toks[(name, True)]):.3f}x")
-same = sum(outs[(i, n, True)] == outs[(i, n, False)] for i in range(len(prompts)) for n in ("base", "v"))
-vb = sum(outs[(i, "v", f)] == outs[(i, "base", f)] for i in range(len(prompts)) for f in (True, False))
-print(f"replies the same with the fused norm as with torch's: {same}/{2 * len(prompts)}; verify = base: {vb}/{2 * len(prompts)}")
+    print(f"{name}: ms a token " + ", ".join(f"{v} {ms[(name, v)]:.3f}" for v in VARIANTS)
+          + f"; torch over head {ms[(name, 'torch')] / ms[(name, 'head')]:.3f}x, norm over head "
+          f"{ms[(name, 'norm')] / ms[(name, 'head')]:.3f}x, torch over norm {ms[(name, 'torch')] / ms[(name, 'norm')]:.3f}x")
+n = len(prompts)
+same = sum(outs[(i, m, v)] == outs[(i, m, "torch")] for i in range(n) for m in ("base", "verify") for v in VARIANTS[:2])
+vb = sum(outs[(i, "verify", v)] == outs[(i, "base", v)] for i in range(n) for v in VARIANTS)
+print(f"replies the same as with torch's norm and the head's own call: {same}/{4 * n}; verify = base: {vb}/{3 * n}")

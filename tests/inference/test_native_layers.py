@@ -401,6 +401,45 @@ def test_the_final_norms_in_the_call_are_the_modules_norms(scheme):
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
 
 
+@every_variant
+@pytest.mark.parametrize("scheme", ["fp16", "int4"])
+def test_the_heads_argmax_in_the_call_is_the_heads_own(scheme):
+    """`base_pass(argmax=True)`: the head's greedy token of each final state from the layers' native call
+    (`hb_pass.head`), the head's own call's (`head_argmax`) bit for bit, at every position or each row's last; with
+    a hook on the head, from the head's own call (the hook sees it); a head without the final norm is refused."""
+    model = packed("llama", scheme)
+    runner = Engine(model).runner
+    base, head = runner.base, model.base.get_output_embeddings()
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, base.config.hidden_size, generator=gen)
+    mask = torch.ones(2, 1, 3, 8, dtype=torch.bool).tril(5)
+    calls = [0]
+    direct = native.linear_argmax
+
+    def counted(*args):
+        calls[0] += 1
+        return direct(*args)
+
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
+        mp.setattr(native, "linear_argmax", counted)
+        for last in (False, True):
+            *states, tokens = runner.base_pass(x, torch.arange(5, 8)[None].expand(2, -1), random_cache(base, 2), 5,
+                                               mask, last=last, argmax=True)
+            assert calls[0] == 0 and tokens.shape == states[0].shape[:-1]
+            assert torch.equal(tokens, runner.head_argmax(states[0])) and calls[0] == 1
+            calls[0] = 0
+        seen = []
+        handle = head.register_forward_hook(lambda m, a, out: seen.append(out))
+        *states, tokens = runner.base_pass(x, torch.arange(5, 8)[None].expand(2, -1), random_cache(base, 2), 5, mask,
+                                           last=False, argmax=True)
+        handle.remove()
+        assert seen and torch.equal(tokens, seen[0].max(-1).indices)
+        rope = base.rotary_emb(x, torch.arange(5, 8)[None].expand(2, -1))
+        with pytest.raises(ValueError, match="final norm"):
+            runner.native.run(x.clone(), rope, random_cache(base, 2), 5, mask, [len(base.layers)],
+                              head=head.native_desc())
+
+
 def test_a_hook_on_the_final_norm_runs_the_module_after_the_native_call():
     """A hook on the base's final norm, or the norm replaced, has the module norm the call's output (the layers stay
     native); the tokens do not change."""

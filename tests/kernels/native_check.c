@@ -111,6 +111,7 @@ int main(int argc, char **argv) {
             FIX(p.out_norm);
             FIX(p.normed);
             if (p.copies != 0) die("copies are not taken here");
+            if (p.head != NULL) die("a head is not taken here");
             p.copy_after = NULL;
             p.copy_to = NULL;
             const int64_t x = i64();

@@ -33,7 +33,7 @@ from hamburger.kernels.qlinear import Fp16Linear, Int4Linear, Int8Linear, Quanti
 # rows of 4 positions; a longer prefill runs module by module (benchmarks/pass_paths.py measures both).
 NATIVE_ROWS = 128
 NATIVE_TYPES = ("llama", "mistral", "qwen2")
-NORMED = "normed"  # `NativeLayers.run`'s entry for the final norm's output
+NORMED, ARGMAX = "normed", "argmax"  # `NativeLayers.run`'s entries: the final norm's output, the head's tokens
 _HOOKS = operator.attrgetter("_forward_hooks", "_forward_pre_hooks")
 
 
@@ -227,14 +227,16 @@ class NativeLayers:
             mask: torch.Tensor, stops: list[int], first: int = 0,
             context: tuple[KVCache, torch.Tensor] | None = None,
             bias: tuple[torch.Tensor, ...] | None = None, norm: FinalNorm | None = None,
-            last: bool = False) -> dict[int | str, torch.Tensor]:
+            last: bool = False, head: native.Weights | None = None) -> dict[int | str, torch.Tensor]:
         """Layers first.. up to each of `stops` in turn (ascending) over x, in place: {stop: x after layer stop-1}
         (x itself for the last stop, a copy for the others, made inside the one native call). `rope`: the rotary
         embedding's (cos, sin), each (B, T, head_dim), or a `RopeTable`'s rows, each (B * T, head_dim). `context`: the
         base's cache and the entries (B, end) bool each row may read, for layers with a context gate. `bias`:
         compress mode's merged entries, (log k (B, end), merged (B, end), a, c (layers, heads)): a score on an entry
         that merges k tokens gains a * log k + c (`merge.MergedMask`). `norm`: the model's final norm over the last
-        stop's x (each row's last position where `last`), computed in the call: {NORMED: (B, d) or (B, T, d)}."""
+        stop's x (each row's last position where `last`), computed in the call: {NORMED: (B, d) or (B, T, d)}; and
+        with `head` (the LM head's native weights), each normed row's greedy token (`native.linear_argmax`'s, bit for
+        bit): {ARGMAX: (B,) or (B, T) int64}."""
         b, t, d = x.shape
         cos, sin = rope if rope[0].dim() == 2 else (table.reshape(b * t, self.head_dim).contiguous()
                                                     for table in rope_tables(rope))
@@ -278,12 +280,22 @@ class NativeLayers:
             normed = torch.empty((b, d) if last else (b, t, d))
             p.out_norm, p.normed = norm.weight.data_ptr(), normed.data_ptr()
             p.out_eps, p.out_last = norm.module.variance_epsilon, int(last)
-        if lib.hb_layers(ctypes.byref(self.layers, first * ctypes.sizeof(native.Layer)), stops[-1] - first,
-                         ctypes.byref(p), x.data_ptr()):
-            raise MemoryError("the native layers could not allocate their attention scores")
+            if head is not None:
+                tokens = torch.empty(normed.shape[:-1], dtype=torch.int64)
+                p.head, p.head_idx = ctypes.addressof(head), tokens.data_ptr()
+        elif head is not None:
+            raise ValueError("the head's argmax in the native call needs the final norm there too")
+        failed = lib.hb_layers(ctypes.byref(self.layers, first * ctypes.sizeof(native.Layer)), stops[-1] - first,
+                               ctypes.byref(p), x.data_ptr())
+        if failed == -2:
+            raise ValueError(f"a head of {head.k} inputs after layers of width {d}")
+        if failed:
+            raise MemoryError("the native layers could not allocate their attention scores or outputs")
         out[stops[-1]] = x
         if norm is not None:
             out[NORMED] = normed
+        if head is not None:
+            out[ARGMAX] = tokens
         return out
 
     def takes(self, x: torch.Tensor, cache: KVCache, start, mask) -> bool:

@@ -16,10 +16,10 @@ from hamburger.inference import draft_policy as draft_policy_mod
 from hamburger.inference.draft_policy import StepCosts
 from hamburger.inference.kv import KVCache, MicroContext, RowSlots, layer_forward
 from hamburger.inference.lookup import reply_store
-from hamburger.inference.native_layers import NORMED, RopeTable, final_norm, micro_native_layers
+from hamburger.inference.native_layers import ARGMAX, NORMED, RopeTable, final_norm, micro_native_layers
 from hamburger.inference.native_layers import native_layers as make_native
 from hamburger.inference.sampling import greedy_tokens
-from hamburger.kernels.qbase import native_argmax
+from hamburger.kernels.qbase import native_argmax, native_head
 from hamburger.kernels.qlinear import Fp16Linear, Int8Linear, QuantizedLinear, fp16_unavailable
 from hamburger.model.config import DRAFT_ROWS, LOOKUP_DRAFTS, check_draft_rows, check_lookup
 from hamburger.model.hamburger_model import HamburgerModel
@@ -177,18 +177,21 @@ class ModelRunner:
         return torch.stack(self.base_pass(embeds, positions[:, None], cache, where, mask, (step_len > 1)[:, None]), 1)
 
     def base_pass(self, embeds, positions, cache: KVCache, start: int | RowSlots, mask, merged=None,
-              last: bool = True) -> list[torch.Tensor]:
+                  last: bool = True, argmax: bool = False) -> list[torch.Tensor]:
         """Base pass over (B, T, d) at cache slots start.. -> [final normed state, feature_1 .. feature_m] at the
         last position, each (B, d); with `last=False` at every position, each (B, T, d). `positions` (B, T), or a
         `range` where one row's positions follow one another (read as a slice of the rotary table). `mask`: one for
         every layer, or a function of the layer index (compress mode's merged entries carry a per-layer bias).
-        `merged` (B, T): the slot adapters act there (inline, in the engine's own layer code)."""
+        `merged` (B, T): the slot adapters act there (inline, in the engine's own layer code). `argmax`: the list
+        ends with the head's greedy token at each final state too (`head_argmax`'s), from the native call where it
+        runs the layers, the final norm and the head."""
         adapters = self.model.slot_adapters.inline(merged)
-        return self._layers(embeds, positions, cache, start, mask, last, adapters)
+        return self._layers(embeds, positions, cache, start, mask, last, adapters, argmax)
 
     def _layers(self, embeds, positions, cache: KVCache, start: int | RowSlots, mask, last: bool,
-                adapters: list[AdapterPass] | None) -> list[torch.Tensor]:
-        """The base's layers and final norm; `adapters`: the slot adapters of each layer."""
+                adapters: list[AdapterPass] | None, argmax: bool = False) -> list[torch.Tensor]:
+        """The base's layers and final norm (and the head's argmax: `base_pass`); `adapters`: the slot adapters of
+        each layer."""
         model, base = self.model, self.base
         wanted = model.micro.feature_layers if self.k > 1 else []
         depth = len(base.layers)
@@ -197,10 +200,14 @@ class ModelRunner:
         native_mask, bias = mask.native_parts() if hasattr(mask, "native_parts") else (mask, None)
         if adapters is None and self.native is not None and self.native.takes(embeds, cache, start, native_mask):
             norm = self._norm if self._norm is not None and self._norm.here() else None
+            head = native_head(model.base.get_output_embeddings(), embeds) if argmax and norm is not None else None
             xs = self.native.run(embeds.clone(memory_format=torch.contiguous_format), self.rope(positions), cache,
-                                 start, native_mask, self._stops, bias=bias, norm=norm, last=last)  # x in place
+                                 start, native_mask, self._stops, bias=bias, norm=norm, last=last, head=head)
             final = xs[NORMED] if norm is not None else base.norm(xs[depth][:, -1] if last else xs[depth])
-            return [final] + [(xs[i][:, -1] if last else xs[i]) if i < depth else final for i in wanted]
+            out = [final] + [(xs[i][:, -1] if last else xs[i]) if i < depth else final for i in wanted]
+            if argmax:
+                out.append(xs[ARGMAX] if head is not None else self.head_argmax(final))
+            return out
         if isinstance(positions, range):
             positions = torch.arange(positions.start, positions.stop, device=embeds.device)[None]
         x, rope = embeds, base.rotary_emb(embeds, positions)
@@ -210,7 +217,7 @@ class ModelRunner:
             if i + 1 in wanted and i + 1 < depth:
                 feats[i + 1] = x[:, -1] if last else x
         final = base.norm(x[:, -1] if last else x)
-        return [final] + [feats[i] if i < depth else final for i in wanted]
+        return [final] + [feats[i] if i < depth else final for i in wanted] + [self.head_argmax(final)] * argmax
 
     def micro_pass(self, x: torch.Tensor, cache: KVCache, start: int, context: MicroContext | None = None) -> torch.Tensor:
         """Micro-step decoder over (B, T, d) new inputs following `start` cached ones -> normed (B, d) at the last.

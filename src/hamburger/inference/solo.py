@@ -52,14 +52,17 @@ def check(runner: ModelRunner, b: RowBatch) -> int:
     req, h = b.requests[0], b.host
     drafted, slot = int(h.n_drafts[0]), int(h.cache_len[0])
     width, pos = 1 + drafted, max(0, int(h.prompt_len[0]) + int(h.gen_len[0]) - 1)
-    states = verify.check_pass(runner, runner.model.embed(b.step_tok[:1, :width]), pos, slot, b.first_cache)
-    kept, new = 0, []
+    *states, choice = verify.check_pass(runner, runner.model.embed(b.step_tok[:1, :width]), pos, slot, b.first_cache,
+                                        argmax=True)
+    kept, new, choice = 0, [], choice[0].tolist()  # the base's greedy token after t0, d1, ..
     if req.mode.checked:
-        drafts, choice = h.step_tok[0, 1:width].tolist(), runner.head_argmax(states[0][0]).tolist()
+        drafts = h.step_tok[0, 1:width].tolist()
         (kept,), (h.next_t0[0],) = verify.accept_greedy([drafts], [drafted], [choice])
         new = verify.record_row(runner, b, 1, 0, drafts, kept)
         if b.ended_early[0]:
             h.live[0] = False
+    else:  # the plain base's token, for `macro_step` (which puts back the batched step's -1)
+        h.next_t0[0] = choice[0]
     b.states[0] = torch.cat(states).select(1, kept)  # the states at the last kept position
     h.cache_len[0] = slot + 1 + kept
     h.gen_len[0] += len(new)
@@ -79,7 +82,9 @@ def macro_step(runner: ModelRunner, b: RowBatch, max_len: int) -> tuple[list[Req
         tokens[0] = max(0, int(h.next_t0[0]))
         return _report(b, tokens, 0, False, 0), 0
     gen, max_new, t0 = int(h.gen_len[0]) + 1, int(h.max_new[0]), int(h.next_t0[0])
-    if t0 < 0 or not req.mode.checked:
+    if not req.mode.checked:
+        h.next_t0[0] = -1
+    if t0 < 0:  # after a prefill
         t0 = int(runner.head_argmax(b.states[:1, 0])[0])
     tokens[0] = t0
     ended = t0 in req.eos or gen >= max_new

@@ -177,13 +177,15 @@ def accept_sampled(drafts: torch.Tensor, n_drafts: torch.Tensor, q: torch.Tensor
 
 def check_pass(runner: ModelRunner, embeds: torch.Tensor, first_pos: torch.Tensor | int,
                cache_len: torch.Tensor | int, cache: KVCache, merged: torch.Tensor | None = None,
-               visible: torch.Tensor | None = None, merged_len: torch.Tensor | None = None) -> list[torch.Tensor]:
+               visible: torch.Tensor | None = None, merged_len: torch.Tensor | None = None,
+               argmax: bool = False) -> list[torch.Tensor]:
     """The base pass of verify and compress mode (`check`): (B, W, d) inputs per row
     (token 0 or a trust row's smashed step, then the drafts) at positions first_pos.., written at the row's own
     slots cache_len... Each position sees its row's entries up to its own slot (and only the `visible` ones
     (B, S): a left-padded prompt's padding is hidden); with `merged_len` (B, S), the merger's bias on entries
     that merge several tokens. `merged` (B, W): positions that are smashed steps (the slot adapters act there).
-    Returns the states at every position, each (B, W, d). One row may give its position and cache length as ints
+    Returns the states at every position, each (B, W, d), and with `argmax` the head's greedy token at each
+    (B, W) after them (`ModelRunner.base_pass`). One row may give its position and cache length as ints
     (`solo.py`): its mask is then a band of two operators."""
     width = embeds.shape[1]
     if isinstance(cache_len, int):  # one row, nothing hidden or merged
@@ -191,7 +193,7 @@ def check_pass(runner: ModelRunner, embeds: torch.Tensor, first_pos: torch.Tenso
             raise ValueError("a row given as ints has no hidden or merged entries")
         mask = torch.ones(1, 1, width, cache_len + width, dtype=torch.bool, device=embeds.device).tril_(cache_len)
         return runner.base_pass(embeds, range(first_pos, first_pos + width), cache, cache_len, mask, merged,
-                                last=False)
+                                last=False, argmax=argmax)
     offsets = torch.arange(width, device=embeds.device)
     slots = cache_len[:, None] + offsets
     end = int(slots.max()) + 1
@@ -205,7 +207,8 @@ def check_pass(runner: ModelRunner, embeds: torch.Tensor, first_pos: torch.Tenso
     # a plain slice: cheaper than a scatter (benchmarks/step_profile.py)
     same = embeds.shape[0] == 1 or bool((cache_len == cache_len[0]).all())
     where = int(cache_len[0]) if same else RowSlots(slots, end)
-    return runner.base_pass(embeds, first_pos[:, None] + offsets, cache, where, mask, merged, last=False)
+    return runner.base_pass(embeds, first_pos[:, None] + offsets, cache, where, mask, merged, last=False,
+                            argmax=argmax)
 
 
 def settle(merger: KVMerger | None, states: list[torch.Tensor], kept: torch.Tensor, cache: KVCache,

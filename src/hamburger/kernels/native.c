@@ -160,75 +160,92 @@ INL int beats(float v, float best) { return v > best || (v != v && best == best)
 
 /* Each row's largest output of x (rows, k) . w^T (+ bias) into idx (rows,): the first of equal ones, the first NaN
    before any number (`torch.max(-1).indices` of hb_linear's y, bit for bit: the same products), without handing
-   the products back: greedy decoding's LM head. Each thread finds the best of its share of the outputs, one thread
-   then takes the shares in order. Returns 0, or -1 if memory could not be had. */
-int hb_linear_argmax(const float *x, const hb_weights *w, int64_t rows, int64_t *idx) {
+   the products back: greedy decoding's LM head. Called by every thread of a parallel region, with y (rows * n
+   floats), best and at (rows a thread) and xq as `argmax_memory` sizes them: each thread finds the best of its
+   share of the outputs, one thread then takes the shares in order. */
+static void argmax_for(const float *x, const hb_weights *w, int64_t rows, int64_t *idx, float *y, float *best,
+                       int64_t *at, uint8_t *xq) {
     const int64_t n = w->n;
+    gemm_for(x, w, y, rows, xq);  /* ends at a barrier: every output is there */
+#ifdef _OPENMP
+    const int t = omp_get_thread_num(), threads = omp_get_num_threads();
+#else
+    const int t = 0, threads = 1;
+#endif
+    const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
+    for (int64_t r = 0; r < rows; r++) {
+        const float *yr = y + r * n;
+        /* the largest value, 16 lanes apart (the compiler's vector max, no chain of dependent compares)... */
+        float lane[16], m = -INFINITY;
+        int nan = 0;
+        for (int l = 0; l < 16; l++) lane[l] = -INFINITY;
+        int64_t j = lo;
+        for (; j + 16 <= hi; j += 16)
+            for (int l = 0; l < 16; l++) {
+                lane[l] = yr[j + l] > lane[l] ? yr[j + l] : lane[l];
+                nan |= yr[j + l] != yr[j + l];
+            }
+        for (; j < hi; j++) {
+            m = yr[j] > m ? yr[j] : m;
+            nan |= yr[j] != yr[j];
+        }
+        for (int l = 0; l < 16; l++) m = lane[l] > m ? lane[l] : m;
+        /* ...then the first output that holds it (or the first NaN), 16 at a time until a block has it */
+        int64_t first = hi;
+        for (j = lo; j < hi && first == hi; j += 16) {
+            const int64_t end = j + 16 < hi ? j + 16 : hi;
+            int hit = 0;
+            for (int64_t i = j; i < end; i++) hit |= nan ? yr[i] != yr[i] : yr[i] == m;
+            if (hit)
+                for (int64_t i = j; i < end; i++)
+                    if (nan ? yr[i] != yr[i] : yr[i] == m) { first = i; break; }
+        }
+        best[t * rows + r] = first < hi ? yr[first] : NAN;
+        at[t * rows + r] = first < hi ? first : -1;
+    }
+    #pragma omp barrier
+    #pragma omp single
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t i = -1;
+        float v = 0.0f;
+        for (int s = 0; s < threads; s++)  /* in order: a later share wins only by beating the earlier */
+            if (at[s * rows + r] >= 0 && (i < 0 || beats(best[s * rows + r], v))) {
+                i = at[s * rows + r];
+                v = best[s * rows + r];
+            }
+        idx[r] = i;
+    }
+}
+
+/* argmax_for's outputs and the threads' bests (xq apart). Returns 0, or -1 (nothing left allocated). */
+static int argmax_memory(int64_t rows, int64_t n, float **y, float **best, int64_t **at) {
 #ifdef _OPENMP
     const int most = omp_get_max_threads();
 #else
     const int most = 1;
 #endif
-    float *y = aligned_alloc(64, (size_t)(rows * n * sizeof(float) + 64)), *best = malloc(sizeof(float) * most * rows);
-    int64_t *at = malloc(sizeof(int64_t) * most * rows);
+    *y = aligned_alloc(64, (size_t)(rows * n * sizeof(float) + 64));
+    *best = malloc(sizeof(float) * most * rows);
+    *at = malloc(sizeof(int64_t) * most * rows);
+    if (*y == NULL || *best == NULL || *at == NULL) {
+        free(*y), free(*best), free(*at);
+        return -1;
+    }
+    return 0;
+}
+
+/* argmax_for in a call of its own. Returns 0, or -1 if memory could not be had. */
+int hb_linear_argmax(const float *x, const hb_weights *w, int64_t rows, int64_t *idx) {
+    float *y, *best;
+    int64_t *at;
+    if (argmax_memory(rows, w->n, &y, &best, &at)) return -1;
     uint8_t *xq = NULL;
-    if (int16_activations(w->kind)) xq = aligned_alloc(64, (size_t)hb_quantized_bytes(rows, w->k) + 64);
-    if (y == NULL || best == NULL || at == NULL || (int16_activations(w->kind) && xq == NULL)) {
-        free(y), free(best), free(at), free(xq);
+    if (int16_activations(w->kind) && (xq = aligned_alloc(64, (size_t)hb_quantized_bytes(rows, w->k) + 64)) == NULL) {
+        free(y), free(best), free(at);
         return -1;
     }
     #pragma omp parallel
-    {
-        gemm_for(x, w, y, rows, xq);  /* ends at a barrier: every output is there */
-#ifdef _OPENMP
-        const int t = omp_get_thread_num(), threads = omp_get_num_threads();
-#else
-        const int t = 0, threads = 1;
-#endif
-        const int64_t lo = n * t / threads, hi = n * (t + 1) / threads;
-        for (int64_t r = 0; r < rows; r++) {
-            const float *yr = y + r * n;
-            /* the largest value, 16 lanes apart (the compiler's vector max, no chain of dependent compares)... */
-            float lane[16], m = -INFINITY;
-            int nan = 0;
-            for (int l = 0; l < 16; l++) lane[l] = -INFINITY;
-            int64_t j = lo;
-            for (; j + 16 <= hi; j += 16)
-                for (int l = 0; l < 16; l++) {
-                    lane[l] = yr[j + l] > lane[l] ? yr[j + l] : lane[l];
-                    nan |= yr[j + l] != yr[j + l];
-                }
-            for (; j < hi; j++) {
-                m = yr[j] > m ? yr[j] : m;
-                nan |= yr[j] != yr[j];
-            }
-            for (int l = 0; l < 16; l++) m = lane[l] > m ? lane[l] : m;
-            /* ...then the first output that holds it (or the first NaN), 16 at a time until a block has it */
-            int64_t first = hi;
-            for (j = lo; j < hi && first == hi; j += 16) {
-                const int64_t end = j + 16 < hi ? j + 16 : hi;
-                int hit = 0;
-                for (int64_t i = j; i < end; i++) hit |= nan ? yr[i] != yr[i] : yr[i] == m;
-                if (hit)
-                    for (int64_t i = j; i < end; i++)
-                        if (nan ? yr[i] != yr[i] : yr[i] == m) { first = i; break; }
-            }
-            best[t * rows + r] = first < hi ? yr[first] : NAN;
-            at[t * rows + r] = first < hi ? first : -1;
-        }
-        #pragma omp barrier
-        #pragma omp single
-        for (int64_t r = 0; r < rows; r++) {
-            int64_t i = -1;
-            float v = 0.0f;
-            for (int s = 0; s < threads; s++)  /* in order: a later share wins only by beating the earlier */
-                if (at[s * rows + r] >= 0 && (i < 0 || beats(best[s * rows + r], v))) {
-                    i = at[s * rows + r];
-                    v = best[s * rows + r];
-                }
-            idx[r] = i;
-        }
-    }
+    argmax_for(x, w, rows, idx, y, best, at, xq);
     free(y), free(best), free(at), free(xq);
     return 0;
 }
@@ -475,8 +492,9 @@ static void layer(const hb_layer *L, const hb_pass *p, float *x, float *h, float
         for (int64_t j = 0; j < d; j++) x[r * d + j] += tmp[r * d + j];
 }
 
-/* Layers[0..count) over x (b*t, d), in place. Returns 0, or -1 if memory for the scores or the quantized
-   activations could not be had. */
+/* Layers[0..count) over x (b*t, d), in place; then, where the pass says, the final norm and the head's argmax.
+   Returns 0, -1 if memory for the scores, the quantized activations or the head's outputs could not be had, or -2
+   for a head without the final norm or of another width. */
 int hb_layers(const hb_layer *layers, int64_t count, const hb_pass *p, float *x) {
     const int64_t rows = p->b * p->t, d = p->d, hd = p->head_dim;
     const int64_t width = (p->heads + 2 * p->kv_heads) * hd, inner = p->inner;
@@ -484,8 +502,16 @@ int hb_layers(const hb_layer *layers, int64_t count, const hb_pass *p, float *x)
     float *gu = tmp + rows * d, *act = gu + rows * 2 * inner;
     int64_t widest = p->d > inner ? p->d : inner;
     if (p->heads * hd > widest) widest = p->heads * hd;
-    uint8_t *xq = aligned_alloc(64, (size_t)hb_quantized_bytes(rows, widest + 63));
+    const int64_t outs = p->out_last ? p->b : rows;  /* the final norm's rows */
+    if (p->head != NULL && (p->out_norm == NULL || p->head->k != d)) return -2;
+    uint8_t *xq = aligned_alloc(64, (size_t)hb_quantized_bytes(rows, widest + 63));  /* the head's too: k = d */
     if (xq == NULL) return -1;
+    float *y = NULL, *best = NULL;
+    int64_t *at = NULL;
+    if (p->head != NULL && argmax_memory(outs, p->head->n, &y, &best, &at)) {
+        free(xq);
+        return -1;
+    }
     int failed = 0;
     #pragma omp parallel
     {
@@ -505,14 +531,15 @@ int hb_layers(const hb_layer *layers, int64_t count, const hb_pass *p, float *x)
                     }
             }
         if (!failed && p->out_norm != NULL) {  /* the model's final norm, in the same region */
-            const int64_t outs = p->out_last ? p->b : rows;
             #pragma omp for schedule(static)
             for (int64_t o = 0; o < outs; o++)
                 rms_norm(x + (p->out_last ? o * p->t + p->t - 1 : o) * d, p->out_norm, p->normed + o * d, d, p->out_eps);
+            if (p->head != NULL)  /* and the LM head's greedy token of each normed row (the for's barrier: all there) */
+                argmax_for(p->normed, p->head, outs, p->head_idx, y, best, at, xq);
         }
         free(scores);
     }
-    free(xq);
+    free(xq), free(y), free(best), free(at);
     return failed ? -1 : 0;
 }
 

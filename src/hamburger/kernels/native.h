@@ -18,7 +18,7 @@
 
 #include <stdint.h>
 
-typedef struct {
+typedef struct hb_weights_ {
     int32_t kind;        /* 1: float16 (n, k) row-major; 3: GGUF's Q4_1, 5: GGUF's Q8_0, in tiles (below) */
     int32_t unused;
     int64_t n, k, group;
@@ -59,6 +59,9 @@ typedef struct {
     float *normed;                   /* (b, d) where out_last, else (b*t, d) */
     float out_eps;
     int64_t out_last;
+    const struct hb_weights_ *head;  /* the LM head (k = d), or NULL: each normed row's greedy token (hb_linear_argmax's)
+                                        into head_idx; needs out_norm */
+    int64_t *head_idx;
 } hb_pass;
 
 /* The codes' tiles: 16 outputs by 32 inputs, a tile's blocks one after the other (`hb_tile` makes them). Kind 3:

@@ -211,17 +211,24 @@ class NativeCodes:
         return native.linear(x, native.Weights(desc.kind, 0, desc.n, desc.k, desc.group, desc.w, desc.sz, None))
 
 
-def native_argmax(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
-    """The index of each row's largest output of `layer` at (rows, in) x, from the native kernels' fused argmax
-    (`native.linear_argmax`: the same products as its forward, no outputs handed back), or None where its forward
-    would not be that one native product (not native, a wide pass, not float32 on the CPU, a forward hook)."""
+def native_head(layer: nn.Module, x: torch.Tensor) -> native.Weights | None:
+    """`layer`'s native weights where its forward at (rows, in) x would be that one native product, else None (not
+    native, a wide pass, not float32 on the CPU, a forward hook): what a fused argmax may multiply by."""
     hooks = torch.nn.modules.module
     if (not getattr(layer, "native", False) or not hasattr(layer, "native_desc") or x.dtype != torch.float32
             or x.device.type != "cpu" or layer._forward_hooks or layer._forward_pre_hooks
             or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
             or layer.wide_pass(x)):
         return None
-    return native.linear_argmax(x.contiguous(), layer.native_desc())
+    return layer.native_desc()
+
+
+def native_argmax(layer: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The index of each row's largest output of `layer` at (rows, in) x, from the native kernels' fused argmax
+    (`native.linear_argmax`: the same products as its forward, no outputs handed back), or None where its forward
+    would not be that one native product (`native_head`)."""
+    desc = native_head(layer, x)
+    return None if desc is None else native.linear_argmax(x.contiguous(), desc)
 
 
 def native_here(device: torch.device, out_features: int, in_features: int, kind: int, group: int = 0) -> bool:
