@@ -263,39 +263,47 @@ class NativeLayers:
                         cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), *k.stride()[:4],
                         slots.data_ptr(), allowed.data_ptr(), scratch.data_ptr(), len(out), ctypes.addressof(after),
                         ctypes.addressof(to))
-        if bias is not None:
-            parts = [t.detach().float().expand(b, -1).contiguous() for t in bias[:2]]  # alive until the call returns
-            parts += [t.detach().float().contiguous() for t in bias[2:]]
-            if parts[0].shape[1] != end or parts[2].shape[0] < len(self.layers) or parts[2].shape[1] != self.heads:
-                raise ValueError(f"merged-entry bias of shape {tuple(parts[0].shape)} / {tuple(parts[2].shape)} for a "
-                                 f"pass attending to {end} slots over {len(self.layers)} layers of {self.heads} heads")
-            p.log_k, p.merged, p.bias_a, p.bias_c = (t.data_ptr() for t in parts)
+        alive = self._bias(p, bias, b, end) if bias is not None else None  # kept alive until the call returns
         if context is not None and self.gates is not None:
             base_cache, visible = context
             seen = visible.to(torch.uint8).expand(b, -1).contiguous()  # kept alive until the call returns
             p.ctx_k, p.ctx_v, p.ctx_len, p.ctx_mask = (base_cache.k.data_ptr(), base_cache.v.data_ptr(),
                                                        seen.shape[1], seen.data_ptr())
             p.c_s_layer, p.c_s_row, p.c_s_head, p.c_s_slot = base_cache.k.stride()[:4]
-        if norm is not None:
-            normed = torch.empty((b, d) if last else (b, t, d))
-            p.out_norm, p.normed = norm.weight.data_ptr(), normed.data_ptr()
-            p.out_eps, p.out_last = norm.module.variance_epsilon, int(last)
-            if head is not None:
-                tokens = torch.empty(normed.shape[:-1], dtype=torch.int64)
-                p.head, p.head_idx = ctypes.addressof(head), tokens.data_ptr()
-        elif head is not None:
+        if head is not None and norm is None:
             raise ValueError("the head's argmax in the native call needs the final norm there too")
+        if norm is not None:
+            out |= self._ends(p, norm, head, (b, d) if last else (b, t, d), last)
         failed = lib.hb_layers(ctypes.byref(self.layers, first * ctypes.sizeof(native.Layer)), stops[-1] - first,
                                ctypes.byref(p), x.data_ptr())
+        del alive
         if failed == -2:
             raise ValueError(f"a head of {head.k} inputs after layers of width {d}")
         if failed:
             raise MemoryError("the native layers could not allocate their attention scores or outputs")
         out[stops[-1]] = x
-        if norm is not None:
-            out[NORMED] = normed
+        return out
+
+    def _bias(self, p: native.Pass, bias: tuple[torch.Tensor, ...], b: int, end: int) -> list[torch.Tensor]:
+        """Compress mode's merged-entry bias into the pass; returns the tensors it points into."""
+        parts = [t.detach().float().expand(b, -1).contiguous() for t in bias[:2]]
+        parts += [t.detach().float().contiguous() for t in bias[2:]]
+        if parts[0].shape[1] != end or parts[2].shape[0] < len(self.layers) or parts[2].shape[1] != self.heads:
+            raise ValueError(f"merged-entry bias of shape {tuple(parts[0].shape)} / {tuple(parts[2].shape)} for a "
+                             f"pass attending to {end} slots over {len(self.layers)} layers of {self.heads} heads")
+        p.log_k, p.merged, p.bias_a, p.bias_c = (t.data_ptr() for t in parts)
+        return parts
+
+    @staticmethod
+    def _ends(p: native.Pass, norm: FinalNorm, head: native.Weights | None, shape: tuple[int, ...],
+              last: bool) -> dict[str, torch.Tensor]:
+        """The final norm's output (of `shape`) and the head's tokens, made for the call to fill."""
+        out = {NORMED: torch.empty(shape)}
+        p.out_norm, p.normed = norm.weight.data_ptr(), out[NORMED].data_ptr()
+        p.out_eps, p.out_last = norm.module.variance_epsilon, int(last)
         if head is not None:
-            out[ARGMAX] = tokens
+            out[ARGMAX] = torch.empty(shape[:-1], dtype=torch.int64)
+            p.head, p.head_idx = ctypes.addressof(head), out[ARGMAX].data_ptr()
         return out
 
     def takes(self, x: torch.Tensor, cache: KVCache, start, mask) -> bool:
