@@ -1,8 +1,8 @@
 """What the decode loop's glue costs at batch 1: the engine's base beside a lean greedy loop on the same native calls.
 
-The lean loop is the least Python a batch-1 greedy base step can have on today's native calls: the LM head's argmax
-(`ModelRunner.head_argmax`), the token's embedding row, one `NativeLayers.run` over the decoder layers at the next
-slot, the final norm; host integers for the position and the token, nothing else. The engine's base (`Engine` on
+The lean loop is the least Python a batch-1 greedy base step can have on today's native calls: the token's embedding
+row, one `NativeLayers.run` over the decoder layers at the next slot, which runs the final norm and the LM head's
+argmax too (as the engine's lone step does); host integers for the position and the token, nothing else. The engine's base (`Engine` on
 `HamburgerModel.plain`, the scheduler's step: rows, limits, the macro-step, events) decodes the same prompts; both
 must give the same tokens (EOS ignored, so both run the full length). Prompts alternate between the two, whichever
 goes first rotating per round. The difference per token is what the engine's bookkeeping around the same native
@@ -21,6 +21,8 @@ import torch
 from hamburger.evaluation.bench_systems import SETS, bench_messages
 from hamburger.inference.engine import Engine
 from hamburger.inference.kv import KVCache
+from hamburger.inference.native_layers import ARGMAX, final_norm
+from hamburger.kernels.qbase import native_head
 from hamburger.loading import load
 from hamburger.model.base import encode_chat
 from hamburger.model.hamburger_model import HamburgerModel
@@ -33,8 +35,9 @@ def lean(runner, emb: torch.Tensor, prompt: list[int], n: int) -> tuple[list[int
     h = runner.prefill([prompt], cache, torch.tensor([0]))[:, 0]
     visible = torch.ones(1, 1, 1, p + n + 1, dtype=torch.bool)
     depth, out, start = len(base.layers), [], 0.0
+    norm, head = final_norm(base), native_head(runner.model.base.get_output_embeddings(), h)
+    tok = int(runner.head_argmax(h)[0])
     for i in range(n):
-        tok = int(runner.head_argmax(h)[0])
         out.append(tok)
         if i == 0:
             start = time.perf_counter()
@@ -42,8 +45,9 @@ def lean(runner, emb: torch.Tensor, prompt: list[int], n: int) -> tuple[list[int
             break
         pos = p + i
         x = emb[tok].view(1, 1, -1).clone()
-        xs = runner.native.run(x, runner.rope(torch.tensor([[pos]])), cache, pos, visible[..., : pos + 1], [depth])
-        h = base.norm(xs[depth][:, -1])
+        xs = runner.native.run(x, runner.rope(torch.tensor([[pos]])), cache, pos, visible[..., : pos + 1], [depth],
+                               norm=norm, last=True, head=head)
+        tok = int(xs[ARGMAX][0])
     return out, time.perf_counter() - start
 
 

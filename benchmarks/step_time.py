@@ -3,7 +3,8 @@ around them function by function.
 
 `hamburger bench`'s prompts (`--sets`, `--prompts-per-set`) are decoded greedily at batch 1 by the engine's base
 (the same weights, one token per forward) and by verify mode, one after the other; every step's time is split by
-wrapping the native calls (`hb_layers`: the decoder layers; `hb_linear_argmax` / `hb_linear`: the LM head) and the
+wrapping the native calls (`hb_layers`: the decoder layers, and for a request alone the final norm and the LM
+head's argmax too; `hb_linear_argmax` / `hb_linear`: the LM head in a call of its own) and the
 decode loop's functions (scheduler, runner, verify step, macro-step, proposers), each charged its own time less
 its callees'. The clock is the main thread's CPU time (`time.thread_time`), which a shared machine's other jobs
 disturb less than the wall clock; the main thread runs Python and takes its share of every native call, so the
@@ -166,8 +167,8 @@ def main() -> None:
         rows[name] = (steps, tokens, nat, head, py, report[name][5])
     fmt = {"tokens per step": lambda r: f"{r[1] / r[0]:.2f}",
            "step, ms": lambda r: f"{(r[2] + r[3] + r[4]) / r[0] * 1e3:.2f}",
-           "native layers (hb_layers), ms": lambda r: f"{r[2] / r[0] * 1e3:.2f}",
-           "LM head (hb_linear_argmax or hb_linear), ms": lambda r: f"{r[3] / r[0] * 1e3:.2f}",
+           "native layers (hb_layers: with the LM head where it runs there), ms": lambda r: f"{r[2] / r[0] * 1e3:.2f}",
+           "LM head in its own call (hb_linear_argmax or hb_linear), ms": lambda r: f"{r[3] / r[0] * 1e3:.2f}",
            "Python and PyTorch around them, ms": lambda r: f"{r[4] / r[0] * 1e3:.2f}",
            "ms per token": lambda r: f"{(r[2] + r[3] + r[4]) / r[1] * 1e3:.2f}",
            "PyTorch operators per step (the first prompt, untimed)": lambda r: f"{r[5]:.0f}"}
