@@ -440,26 +440,6 @@ def test_the_heads_argmax_in_the_call_is_the_heads_own(scheme):
                               head=head.native_desc())
 
 
-def test_the_batched_check_reads_its_greedy_tokens_from_the_pass():
-    """Batched verify steps whose rows are all checked and greedy take the head's argmax from the check pass's own
-    native call: the full head is called apart only for token 0 after a prefill; the text is the base's."""
-    model = packed("llama", "int4")
-    engine = Engine(model, draft_policy=False, alone=False)
-    calls = [0]
-    head_argmax = engine.runner.head_argmax
-
-    def counted(h, shortlist=False):
-        calls[0] += not shortlist
-        return head_argmax(h, shortlist)
-
-    engine.runner.head_argmax = counted
-    kw = {"max_new_tokens": 12, "eos_token_ids": set()}
-    out = engine.generate(PROMPTS, mode="verify", **kw)
-    assert out.stats.base_forwards >= 8 and calls[0] <= len(PROMPTS)
-    plain = Engine(HamburgerModel.plain(model.base, model.tokenizer), alone=False).generate(PROMPTS, **kw)
-    assert out.tokens == plain.tokens
-
-
 def test_a_hook_on_the_final_norm_runs_the_module_after_the_native_call():
     """A hook on the base's final norm, or the norm replaced, has the module norm the call's output (the layers stay
     native); the tokens do not change."""

@@ -329,8 +329,8 @@ def test_a_checked_step_takes_token_0_from_its_check_pass_not_another_head(monke
     out, now = run()
     accept = verify.accept
 
-    def accept_without_token_0(runner, rows, n, which, final, width, choice=None):
-        at = accept(runner, rows, n, which, final, width, choice)
+    def accept_without_token_0(runner, rows, n, which, final, width):
+        at = accept(runner, rows, n, which, final, width)
         rows.next_t0[:n] = -1
         return at
 

@@ -56,14 +56,11 @@ def check(runner: ModelRunner, rows: RowBatch, n: int) -> None:
     compress = rows.compress[:n] & live
     merged = torch.zeros(n, width, dtype=torch.bool, device=dev)
     merged[:, 0] = ~checked & (step_len > 1)
-    which = [i for i, on in enumerate(checked.tolist()) if on]  # on the host: acceptance compares lists
-    # every row checked and greedy: the head's argmax comes from the pass's own call where it runs natively
-    fused = len(which) == n and all(rows.requests[i].sampling.greedy for i in which)
     states = check_pass(runner, embeds, positions, torch.where(live, rows.cache_len[:n], 0),
                         CacheView(rows.cache, slice(0, n)), merged,
-                        merged_len=rows.merged_len[:n] if bool(compress.any()) else None, argmax=fused)
-    choice = states.pop() if fused else None
-    kept_l = accept(runner, rows, n, which, states[0], width, choice)
+                        merged_len=rows.merged_len[:n] if bool(compress.any()) else None)
+    which = [i for i, on in enumerate(checked.tolist()) if on]  # on the host: acceptance compares lists
+    kept_l = accept(runner, rows, n, which, states[0], width)
     kept = torch.tensor(kept_l, device=dev)
     window = None
     if model.config.merge_window > 1 and bool(compress.any()):
@@ -80,19 +77,16 @@ def check(runner: ModelRunner, rows: RowBatch, n: int) -> None:
 
 
 def accept(runner: ModelRunner, rows: RowBatch, n: int, which: list[int], final: torch.Tensor,
-           width: int, choice: torch.Tensor | None = None) -> list[int]:
+           width: int) -> list[int]:
     """The drafts each of the n rows keeps from the base's final states (n, width, d) after t0, d1..; `which`:
     the checked rows. Each checked row's next token 0 goes to `rows.next_t0`: a greedy row's is the base's choice
     after its kept drafts (so the macro-step needs no head of its own), a sampled row's is drawn by its acceptance.
-    Greedy rows read only the head's argmax (`ModelRunner.head_argmax`, or `choice` (n, width) where the pass
-    gave it) and compare on the host."""
+    Greedy rows read only the head's argmax (`ModelRunner.head_argmax`) and compare on the host."""
     sel = slice(0, n) if len(which) == n else torch.tensor(which, dtype=torch.long, device=final.device)
     sampled = [(j, i) for j, i in enumerate(which) if not rows.requests[i].sampling.greedy]
     if sampled:
         logits = runner.model.lm_head(final[sel])  # (rows, width, V): the base's choice after t0, d1, ..
         choice = greedy_tokens(logits)
-    elif choice is not None:  # every row checked and greedy: the pass's own argmax
-        choice = choice[sel]
     else:  # greedy rows only: the head's argmax alone (no logits where the native kernels run it)
         choice = runner.head_argmax(final[sel])
     kept, nxt = accept_greedy(rows.step_tok[sel, 1:width].tolist(), rows.n_drafts[sel].tolist(), choice.tolist())
