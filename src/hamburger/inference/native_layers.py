@@ -70,9 +70,7 @@ def _fits(layer: nn.Module) -> bool:
             and mlp_parts[0].group.bounds[0][1] * 2 == mlp_parts[0].group.linear.out_features
             and isinstance(attn.o_proj, QuantizedLinear) and not isinstance(attn.o_proj, FusedPart)
             and isinstance(mlp.down_proj, QuantizedLinear) and not isinstance(mlp.down_proj, FusedPart)
-            and hasattr(layer.input_layernorm, "variance_epsilon")
-            and all(getattr(norm, "weight", None) is not None and norm.weight.dtype == torch.float32
-                    for norm in (layer.input_layernorm, layer.post_attention_layernorm)))
+            and all(FinalNorm.fits(norm) for norm in (layer.input_layernorm, layer.post_attention_layernorm)))
 
 
 def layer_parts(layers, config) -> list[LayerParts] | None:
@@ -96,6 +94,7 @@ class FinalNorm:
 
     @staticmethod
     def fits(norm: nn.Module | None) -> bool:
+        """Whether the native call's RMSNorm can stand in for `norm` (the layers' norms too): float32 weights, an eps."""
         weight = getattr(norm, "weight", None)
         return (hasattr(norm, "variance_epsilon") and weight is not None and weight.dtype == torch.float32
                 and weight.dim() == 1)
