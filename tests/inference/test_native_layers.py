@@ -12,6 +12,7 @@ import torch
 
 from conftest import hamburger, random_merger
 from native_variant import every_variant, pytest_generate_tests, variant  # noqa: F401 - pytest finds them here
+from hamburger.errors import HamburgerError
 from hamburger.inference.core import MicroContext
 from hamburger.inference.engine import Engine
 from hamburger.inference.kv import KVCache, RowSlots, layer_forward
@@ -44,8 +45,8 @@ def inputs_in_8_bits(model, on: bool):
     return model
 
 
-def random_cache(base, rows: int, seed: int = 0) -> KVCache:
-    cache = KVCache.for_layers(base.layers, base.config, rows, 16, torch.float32, "cpu")
+def random_cache(base, rows: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> KVCache:
+    cache = KVCache.for_layers(base.layers, base.config, rows, 16, dtype, "cpu")
     gen = torch.Generator().manual_seed(seed)
     cache.k.normal_(generator=gen)
     cache.v.normal_(generator=gen)
@@ -82,9 +83,12 @@ def close(pairs, tolerance: float = 1e-3) -> bool:
     return all(bool((a - b).norm() <= tolerance * a.norm()) for a, b in pairs)
 
 
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16])
 @pytest.mark.parametrize("scheme", ["fp16", "int4", "int4+a8"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-def test_a_pass_is_the_module_paths_computation(arch, scheme):
+def test_a_pass_is_the_module_paths_computation(arch, scheme, kv):
+    """Over a float32 cache and over a float16 one (the default where the native layers run: both paths write the
+    new keys and values rounded to float16 and read them back exactly)."""
     model = packed(arch, scheme)
     engine = Engine(model)
     assert engine.runner.native is not None
@@ -92,12 +96,14 @@ def test_a_pass_is_the_module_paths_computation(arch, scheme):
     x = torch.randn(2, 3, base.config.hidden_size)
     mask = torch.ones(2, 1, 3, 8, dtype=torch.bool).tril(5)
     mask[1, ..., :2] = False  # the second row's first two slots are padding
-    caches = [random_cache(base, 2) for _ in range(2)]
+    caches = [random_cache(base, 2, dtype=kv) for _ in range(2)]
     # float16: to float32's rounding; int4: its products quantize their inputs to int16 (`native.INT4_Q16`), a
     # last-bit difference in an input now and then rounding a code the other way
     # (+a8: 8-bit codes, where a code rounded the other way moves a product 258 times as far: one layer agrees to
     # 1e-3 (below), four layers of a tiny random model drift a few percent apart)
     depth, tolerance = len(base.layers), {"fp16": 1e-6, "int4": 1e-3}.get(scheme, 1e-1)
+    if kv == torch.float16:  # a key or value a last bit apart in float32 can round to the next float16 (5e-4 of it)
+        tolerance = max(tolerance, 2e-5)
     with torch.inference_mode():
         rope = base.rotary_emb(x, torch.arange(5, 8)[None].expand(2, -1))
         want = module_pass(engine, x, rope, caches[0], 5, mask, depth)
@@ -105,20 +111,24 @@ def test_a_pass_is_the_module_paths_computation(arch, scheme):
     assert (got - want).norm() <= tolerance * want.norm()
     assert (caches[0].k - caches[1].k).norm() <= tolerance * caches[0].k.norm()
     assert (caches[0].v - caches[1].v).norm() <= tolerance * caches[0].v.norm()
+    if kv == torch.float16:  # rounded as PyTorch rounds (to nearest even): the same float16 values but a rare tie
+        for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+            assert (a != b).float().mean() < 0.01
     # A mutation that drops the last layer is far outside that
     with torch.inference_mode():
-        short = engine.runner.native(x.clone(), rope, random_cache(base, 2), 5, mask, 0, depth - 1)
+        short = engine.runner.native(x.clone(), rope, random_cache(base, 2, dtype=kv), 5, mask, 0, depth - 1)
     assert (short - want).norm() > min(10 * tolerance, 0.5) * want.norm()
     with torch.inference_mode():  # one layer, every scheme
-        caches = [random_cache(base, 2) for _ in range(2)]
+        caches = [random_cache(base, 2, dtype=kv) for _ in range(2)]
         want = module_pass(engine, x, rope, caches[0], 5, mask, 1)
         got = engine.runner.native(x.clone(), rope, caches[1], 5, mask, 0, 1)
     assert (got - want).norm() <= 1e-3 * want.norm()
 
 
 @every_variant
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16])
 @pytest.mark.parametrize("scheme", ["fp16", "int4", "int4+a8"])
-def test_each_position_of_a_pass_is_what_a_one_position_step_gives_it_bit_for_bit(scheme):
+def test_each_position_of_a_pass_is_what_a_one_position_step_gives_it_bit_for_bit(scheme, kv):
     model = packed("qwen2", scheme)  # q/k/v biases too
     engine = Engine(model)
     base, depth = engine.runner.base, len(engine.runner.base.layers)
@@ -129,7 +139,7 @@ def test_each_position_of_a_pass_is_what_a_one_position_step_gives_it_bit_for_bi
         for t in range(4):
             mask[r, 0, t, : slots[r, t] + 1] = True
     mask[1, 0, :, :2] = False  # padding
-    together, alone = random_cache(base, 2), random_cache(base, 2)
+    together, alone = random_cache(base, 2, dtype=kv), random_cache(base, 2, dtype=kv)
     with torch.inference_mode():
         rope = base.rotary_emb(x, slots)
         out = engine.runner.native(x.clone(), rope, together, RowSlots(slots, 10), mask[..., :10], 0, depth)
@@ -147,10 +157,35 @@ def test_verify_mode_is_its_base_exactly(scheme):
     model = packed("llama", scheme)
     engine, plain = Engine(model), Engine(HamburgerModel.plain(model.base, model.tokenizer))
     assert engine.runner.native is not None and plain.runner.native is not None
+    assert engine.runner.kv_dtype == plain.runner.kv_dtype == torch.float16  # the default where the call runs
     kw = {"max_new_tokens": 24, "eos_token_ids": set()}
     assert engine.generate(PROMPTS, mode="verify", **kw).tokens == plain.generate(PROMPTS, **kw).tokens
     for prompt in PROMPTS:  # and batch 1
         assert engine.generate([prompt], mode="verify", **kw).tokens == plain.generate([prompt], **kw).tokens
+
+
+def test_the_caches_are_float16_where_the_native_call_runs_and_float32_on_request():
+    """The default cache holds float16 where the native layers run the passes (half the bytes a row takes, so a
+    memory budget holds twice the rows), the model's dtype where they do not; `kv_dtype` "float32" keeps float32,
+    and both decode verify mode to their own base exactly."""
+    from hamburger.inference.rows import RowBatch, rows_in
+
+    model = packed("llama", "int4")
+    half, full = Engine(model), Engine(model, kv_dtype="float32")
+    assert half.runner.kv_dtype == torch.float16 and full.runner.kv_dtype == torch.float32
+    assert Engine(model, native_layers=False).runner.kv_dtype == torch.float32  # the modules: the model's dtype
+    assert Engine(hamburger("llama", k=4)).runner.kv_dtype == torch.float32  # float32 weights: no native call
+    batch = RowBatch.for_model(half.runner, 2, 32)
+    assert batch.cache.k.dtype == batch.micro_cache.k.dtype == torch.float16
+    assert RowBatch.for_model(full.runner, 2, 32).cache.k.dtype == torch.float32
+    assert rows_in(1 << 20, half.runner, 32) == 2 * rows_in(1 << 20, full.runner, 32)
+    with pytest.raises(HamburgerError, match="KV cache dtype 'int8'"):
+        Engine(model, kv_dtype="int8")
+    plain = HamburgerModel.plain(model.base, model.tokenizer)
+    kw = {"max_new_tokens": 24, "eos_token_ids": set()}
+    for kv in ("float16", "float32"):
+        want = Engine(plain, kv_dtype=kv).generate(PROMPTS, **kw).tokens
+        assert Engine(model, kv_dtype=kv).generate(PROMPTS, mode="verify", **kw).tokens == want, kv
 
 
 def test_used_for_steps_not_for_long_passes_nor_where_it_does_not_apply():

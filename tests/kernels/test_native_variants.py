@@ -127,13 +127,15 @@ def linear_case(kind: str, n: int, k: int, rows: int, seed: int, group: int = 32
 
 
 def layers_case(kind: str, seed: int, compress: bool = False, context: bool = False, biases: bool = False,
-                norm: str = "") -> Case:
+                norm: str = "", half: bool = False) -> Case:
     """Two Llama-style layers over a cache, 2 rows of 3 positions, the second row with padding slots; `norm` "all"
-    or "last": the final norm over every position or each row's last (`hb_pass.out_norm`)."""
+    or "last": the final norm over every position or each row's last (`hb_pass.out_norm`); `half`: float16 caches
+    (`hb_pass.kv_half`)."""
     gen = torch.Generator().manual_seed(seed)
     d, heads, kv, hd, inner, b, t, slots_len, count = 64, 4, 2, 16, 96, 2, 3, 20, 2
     case = Case(2, f"layers {kind}" + " compress" * compress + " context" * context + " biases" * biases
-                + f" norm {norm}" * bool(norm))
+                + f" norm {norm}" * bool(norm) + " float16 cache" * half)
+    stored = torch.float16 if half else torch.float32
 
     def weights(n: int, k: int, bias: bool = False) -> native.Weights:
         w, b_ = torch.randn(n, k, generator=gen) / math.sqrt(k), torch.randn(n, generator=gen) * 0.1 if bias else None
@@ -171,7 +173,8 @@ def layers_case(kind: str, seed: int, compress: bool = False, context: bool = Fa
         ctx_mask[0, :5] = 0
         ctx_mask[1] = 0  # sees no base entry
         shape = (count, b, kv, ctx_len, hd)
-        extra |= {"ctx_k": case.add(torch.randn(shape, generator=gen)), "ctx_v": case.add(torch.randn(shape, generator=gen)),
+        extra |= {"ctx_k": case.add(torch.randn(shape, generator=gen).to(stored)),
+                  "ctx_v": case.add(torch.randn(shape, generator=gen).to(stored)),
                   "ctx_len": ctx_len, "ctx_mask": case.add(ctx_mask),
                   **{f"c_s_{n}": int(math.prod(shape[i + 1:])) for i, n in enumerate(("layer", "row", "head", "slot"))}}
     if norm:
@@ -179,8 +182,9 @@ def layers_case(kind: str, seed: int, compress: bool = False, context: bool = Fa
                   "normed": case.add(torch.zeros(b if norm == "last" else b * t, d)), "out_last": int(norm == "last")}
     case.structs.append(native.Pass(
         b, t, d, heads, kv, hd, inner, slots_len, 1e-5, hd ** -0.5, case.add(cos), case.add(sin),
-        case.add(torch.randn(cache, generator=gen)), case.add(torch.randn(cache, generator=gen)), *strides,
-        case.add(slots), case.add(mask), case.add(torch.zeros(scratch)), 0, None, None, **extra))
+        case.add(torch.randn(cache, generator=gen).to(stored)), case.add(torch.randn(cache, generator=gen).to(stored)),
+        *strides, case.add(slots), case.add(mask), case.add(torch.zeros(scratch)), 0, None, None, kv_half=int(half),
+        **extra))
     case.args = [case.add(torch.randn(b * t, d, generator=gen))]
     return case
 
@@ -213,6 +217,7 @@ def cases() -> list[Case]:
     out += [layers_case("int4", 20, compress=True, biases=True), layers_case("fp16", 21, context=True),
             layers_case("int8", 22, compress=True, context=True), layers_case("int4a8", 23, biases=True)]
     out += [layers_case("int4", 24, norm="all"), layers_case("fp16", 25, context=True, norm="last")]
+    out += [layers_case("int4", 26, half=True), layers_case("int8", 27, compress=True, context=True, half=True)]
     return out + quantize_cases()
 
 

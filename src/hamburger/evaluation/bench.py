@@ -91,7 +91,6 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
     device = next(hamburger_model.parameters()).device
     default_conf = hamburger_model.config.default_confidence
     main_conf = default_conf if default_conf in confidences else confidences[0]
-    per_entry = entry_bytes(hamburger_model)
     rows, outputs = [], {}  # outputs: (scheme, system, confidence, batch) -> {prompt: generated tokens}
     costs: dict[str, dict] = {}  # the cost model under each scheme (HAMburger systems only)
     skipped: dict[str, str] = {}  # systems that cannot run here, and why
@@ -99,6 +98,7 @@ def run_bench(hamburger_model, prompts: list[list[int]], systems: Sequence[str],
         model = hamburger_model if scheme == "none" else load_quantized(scheme)
         plain = HamburgerModel.plain(model.base, model.tokenizer)
         weights = {"hamburger": model_bytes(model), "base": model_bytes(model.base)}
+        per_entry = entry_bytes(model)  # the scheme's engine's cache (float16 where the native layers run)
 
         def make(name: str, conf: float | None, record: dict, model=model, plain=plain):
             return make_system(name, model, plain, conf or 1.0, forced, verify_confidence, record,

@@ -233,10 +233,14 @@ def outside_system(name: str, hamburger_model, plain_model, record: dict | None 
     eos = eos_ids(plain_model)
     pad = getattr(plain_model.tokenizer, "pad_token_id", None)
     pad = pad if pad is not None else min(eos)
-    if name == "hf_generate":
-        return lambda prompts, n: hf_call(base, prompts, n, eos, pad, record)
-    if name == "prompt_lookup":
-        return lambda prompts, n: hf_call(base, prompts, n, eos, pad, record, prompt_lookup_num_tokens=10)
+    if name in ("hf_generate", "prompt_lookup"):
+        extra = {"prompt_lookup_num_tokens": 10} if name == "prompt_lookup" else {}
+
+        def system(prompts, n):
+            return hf_call(base, prompts, n, eos, pad, record, **extra)
+
+        system.kv_bytes_per_entry = entry_bytes(plain_model, next(base.parameters()).dtype)  # transformers' cache
+        return system
     if name.startswith("spec_int8_k"):
         if next(base.parameters()).device.type != "cpu":
             raise HamburgerError("the INT8 draft (dynamic quantisation) runs on the CPU only")
@@ -254,9 +258,11 @@ def outside_system(name: str, hamburger_model, plain_model, record: dict | None 
 
 
 def entry_bytes(model, dtype: torch.dtype | None = None) -> int:
-    """Bytes one KV entry of `model`'s base takes (`stats.kv_bytes_per_entry`), in `dtype` (default: the dtype the
-    engine's cache takes, that of the base's parameters)."""
-    return kv_bytes_per_entry(model.base.config, dtype or next(model.base.parameters()).dtype)
+    """Bytes one KV entry of `model`'s base takes (`stats.kv_bytes_per_entry`), in `dtype` (default: the dtype our
+    engine's cache takes, `runner.engine_kv_dtype`)."""
+    from hamburger.inference.runner import engine_kv_dtype
+
+    return kv_bytes_per_entry(model.base.config, dtype or engine_kv_dtype(model))
 
 
 def measure(jobs: list[tuple[Callable, list[list[int]], int]], max_new: int, runs: int, device: torch.device,

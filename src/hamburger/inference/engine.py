@@ -128,9 +128,9 @@ class Engine:
     def __init__(self, model: HamburgerModel, shortlist: bool = True,
                  draft_rows: int | str | None = "auto", lookup: int | None = None,
                  draft_policy: bool | None = None, drafter: Drafter | None = None, native_layers: bool = True,
-                 alone: bool | None = None) -> None:
+                 alone: bool | None = None, kv_dtype: str | None = None) -> None:
         self.runner = ModelRunner(model, shortlist=shortlist, draft_rows=draft_rows, lookup=lookup,
-                                  draft_policy=draft_policy, native_layers=native_layers)
+                                  draft_policy=draft_policy, native_layers=native_layers, kv_dtype=kv_dtype)
         self.model, self.k, self.drafter, self.alone = model, self.runner.k, drafter, alone
 
     def stream(

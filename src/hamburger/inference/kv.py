@@ -41,8 +41,8 @@ class KVCache:
         return the keys and values of slots 0..end-1."""
         if isinstance(start, RowSlots):  # rows at different cache lengths (verify mode): each row's own slots
             rows = torch.arange(k.shape[0], device=k.device)[:, None]
-            self.k[layer, rows, :, start.slots] = k.transpose(1, 2)
-            self.v[layer, rows, :, start.slots] = v.transpose(1, 2)
+            self.k[layer, rows, :, start.slots] = k.transpose(1, 2).to(self.k.dtype)
+            self.v[layer, rows, :, start.slots] = v.transpose(1, 2).to(self.v.dtype)
             end = start.end
         else:  # the layer's views written and read with `narrow` (half the operators of indexing)
             keys, values = self.k.select(0, layer), self.v.select(0, layer)

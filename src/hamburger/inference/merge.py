@@ -89,7 +89,8 @@ def merge_step(merger: KVMerger, cache: KVCache, start: torch.Tensor, lengths: t
     # cache (L, B, kvh, S, hd)[:, rows, :, idx] -> (B, width, L, kvh, hd) -> (L, B, kvh, width, hd)
     k = cache.k[:, rows[:, None], :, idx].permute(2, 0, 3, 1, 4)
     v = cache.v[:, rows[:, None], :, idx].permute(2, 0, 3, 1, 4)
-    mk, mv = merger.merge_all_layers(k, v, lengths)  # (L, B, kvh, hd)
-    cache.k[:, rows, :, start] = mk.transpose(0, 1)
-    cache.v[:, rows, :, start] = mv.transpose(0, 1)
+    dtype = next(merger.parameters()).dtype  # the merger's own (a float16 cache's entries read in float32)
+    mk, mv = merger.merge_all_layers(k.to(dtype), v.to(dtype), lengths)  # (L, B, kvh, hd)
+    cache.k[:, rows, :, start] = mk.transpose(0, 1).to(cache.k.dtype)
+    cache.v[:, rows, :, start] = mv.transpose(0, 1).to(cache.v.dtype)
     merged_len[rows, start] = lengths

@@ -32,6 +32,7 @@ from hamburger.kernels.qlinear import Fp16Linear, Int4Linear, Int8Linear, Quanti
 # Passes of at most this many rows (batch x positions) run natively: a decode step or a check pass of up to 32
 # rows of 4 positions; a longer prefill runs module by module (benchmarks/pass_paths.py measures both).
 NATIVE_ROWS = 128
+KV_DTYPES = (torch.float32, torch.float16)  # the caches the native call reads and writes (`hb_pass.kv_half`)
 NATIVE_TYPES = ("llama", "mistral", "qwen2")
 NORMED, ARGMAX = "normed", "argmax"  # `NativeLayers.run`'s entries: the final norm's output, the head's tokens
 _HOOKS = operator.attrgetter("_forward_hooks", "_forward_pre_hooks")
@@ -261,27 +262,34 @@ class NativeLayers:
         p = native.Pass(b, t, d, self.heads, self.kv_heads, self.head_dim, self.inner, end, self.eps, self.scaling,
                         cos.data_ptr(), sin.data_ptr(), k.data_ptr(), v.data_ptr(), *k.stride()[:4],
                         slots.data_ptr(), allowed.data_ptr(), scratch.data_ptr(), len(out), ctypes.addressof(after),
-                        ctypes.addressof(to))
+                        ctypes.addressof(to), kv_half=int(k.dtype == torch.float16))
         alive = self._bias(p, bias, b, end) if bias is not None else None  # kept alive until the call returns
-        if context is not None and self.gates is not None:
-            base_cache, visible = context
-            seen = visible.to(torch.uint8).expand(b, -1).contiguous()  # kept alive until the call returns
-            p.ctx_k, p.ctx_v, p.ctx_len, p.ctx_mask = (base_cache.k.data_ptr(), base_cache.v.data_ptr(),
-                                                       seen.shape[1], seen.data_ptr())
-            p.c_s_layer, p.c_s_row, p.c_s_head, p.c_s_slot = base_cache.k.stride()[:4]
+        seen = self._context(p, context, k.dtype, b) if context is not None and self.gates is not None else None
         if head is not None and norm is None:
             raise ValueError("the head's argmax in the native call needs the final norm there too")
         if norm is not None:
             out |= self._ends(p, norm, head, (b, d) if last else (b, t, d), last)
         failed = lib.hb_layers(ctypes.byref(self.layers, first * ctypes.sizeof(native.Layer)), stops[-1] - first,
                                ctypes.byref(p), x.data_ptr())
-        del alive
+        del alive, seen
         if failed == -2:
             raise ValueError(f"a head of {head.k} inputs after layers of width {d}")
         if failed:
             raise MemoryError("the native layers could not allocate their attention scores or outputs")
         out[stops[-1]] = x
         return out
+
+    @staticmethod
+    def _context(p: native.Pass, context: tuple[KVCache, torch.Tensor], dtype: torch.dtype, b: int) -> torch.Tensor:
+        """The base's cache and the entries each row may read into the pass; returns the mask it points into."""
+        base_cache, visible = context
+        if base_cache.k.dtype != dtype:
+            raise ValueError(f"a {dtype} cache attending to a {base_cache.k.dtype} base cache in one native call")
+        seen = visible.to(torch.uint8).expand(b, -1).contiguous()
+        p.ctx_k, p.ctx_v, p.ctx_len, p.ctx_mask = (base_cache.k.data_ptr(), base_cache.v.data_ptr(), seen.shape[1],
+                                                   seen.data_ptr())
+        p.c_s_layer, p.c_s_row, p.c_s_head, p.c_s_slot = base_cache.k.stride()[:4]
+        return seen
 
     def _bias(self, p: native.Pass, bias: tuple[torch.Tensor, ...], b: int, end: int) -> list[torch.Tensor]:
         """Compress mode's merged-entry bias into the pass; returns the tensors it points into."""
@@ -310,7 +318,7 @@ class NativeLayers:
         end = start.end if isinstance(start, RowSlots) else start + x.shape[1]
         return (x.shape[0] * x.shape[1] <= NATIVE_ROWS and x.dtype == torch.float32 and not callable(mask)
                 and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[-1] == end
-                and cache.k.dtype == torch.float32 and cache.k.stride(-1) == 1 and cache.v.stride() == cache.k.stride()
+                and cache.k.dtype in KV_DTYPES and cache.k.stride(-1) == 1 and cache.v.stride() == cache.k.stride()
                 and (self.usable() if self._intact is None else self._intact and not self._hooked()))
 
 

@@ -28,7 +28,7 @@ def draft_slots(runner: ModelRunner) -> int:
 
 def rows_in(kv_memory: int, runner: ModelRunner, max_len: int) -> int:
     """How many rows of `max_len` KV entries (and their spare draft slots) `kv_memory` bytes of base cache hold."""
-    row = (max_len + 1 + draft_slots(runner)) * kv_bytes_per_entry(runner.model.base.config, runner.dtype)
+    row = (max_len + 1 + draft_slots(runner)) * kv_bytes_per_entry(runner.model.base.config, runner.kv_dtype)
     if kv_memory < row:
         raise HamburgerError(f"kv_memory of {kv_memory} bytes holds no row of {max_len} KV entries ({row} bytes): "
                              "give more memory or a smaller max_len")
@@ -93,9 +93,9 @@ class RowBatch:
         model, cfg, k = runner.model, runner.model.base.config, runner.k
         drafts, dev, dtype = draft_slots(runner), runner.device, runner.dtype
         slots = max_len + 1 + drafts
-        cache = KVCache.for_layers(runner.base.layers, cfg, size, slots, dtype, dev)
-        micro_cache = (KVCache.for_layers(model.micro.layers, cfg, size, model.micro.num_features + k, dtype, dev)
-                       if k > 1 else None)
+        cache = KVCache.for_layers(runner.base.layers, cfg, size, slots, runner.kv_dtype, dev)
+        micro_cache = (KVCache.for_layers(model.micro.layers, cfg, size, model.micro.num_features + k, runner.kv_dtype,
+                                          dev) if k > 1 else None)
         n_states = 1 + (model.micro.num_features if k > 1 else 0)
         return cls(size, slots, drafts, k, cache, micro_cache, n_states, cfg.hidden_size, cfg.vocab_size, dtype,
                    dev)

@@ -16,7 +16,8 @@ from hamburger.inference import draft_policy as draft_policy_mod
 from hamburger.inference.draft_policy import StepCosts
 from hamburger.inference.kv import KVCache, MicroContext, RowSlots, layer_forward
 from hamburger.inference.lookup import reply_store
-from hamburger.inference.native_layers import ARGMAX, NORMED, RopeTable, final_norm, micro_native_layers
+from hamburger.inference.native_layers import (ARGMAX, NORMED, RopeTable, final_norm, layer_parts, micro_native_layers,
+                                               native_weights)
 from hamburger.inference.native_layers import native_layers as make_native
 from hamburger.inference.sampling import greedy_tokens
 from hamburger.kernels.qbase import native_argmax, native_head
@@ -46,6 +47,28 @@ def check_supported(model: HamburgerModel) -> None:
                              "use the reference engine (--engine reference)")
 
 
+KV_CACHE_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def kv_cache_dtype(choice: str | None, dtype: torch.dtype, native: bool) -> torch.dtype:
+    """The dtype the KV caches hold: `choice` (a `KV_CACHE_DTYPES` name), or for None / "auto" float16 where the
+    native layers run the passes (they write it rounded and read it back exactly: half the bytes a step reads and
+    the memory a row takes; llama.cpp's default too) and the compute dtype is float32, else the compute dtype.
+    The modules read a cache of another dtype in theirs."""
+    if choice is None or choice == "auto":
+        return torch.float16 if native and dtype == torch.float32 else dtype
+    if choice not in KV_CACHE_DTYPES:
+        raise HamburgerError(f"KV cache dtype {choice!r}: choose auto, {', '.join(KV_CACHE_DTYPES)}")
+    return KV_CACHE_DTYPES[choice]
+
+
+def engine_kv_dtype(model: HamburgerModel, choice: str | None = None) -> torch.dtype:
+    """The dtype an engine made now for `model` keeps its KV caches in (`ModelRunner.kv_dtype`)."""
+    base = model.base.base_model
+    native = native_weights(layer_parts(base.layers, base.config))
+    return kv_cache_dtype(choice, next(model.parameters()).dtype, native)
+
+
 def head_rows(model: HamburgerModel, rows: torch.Tensor) -> torch.Tensor:
     """The LM head's weights at `rows`, as the head multiplies with them. An fp16 head tied to a float input
     embedding: the embedding's rows rounded to float16, the values it was packed from (a test), without unpacking
@@ -64,7 +87,7 @@ class ModelRunner:
 
     def __init__(self, model: HamburgerModel, shortlist: bool = True,
                  draft_rows: int | str | None = "auto", lookup: int | None = None,
-                 draft_policy: bool | None = None, native_layers: bool = True) -> None:
+                 draft_policy: bool | None = None, native_layers: bool = True, kv_dtype: str | None = None) -> None:
         """`draft_rows`: verify mode drafts only in batches of at most this many rows (None: always; 0: never;
         "auto": `config.DRAFT_ROWS` where a pass of a few positions costs about one of one position, else 0; see
         `auto_draft_rows`). Compress mode always drafts: its steps are what it merges. `lookup`: verify and
@@ -73,7 +96,8 @@ class ModelRunner:
         drafts pay for their cost, measured on this engine's own steps (`draft_policy.py`); False: every step;
         None: `draft_policy.ON_BY_DEFAULT`. `native_layers`: passes of up to `NATIVE_ROWS` rows without slot
         adapters run every decoder layer in one native call where the native kernels take the layers
-        (`native_layers.py`); False: the model's modules one by one, always."""
+        (`native_layers.py`); False: the model's modules one by one, always. `kv_dtype`: what the KV caches hold
+        (`kv_cache_dtype`; None: float16 where the native layers run, else the model's dtype)."""
         check_supported(model)
         self.model = model
         self.lookup = check_lookup(model.config.lookup if lookup is None else lookup)
@@ -107,6 +131,7 @@ class ModelRunner:
         # the final norms, run inside those calls where they can be (`native_layers.FinalNorm`)
         self._norm = final_norm(self.base) if self.native is not None else None
         self._micro_norm = final_norm(model.micro) if self.micro_native is not None else None
+        self.kv_dtype = kv_cache_dtype(kv_dtype, self.dtype, self.native is not None)
         self.k = model.config.max_step_tokens
         # the native calls' rotary tables, read by position (the module path computes its own each pass)
         self.rope, self.micro_rope = RopeTable(self.base.rotary_emb), RopeTable(model.micro.rotary_emb)
@@ -237,7 +262,7 @@ class ModelRunner:
         ctx, positions = None, offsets.expand(b, -1)
         if context is not None:
             base_k = context.cache.k
-            if base_k.dtype != torch.float32 or base_k.stride(-1) != 1 or context.cache.v.stride() != base_k.stride():
+            if base_k.dtype != cache.k.dtype or base_k.stride(-1) != 1 or context.cache.v.stride() != base_k.stride():
                 return None
             ctx, positions = (context.cache, context.visible), context.base_pos[:, None] + 1 + offsets
         rope = self.micro_rope(positions)

@@ -368,13 +368,19 @@ static void rotate(const float *x, const float *cos, const float *sin, float *ou
     for (int64_t i = 0; i < hd; i++) out[i] = x[i] * cos[i] + x[i < half ? i + half : i - half] * sin[i];
 }
 
+/* 16 of a cache's values from element i on: float32, or float16 widened (exactly) */
+INL vf kv_load(const void *p, int64_t i, const int half) {
+    return half ? vf_load_h((const uint16_t *)p + i) : vf_load((const float *)p + i);
+}
+
 /* One head's attention for one query q (hd floats, rotated) over slots [0, S) of its keys and values (slot stride
-   `ss`), where `allowed`: softmax(q.k * scaling) . v into out (zeros where no slot is allowed). Scores go 16 slots
-   at a time (`sum16`; slots past S count as zeros), so a slot's score, and with it the result, does not depend on
-   S or on the slot's place in its block: a verify pass's row equals the one-position step. */
-static void attend_head(const float *q, const float *keys, const float *values, int64_t ss, const uint8_t *allowed,
-                        int64_t S, int64_t hd, float scaling, const float *log_k, const float *merged, float a,
-                        float c, float *scores, float *out) {
+   `ss` elements; float16 where `half`), where `allowed`: softmax(q.k * scaling) . v into out (zeros where no slot is
+   allowed). Scores go 16 slots at a time (`sum16`; slots past S count as zeros), so a slot's score, and with it the
+   result, does not depend on S or on the slot's place in its block: a verify pass's row equals the one-position
+   step. */
+INL void attend_any(const float *q, const void *keys, const void *values, int64_t ss, const uint8_t *allowed,
+                    int64_t S, int64_t hd, float scaling, const float *log_k, const float *merged, float a, float c,
+                    float *scores, float *out, const int half) {
     const int64_t chunks = hd / 16;
     vf qv[MAX_HEAD_DIM / 16], o[MAX_HEAD_DIM / 16];
     for (int64_t c = 0; c < chunks; c++) {
@@ -394,7 +400,7 @@ static void attend_head(const float *q, const float *keys, const float *values, 
         for (int64_t i = 0; i < 16; i++) {
             acc[i] = vf_zero();
             if (s0 + i < S)
-                for (int64_t c = 0; c < chunks; c++) acc[i] = vf_fma(qv[c], vf_load(keys + (s0 + i) * ss + 16 * c), acc[i]);
+                for (int64_t c = 0; c < chunks; c++) acc[i] = vf_fma(qv[c], kv_load(keys, (s0 + i) * ss + 16 * c, half), acc[i]);
         }
         vf raw = vf_mul(sum16(acc), vf_set1(scaling));
         if (log_k != NULL) {  /* compress mode: the merger's bias on merged entries */
@@ -419,11 +425,18 @@ static void attend_head(const float *q, const float *keys, const float *values, 
             const float e = scores[s];
             const vf ev = vf_set1(e);
             total += e;
-            for (int64_t c = 0; c < chunks; c++) o[c] = vf_fma(ev, vf_load(values + s * ss + 16 * c), o[c]);
+            for (int64_t c = 0; c < chunks; c++) o[c] = vf_fma(ev, kv_load(values, s * ss + 16 * c, half), o[c]);
         }
     }
     const vf by = vf_set1(total > 0.0f ? total : 1.0f);  /* no slot allowed: zeros */
     for (int64_t c = 0; c < chunks; c++) vf_store(out + 16 * c, vf_div(o[c], by));
+}
+
+static void attend_head(const float *q, const void *keys, const void *values, int64_t ss, const uint8_t *allowed,
+                        int64_t S, int64_t hd, float scaling, const float *log_k, const float *merged, float a,
+                        float c, float *scores, float *out, int half) {
+    if (half) attend_any(q, keys, values, ss, allowed, S, hd, scaling, log_k, merged, a, c, scores, out, 1);
+    else attend_any(q, keys, values, ss, allowed, S, hd, scaling, log_k, merged, a, c, scores, out, 0);
 }
 
 /* floats of scratch `hb_layers` needs for a pass of `rows` rows */
@@ -435,7 +448,9 @@ static void layer(const hb_layer *L, const hb_pass *p, float *x, float *h, float
                   float *gu, float *act, float *scores, uint8_t *xq) {
     const int64_t rows = p->b * p->t, d = p->d, hd = p->head_dim, H = p->heads, KV = p->kv_heads;
     const int64_t width = (H + 2 * KV) * hd, group = H / KV, inner = p->inner, S = p->slots_len;
-    float *kc = p->k_cache + L->index * p->s_layer, *vc = p->v_cache + L->index * p->s_layer;
+    const int half = p->kv_half != 0;
+    const int64_t es = half ? 2 : 4;  /* a cache element's bytes */
+    char *kc = (char *)p->k_cache + L->index * p->s_layer * es, *vc = (char *)p->v_cache + L->index * p->s_layer * es;
 
     #pragma omp for schedule(static)
     for (int64_t r = 0; r < rows; r++) rms_norm(x + r * d, L->norm1, h + r * d, d, p->eps);
@@ -445,10 +460,16 @@ static void layer(const hb_layer *L, const hb_pass *p, float *x, float *h, float
     for (int64_t i = 0; i < rows * KV; i++) {
         const int64_t r = i / KV, kh = i % KV, row = r / p->t;
         const float *src = qkv + r * width + (H + kh) * hd;
-        float *kd = kc + row * p->s_row + kh * p->s_head + p->slots[r] * p->s_slot;
-        float *vd = vc + row * p->s_row + kh * p->s_head + p->slots[r] * p->s_slot;
-        rotate(src, p->cos + r * hd, p->sin + r * hd, kd, hd);
-        memcpy(vd, src + KV * hd, hd * sizeof(float));
+        const int64_t at = (row * p->s_row + kh * p->s_head + p->slots[r] * p->s_slot) * es;
+        if (half) {  /* rounded to nearest even, as PyTorch's float16 */
+            float key[MAX_HEAD_DIM];
+            uint16_t *kd = (uint16_t *)(kc + at), *vd = (uint16_t *)(vc + at);
+            rotate(src, p->cos + r * hd, p->sin + r * hd, key, hd);
+            for (int64_t j = 0; j < hd; j++) kd[j] = hb_f2h(key[j]), vd[j] = hb_f2h(src[KV * hd + j]);
+        } else {
+            rotate(src, p->cos + r * hd, p->sin + r * hd, (float *)(kc + at), hd);
+            memcpy(vc + at, src + KV * hd, hd * sizeof(float));
+        }
     }
     /* attention: each (row, head) over the slots its mask allows */
     #pragma omp for schedule(static)
@@ -458,15 +479,17 @@ static void layer(const hb_layer *L, const hb_pass *p, float *x, float *h, float
         rotate(qkv + r * width + head * hd, p->cos + r * hd, p->sin + r * hd, q, hd);
         float *out = att + r * H * hd + head * hd;
         const int64_t coef = L->index * H + head;
-        attend_head(q, kc + row * p->s_row + kh * p->s_head, vc + row * p->s_row + kh * p->s_head, p->s_slot,
-                    p->mask + r * S, S, hd, p->scaling, p->log_k == NULL ? NULL : p->log_k + row * S,
-                    p->log_k == NULL ? NULL : p->merged + row * S, p->log_k == NULL ? 0.0f : p->bias_a[coef],
-                    p->log_k == NULL ? 0.0f : p->bias_c[coef], scores, out);
+        const int64_t at = (row * p->s_row + kh * p->s_head) * es;
+        attend_head(q, kc + at, vc + at, p->s_slot, p->mask + r * S, S, hd, p->scaling,
+                    p->log_k == NULL ? NULL : p->log_k + row * S, p->log_k == NULL ? NULL : p->merged + row * S,
+                    p->log_k == NULL ? 0.0f : p->bias_a[coef], p->log_k == NULL ? 0.0f : p->bias_c[coef], scores, out,
+                    half);
         if (L->ctx_gate != NULL && p->ctx_k != NULL && p->ctx_len > 0) {  /* o + tanh(g) * (o over the base's) */
             float oc[MAX_HEAD_DIM];
-            const int64_t at = L->ctx_index * p->c_s_layer + row * p->c_s_row + kh * p->c_s_head;
-            attend_head(q, p->ctx_k + at, p->ctx_v + at, p->c_s_slot, p->ctx_mask + row * p->ctx_len, p->ctx_len, hd,
-                        p->scaling, NULL, NULL, 0.0f, 0.0f, scores, oc);
+            const int64_t ctx = (L->ctx_index * p->c_s_layer + row * p->c_s_row + kh * p->c_s_head) * es;
+            attend_head(q, (const char *)p->ctx_k + ctx, (const char *)p->ctx_v + ctx, p->c_s_slot,
+                        p->ctx_mask + row * p->ctx_len, p->ctx_len, hd, p->scaling, NULL, NULL, 0.0f, 0.0f, scores, oc,
+                        half);
             const vf g = vf_set1(L->ctx_gate[head]);
             for (int64_t c = 0; c < hd; c += 16) vf_store(out + c, vf_fma(g, vf_load(oc + c), vf_load(out + c)));
         }

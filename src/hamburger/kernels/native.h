@@ -40,7 +40,8 @@ typedef struct {
     int64_t b, t, d, heads, kv_heads, head_dim, inner, slots_len;
     float eps, scaling;
     const float *cos, *sin;          /* (b*t, head_dim); sin with its first half negated */
-    float *k_cache, *v_cache;        /* element strides: layer, row, head, slot; head_dim contiguous */
+    void *k_cache, *v_cache;         /* float32, or float16 where kv_half; element strides: layer, row, head, slot;
+                                        head_dim contiguous */
     int64_t s_layer, s_row, s_head, s_slot;
     const int64_t *slots;            /* (b*t): the cache slot of each row's position */
     const uint8_t *mask;             /* (b, t, slots_len): 1 where a position may attend */
@@ -48,7 +49,8 @@ typedef struct {
     int64_t copies;                  /* x after layer copy_after[j] (counted from the call's first) into copy_to[j] */
     const int64_t *copy_after;
     float *const *copy_to;
-    const float *ctx_k, *ctx_v;      /* the base's cache the layers with a ctx_gate also attend to (NULL: none) */
+    const void *ctx_k, *ctx_v;       /* the base's cache the layers with a ctx_gate also attend to (NULL: none), of
+                                        k_cache's type */
     int64_t c_s_layer, c_s_row, c_s_head, c_s_slot, ctx_len;
     const uint8_t *ctx_mask;         /* (b, ctx_len): 1 where a row may read the base's entry */
     const float *log_k, *merged;     /* compress mode (or NULL): (b, slots_len) log of the tokens an entry merges,
@@ -62,6 +64,8 @@ typedef struct {
     const struct hb_weights_ *head;  /* the LM head (k = d), or NULL: each normed row's greedy token (hb_linear_argmax's)
                                         into head_idx; needs out_norm */
     int64_t *head_idx;
+    int64_t kv_half;                 /* 1: the caches hold float16 (the new keys and values rounded to nearest even,
+                                        read back exactly), 0: float32 */
 } hb_pass;
 
 /* The codes' tiles: 16 outputs by 32 inputs, a tile's blocks one after the other (`hb_tile` makes them). Kind 3:

@@ -99,6 +99,7 @@ class Pass(ctypes.Structure):
                  ("bias_a", ctypes.c_void_p), ("bias_c", ctypes.c_void_p)]
     _fields_ += [("out_norm", ctypes.c_void_p), ("normed", ctypes.c_void_p), ("out_eps", ctypes.c_float),
                  ("out_last", ctypes.c_int64), ("head", ctypes.c_void_p), ("head_idx", ctypes.c_void_p)]
+    _fields_ += [("kv_half", ctypes.c_int64)]
 
 
 def _cpu_flags() -> str:

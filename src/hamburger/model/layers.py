@@ -34,6 +34,8 @@ def project(layer, x: torch.Tensor, rope, adapters: AdapterPass | None = None) -
 def attention(layer, q, keys, values, mask: torch.Tensor) -> torch.Tensor:
     """The layer's attention (its scale, grouped query heads) under a mask -> (B, heads, T, hd)."""
     attn = layer.self_attn  # grouped query heads from the module
+    if keys.dtype != q.dtype:  # a cache of another dtype (a float16 cache of a float32 model): read in q's
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
     return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=attn.scaling,
                                           enable_gqa=getattr(attn, "num_key_value_groups", 1) != 1)
 
