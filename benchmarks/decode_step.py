@@ -50,7 +50,7 @@ class Setting:
         self.merged = torch.ones(1, 1, dtype=torch.bool) if merged else None
         self.engine = Engine(model)
         self.cache = KVCache.for_layers(self.engine.runner.base.layers, model.base.config, 1, cached + total_steps + 8,
-                                        dtype, "cpu")
+                                        self.engine.runner.kv_dtype, "cpu")
         self.x = model.embed(torch.tensor([[1]])).to(dtype)
         self.head = model.base.get_output_embeddings()
         self.slot = cached

@@ -31,7 +31,7 @@ from hamburger.model.hamburger_model import HamburgerModel
 def lean(runner, emb: torch.Tensor, prompt: list[int], n: int) -> tuple[list[int], float]:
     """n greedy tokens after `prompt`, and the seconds after the first (the bench's decode time)."""
     base, p = runner.base, len(prompt)
-    cache = KVCache.for_layers(base.layers, base.config, 1, p + n + 1, torch.float32, runner.device)
+    cache = KVCache.for_layers(base.layers, base.config, 1, p + n + 1, runner.kv_dtype, runner.device)
     h = runner.prefill([prompt], cache, torch.tensor([0]))[:, 0]
     visible = torch.ones(1, 1, 1, p + n + 1, dtype=torch.bool)
     depth, out, start = len(base.layers), [], 0.0

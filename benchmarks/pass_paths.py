@@ -24,7 +24,7 @@ SHAPES = "1x1,1x4,16x4,32x1,32x4,1x64,1x128,1x256"
 
 def pass_ms(engine: Engine, b: int, t: int, cached: int, budget_rows: int = 40) -> float:
     cfg = engine.runner.base.config
-    cache = KVCache.for_layers(engine.runner.base.layers, cfg, b, cached + t + 8, torch.float32, "cpu")
+    cache = KVCache.for_layers(engine.runner.base.layers, cfg, b, cached + t + 8, engine.runner.kv_dtype, "cpu")
     x = torch.randn(b, t, cfg.hidden_size)
     positions = torch.arange(cached, cached + t)[None].expand(b, -1)
     mask = torch.ones(t, cached + t, dtype=torch.bool).tril(cached)[None, None]

@@ -54,7 +54,7 @@ class Scheme:
         if layers == "native" and self.engine.runner.native is None:
             raise SystemExit(f"{scheme}: the native layers do not apply to this model")
         self.cache = KVCache.for_layers(self.engine.runner.base.layers, model.base.config, 1, cached + steps + 64,
-                                        torch.float32, "cpu")
+                                        self.engine.runner.kv_dtype, "cpu")
         self.x = model.embed(torch.tensor([[1]])).float()
         self.head = model.base.get_output_embeddings()
         self.slot = cached

@@ -48,7 +48,7 @@ def pass_costs(runner, reps: int = 30, positions: int = 8) -> list[float]:
 
     model = runner.model
     d = model.base.config.hidden_size
-    cache = KVCache.for_layers(runner.base.layers, runner.base.config, 1, 512, torch.float32, "cpu")
+    cache = KVCache.for_layers(runner.base.layers, runner.base.config, 1, 512, runner.kv_dtype, "cpu")
     times: dict[int, list[float]] = {w: [] for w in range(1, positions + 1)}
     for _ in range(reps):
         for w in times:

@@ -419,6 +419,18 @@ def test_reference_engine_resolves_the_checkpoints_mode_first(capsys, tmp_path, 
     assert out["mode"] == "trust"
 
 
+def test_the_kv_cache_dtype_is_the_fast_engines(capsys, tmp_path, checkpoint):
+    """--kv-cache-dtype float32 (or float16) decodes on the fast engine; given with the reference engine, whose cache is
+    transformers', it is refused rather than ignored."""
+    for dtype in ("float32", "float16"):
+        out = run_json(capsys, "generate", "w5", "--model", str(checkpoint), "--kv-cache-dtype", dtype,
+                       "--max-new-tokens", "3", "--json")
+        assert out["generated_tokens"] > 0
+    assert main(["generate", "w5", "--model", str(checkpoint), "--engine", "reference", "--kv-cache-dtype",
+                 "float16"]) == 2
+    assert "the reference engine keeps transformers' cache" in capsys.readouterr().err
+
+
 def test_parser_imports_no_torch_and_help_is_fast():
     code = ("import sys, time; t = time.perf_counter(); from hamburger.cli import build_parser; "
             "build_parser().format_help(); print(time.perf_counter() - t, "
@@ -433,7 +445,7 @@ def test_the_parsers_literals_match_the_library():
     """Building the parser imports no torch, so it repeats a few of the library's names: they must not drift."""
     from hamburger.cli import common
     from hamburger.evaluation import bench_systems, evaluate
-    from hamburger.inference import admission, engine
+    from hamburger.inference import admission, engine, runner
     from hamburger.kernels import quantize
     from hamburger.loading import DTYPES
     from hamburger.model import base, merger
@@ -442,6 +454,7 @@ def test_the_parsers_literals_match_the_library():
     assert common.DEFAULT_MODEL == base.DEFAULT_MODEL and common.DTYPES == DTYPES
     assert (common.SCHEMES, common.GROUP_SIZES) == (quantize.SCHEMES, quantize.GROUP_SIZES)
     assert common.ENGINES == engine.ENGINES and common.PREFILL_TOKENS == admission.PREFILL_TOKENS
+    assert common.KV_CACHE_DTYPES == tuple(runner.KV_CACHE_DTYPES)
     assert common.BUILTIN_SOURCES == sources.BUILTIN and common.MERGER_WEIGHTS == merger.WEIGHTS
     assert (common.TASKS, common.DEFAULT_TASKS, common.MAX_NEW_TOKENS) == (
         evaluate.TASKS, evaluate.DEFAULT_TASKS, evaluate.MAX_NEW_TOKENS)

@@ -111,8 +111,8 @@ def test_a_pass_is_the_module_paths_computation(arch, scheme, kv):
     assert (got - want).norm() <= tolerance * want.norm()
     assert (caches[0].k - caches[1].k).norm() <= tolerance * caches[0].k.norm()
     assert (caches[0].v - caches[1].v).norm() <= tolerance * caches[0].v.norm()
-    if kv == torch.float16:  # rounded as PyTorch rounds (to nearest even): the same float16 values but a rare tie
-        for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):
+    if kv == torch.float16 and scheme == "fp16":  # keys and values to float32's rounding, then rounded as PyTorch
+        for a, b in ((caches[0].k, caches[1].k), (caches[0].v, caches[1].v)):  # rounds them: all but a rare one
             assert (a != b).float().mean() < 0.01
     # A mutation that drops the last layer is far outside that
     with torch.inference_mode():

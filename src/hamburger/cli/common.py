@@ -24,6 +24,7 @@ DTYPES = ("float32", "bfloat16", "float16")  # hamburger.loading.DTYPES
 SCHEMES = ("none", "fp16", "int8", "int4")  # hamburger.kernels.quantize.SCHEMES
 GROUP_SIZES = (32, 64, 128, 256)  # hamburger.kernels.quantize.GROUP_SIZES
 ENGINES = ("auto", "fast", "reference")  # hamburger.inference.engine.ENGINES
+KV_CACHE_DTYPES = ("float16", "bfloat16", "float32")  # hamburger.inference.runner.KV_CACHE_DTYPES
 PREFILL_TOKENS = 256  # hamburger.inference.admission.PREFILL_TOKENS
 BUILTIN_SOURCES = ("gsm", "chat", "code", "stdlib")  # hamburger.training.sources.BUILTIN
 MERGER_WEIGHTS = "merger.safetensors"  # hamburger.model.merger.WEIGHTS
@@ -111,11 +112,19 @@ def add_engine_arg(parser: Options) -> None:
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """--engine, --mode, --lookup: how a decoding command decodes."""
+    """--engine, --mode, --lookup, --kv-cache-dtype: how a decoding command decodes."""
     group = parser.add_argument_group("decoding")
     add_engine_arg(group)
     add_mode_arg(group)
     add_lookup_arg(group)
+    add_kv_cache_arg(group)
+
+
+def add_kv_cache_arg(parser: Options) -> None:
+    parser.add_argument("--kv-cache-dtype", choices=("auto", *KV_CACHE_DTYPES), default="auto",
+                        help="what the fast engine's KV cache holds; auto: float16 where its native layers run (half "
+                        "the memory a token takes and the bytes a step reads, as llama.cpp), else the model's dtype; "
+                        "float32: a float32 model's keys and values as computed")
 
 
 

@@ -52,8 +52,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     if not trained:
         raise HamburgerError(f"{args.model} is a base model: the demo compares a HAMburger checkpoint with its base "
                              "(leave --model out for the shipped default)")
-    engines = {"base": make_engine(HamburgerModel.plain(model.base, model.tokenizer), args.engine),
-               "hamburger": make_engine(model, args.engine, lookup=args.lookup)}
+    engines = {"base": make_engine(HamburgerModel.plain(model.base, model.tokenizer), args.engine,
+                                   kv_dtype=args.kv_cache_dtype),
+               "hamburger": make_engine(model, args.engine, lookup=args.lookup, kv_dtype=args.kv_cache_dtype)}
     mode, confidence = resolve_mode(model, args.mode, args.confidence, engines["hamburger"])
     say_start(args, model, trained, scheme, mode.name)
     console = Console()

@@ -76,7 +76,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model, trained, scheme = load_model(args, decode_only=args.engine != "reference")
     tokenizer = model.tokenizer
     prompt = _prompt_ids(tokenizer, args.text, args.raw, args.system)
-    engine = make_engine(model, args.engine, lookup=args.lookup)
+    engine = make_engine(model, args.engine, lookup=args.lookup, kv_dtype=args.kv_cache_dtype)
     mode = resolve_mode(model, args.mode, args.confidence, engine)[0]
     say_start(args, model, trained, scheme, mode.name)
     gen = engine.stream([prompt], max_new_tokens=args.max_new_tokens, confidence=args.confidence, sampling=sampling,

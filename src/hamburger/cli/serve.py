@@ -9,6 +9,7 @@ import sys
 from hamburger.cli.common import (
     PREFILL_TOKENS,
     add_decode_threads_arg,
+    add_kv_cache_arg,
     add_lookup_arg,
     add_mode_arg,
     add_model_args,
@@ -45,6 +46,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_decode_threads_arg(p)
     add_mode_arg(p, "the mode of requests that name none; default: the checkpoint's")
     add_lookup_arg(p)
+    add_kv_cache_arg(p)
     p.add_argument("--draft-rows", type=parse_draft_rows, default="auto", metavar="N",
                    help="verify-mode requests draft only while at most N requests run; beyond, their steps are plain "
                         f"base steps, their output the same. 'auto' (default): {DRAFT_ROWS} on a GPU and with fp16 "
@@ -62,15 +64,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def kv_bytes(model, kv_memory: tuple[int, str] | None) -> int | None:
-    """`--kv-memory` in bytes of the loaded model's base cache."""
+def kv_bytes(model, kv_memory: tuple[int, str] | None, kv_dtype: str | None = None) -> int | None:
+    """`--kv-memory` in bytes of the loaded model's base cache (in the dtype the engine keeps it in)."""
     if kv_memory is None:
         return None
+    from hamburger.inference.runner import engine_kv_dtype
     from hamburger.inference.stats import kv_bytes_per_entry
 
     amount, unit = kv_memory
-    dtype = next(model.parameters()).dtype
-    return amount * kv_bytes_per_entry(model.base.config, dtype) if unit == "entries" else amount
+    return amount * kv_bytes_per_entry(model.base.config, engine_kv_dtype(model, kv_dtype)) if unit == "entries" \
+        else amount
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -93,7 +96,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     service = Service(model, args.model, args.max_batch_size or 8, args.max_queue, args.max_len or DEFAULT_MAX_LEN,
                       args.default_confidence, args.api_key, prefill_tokens=args.prefill_tokens,
                       interleave_prefill=args.interleave_prefill, decode_threads=threads, draft_rows=args.draft_rows,
-                      default_mode=args.mode, lookup=args.lookup, kv_memory=kv_bytes(model, args.kv_memory))
+                      default_mode=args.mode, lookup=args.lookup,
+                      kv_memory=kv_bytes(model, args.kv_memory, args.kv_cache_dtype), kv_dtype=args.kv_cache_dtype)
     config = uvicorn.Config(create_app(service, args.access_log), host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     # uvicorn re-raises the SIGTERM it handled after its graceful shutdown; a no-op handler makes that a clean exit 0.

@@ -37,9 +37,10 @@ def step_costs(model, context: int = 256, repeats: int = 20) -> dict:
 
     engine = Engine(model)
     cfg, dev, dtype = model.base.config, engine.runner.device, engine.runner.dtype
-    cache = KVCache.for_layers(engine.runner.base.layers, cfg, 1, context + 1, dtype, dev)
+    kv = engine.runner.kv_dtype  # the engine's caches
+    cache = KVCache.for_layers(engine.runner.base.layers, cfg, 1, context + 1, kv, dev)
     m = model.micro.num_features
-    micro_cache = KVCache.for_layers(model.micro.layers, cfg, 1, m + 2, dtype, dev)
+    micro_cache = KVCache.for_layers(model.micro.layers, cfg, 1, m + 2, kv, dev)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (1, context + 1), generator=gen).to(dev)
     mask = torch.ones(1, 1, context + 1, context + 1, dtype=torch.bool, device=dev).tril()

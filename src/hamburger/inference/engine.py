@@ -171,12 +171,15 @@ class ReferenceEngine:
 
 
 def make_engine(model: HamburgerModel, kind: str = "auto", draft_rows: int | str | None = "auto", lookup: int | None = None,
-                draft_policy: bool | None = None) -> Engine | ReferenceEngine:
+                draft_policy: bool | None = None, kv_dtype: str | None = None) -> Engine | ReferenceEngine:
     """`fast` (static caches, Llama-style decoders), `reference` (any model), or `auto`: fast where supported.
-    `draft_rows`, `lookup`, `draft_policy`: see `ModelRunner`."""
+    `draft_rows`, `lookup`, `draft_policy`, `kv_dtype`: see `ModelRunner`."""
     if kind not in ENGINES:
         raise HamburgerError(f"engine must be one of {ENGINES}, got {kind!r}")
     supported = getattr(model.base.config, "model_type", "") in SUPPORTED
     if kind == "reference" or (kind == "auto" and not supported):
+        if kv_dtype not in (None, "auto"):
+            raise HamburgerError(f"a KV cache dtype ({kv_dtype}) is the fast engine's: the reference engine keeps "
+                                 "transformers' cache")
         return ReferenceEngine(model)
-    return Engine(model, draft_rows=draft_rows, lookup=lookup, draft_policy=draft_policy)
+    return Engine(model, draft_rows=draft_rows, lookup=lookup, draft_policy=draft_policy, kv_dtype=kv_dtype)

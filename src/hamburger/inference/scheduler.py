@@ -65,7 +65,7 @@ class Scheduler:
     Waiting requests are prefilled in passes of at most `prefill_tokens` padded prompt tokens, shortest first
     (`admission`; `interleave_prefill`: one pass a step, the default). `runner`: the model runner to decode with
     (its compiled passes, drafting settings and measured step costs); None: a new one with `draft_rows`,
-    `draft_policy` and `lookup` (see `ModelRunner`). `drafter`: drafts for checked rows from elsewhere
+    `draft_policy`, `lookup` and `kv_dtype` (see `ModelRunner`). `drafter`: drafts for checked rows from elsewhere
     (`proposers.Drafter`), in place of the micro-step decoder and lookup. `alone`: a request running alone, greedy,
     in verify mode (or on the plain base) is stepped on host integers (`solo.py`, the same tokens and decisions);
     False: always the batched step; None: `solo.ON_BY_DEFAULT`."""
@@ -75,8 +75,10 @@ class Scheduler:
                  decode_threads: int | None = None, draft_rows: int | str | None = "auto",
                  draft_policy: bool | None = None, lookup: int | None = None, runner: ModelRunner | None = None,
                  drafter: Drafter | None = None, kv_memory: int | None = None,
-                 entries_per_token: dict[str, float] | None = None, alone: bool | None = None) -> None:
-        self.runner = runner or ModelRunner(model, draft_rows=draft_rows, draft_policy=draft_policy, lookup=lookup)
+                 entries_per_token: dict[str, float] | None = None, alone: bool | None = None,
+                 kv_dtype: str | None = None) -> None:
+        self.runner = runner or ModelRunner(model, draft_rows=draft_rows, draft_policy=draft_policy, lookup=lookup,
+                                            kv_dtype=kv_dtype)
         if decode_threads is not None and decode_threads < 1:
             raise HamburgerError(f"decode_threads must be >= 1 (or None: torch's setting), got {decode_threads}")
         # Small decode passes with `decode_threads` torch threads; prefill and large decode passes with the threads

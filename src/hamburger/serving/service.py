@@ -88,18 +88,19 @@ class Service:
                  max_len: int | None = None, default_confidence: float | None = None, api_key: str | None = None,
                  prefill_tokens: int = PREFILL_TOKENS, interleave_prefill: bool = True,
                  decode_threads: int | None = None, draft_rows: int | str | None = "auto",
-                 default_mode: str | None = None, lookup: int | None = None, kv_memory: int | None = None) -> None:
+                 default_mode: str | None = None, lookup: int | None = None, kv_memory: int | None = None,
+                 kv_dtype: str | None = None) -> None:
         """`default_mode`: the mode of requests that name none (None: the checkpoint's); compress needs the
         checkpoint's KV merger, checked here. `lookup`: verify and compress requests' lookup drafts (`Engine`;
         None: the checkpoint's). `kv_memory`: bytes of base KV cache, rows of `max_len` entries: as many rows as fit
-        (instead of `max_batch_size`)."""
+        (instead of `max_batch_size`). `kv_dtype`: what the KV cache holds (`ModelRunner`; None: auto)."""
         self.model, self.tokenizer = model, model.tokenizer
         self.names = list(dict.fromkeys([name, "default"]))
         # compress needs the checkpoint's merger: checked before the caches are allocated (every request would fail)
         self.default_mode = resolve_mode(model, default_mode)[0]
         self.scheduler = Scheduler(model, max_batch_size, max_len, prefill_tokens, interleave_prefill, decode_threads,
                                    draft_rows, lookup=None if lookup is None else check_lookup(lookup),
-                                   kv_memory=kv_memory)
+                                   kv_memory=kv_memory, kv_dtype=kv_dtype)
         self.max_queue, self.api_key = max_queue, api_key
         self.default_confidence = check_confidence(
             model.config.default_confidence if default_confidence is None else default_confidence)
