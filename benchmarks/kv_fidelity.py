@@ -1,13 +1,17 @@
-"""Probe: what a float16 KV cache moves, teacher-forced. The float base's greedy replies to the bench's prompts (2 a
+"""What a float16 KV cache moves, teacher-forced. The float base's greedy replies to the bench's prompts (2 a
 set, 128 new tokens, as benchmarks/quant_quality.py), scored by one causal pass over prompt + reply through the
 engine's cached layers (`kv.layer_forward`) with the cache in float32 and in float16: the NLL of the float model's
 tokens and how often the top-1 token is the float model's (float32 weights, float32 cache). Rows: the float model and
 the default's int4/int8 weights, each with both caches.
 
-    python benchmarks/probes/kv_fidelity.py
+    python benchmarks/kv_fidelity.py
 """
+
+from __future__ import annotations
+
 import torch
 import torch.nn.functional as F
+
 from hamburger.evaluation.bench_systems import SETS, bench_messages
 from hamburger.inference.engine import Engine
 from hamburger.inference.kv import KVCache, layer_forward

@@ -1,12 +1,20 @@
-"""Probe: the default with a float16 KV cache (now the default where the native layers run) against a float32 one,
+"""The default with a float16 KV cache (the default where the native layers run) against a float32 one,
 interleaved in one process, the same int4/int8 weights: decode tok/s of the base and of verify mode on the bench's
 prompts (256 new tokens, batch 1), the base's text with each cache, and the base's time a token at long prompts
 (README.md's first 500 / 1,000 / 2,000 tokens, 128 new tokens, EOS ignored).
 
-    python benchmarks/probes/kv_cache_ab.py [rounds]
+    python benchmarks/kv_cache_ab.py [rounds]
 """
-import statistics, sys, time
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
 import torch
+
 from hamburger.evaluation.bench_systems import bench_messages
 from hamburger.inference.engine import Engine
 from hamburger.loading import load
@@ -25,8 +33,10 @@ prompts = [encode_chat(model.tokenizer, m) for s in ("code", "math", "chat") for
 def timed(engine, prompt, n, mode, eos=True):
     kw = {} if eos else {"eos_token_ids": set()}
     gen = engine.stream([prompt], max_new_tokens=n, mode="verify" if mode == "verify" else None, **kw)
-    it = iter(gen); first = next(it); t0 = time.perf_counter()
-    for _ in it:
+    events = iter(gen)
+    first = next(events)
+    t0 = time.perf_counter()
+    for _ in events:
         pass
     dt = time.perf_counter() - t0
     toks = gen.output().tokens[0]
@@ -60,7 +70,7 @@ with torch.inference_mode():
         if a != b:
             at = next((j for j in range(min(len(a), len(b))) if a[j] != b[j]), min(len(a), len(b)))
             print(f"    prompt {i}: the texts part at token {at} of the output ({len(a)} / {len(b)} tokens)")
-    ids = model.tokenizer.encode(open(__file__.rsplit("/benchmarks/", 1)[0] + "/README.md").read())
+    ids = model.tokenizer.encode((Path(__file__).resolve().parents[1] / "README.md").read_text())
     for n in (500, 1000, 2000):
         ms = {kv: [] for kv in ("float16", "float32")}
         for r in range(rounds):
