@@ -1,7 +1,7 @@
 """The default with a float16 KV cache (the default where the native layers run) against a float32 one,
 interleaved in one process, the same int4/int8 weights: decode tok/s of the base and of verify mode on the bench's
 prompts (256 new tokens, batch 1), the base's text with each cache, and the base's time a token at long prompts
-(README.md's first 500 / 1,000 / 2,000 tokens, 128 new tokens, EOS ignored).
+(README.md's first 500 / 1,000 / 2,000 tokens, 128 new tokens, EOS ignored) and its first token's wait.
 
     python benchmarks/kv_cache_ab.py [rounds]
 """
@@ -30,12 +30,16 @@ assert engines["float16", "base"].runner.kv_dtype == torch.float16
 prompts = [encode_chat(model.tokenizer, m) for s in ("code", "math", "chat") for m in bench_messages(s, 3)]
 
 
-def timed(engine, prompt, n, mode, eos=True):
+def timed(engine, prompt, n, mode, eos=True, wait=None):
+    """The tokens and the decode tok/s after the first token (whose wait goes into `wait`, a list, if given)."""
     kw = {} if eos else {"eos_token_ids": set()}
+    start = time.perf_counter()
     gen = engine.stream([prompt], max_new_tokens=n, mode="verify" if mode == "verify" else None, **kw)
     events = iter(gen)
     first = next(events)
     t0 = time.perf_counter()
+    if wait is not None:
+        wait.append(t0 - start)
     for _ in events:
         pass
     dt = time.perf_counter() - t0
@@ -72,10 +76,11 @@ with torch.inference_mode():
             print(f"    prompt {i}: the texts part at token {at} of the output ({len(a)} / {len(b)} tokens)")
     ids = model.tokenizer.encode((Path(__file__).resolve().parents[1] / "README.md").read_text())
     for n in (500, 1000, 2000):
-        ms = {kv: [] for kv in ("float16", "float32")}
+        ms, ttft = ({kv: [] for kv in ("float16", "float32")} for _ in range(2))
         for r in range(rounds):
             for kv in (("float16", "float32") if r % 2 == 0 else ("float32", "float16")):
-                _, tps = timed(engines[kv, "base"], ids[:n], 128, "base", eos=False)
+                _, tps = timed(engines[kv, "base"], ids[:n], 128, "base", eos=False, wait=ttft[kv])
                 ms[kv].append(1e3 / tps)
         print(f"prompt {n} tokens, the base: float16 cache {min(ms['float16']):.2f} ms a token, float32 "
-              f"{min(ms['float32']):.2f} (best of {rounds}): {min(ms['float32']) / min(ms['float16']):.2f}x", flush=True)
+              f"{min(ms['float32']):.2f} (best of {rounds}): {min(ms['float32']) / min(ms['float16']):.2f}x; first "
+              f"token after {min(ttft['float16']):.2f} s / {min(ttft['float32']):.2f} s", flush=True)

@@ -208,3 +208,31 @@ def test_engine_slot_adapters_follow_weight_changes():
     with torch.no_grad():
         wide = model.slot_adapters.inline(merged)[0].groups[("q_proj", "k_proj", "v_proj")][0]
     assert wide.dtype == torch.float64
+
+
+@pytest.mark.parametrize("kv", ["float32", "float16"])
+def test_a_prefill_is_causal_attention_as_the_mask_writes_it(kv):
+    """A prompt's prefill hands SDPA `is_causal` (`layers.CAUSAL`, which skips the masked half) instead of the
+    written-out mask: the same states and cache entries, module by module, over either cache; a causal pass whose
+    keys are not its queries is refused."""
+    from hamburger.model.layers import CAUSAL, attention
+
+    model = hamburger("llama", k=4)
+    runner = Engine(model, native_layers=False, kv_dtype=kv).runner
+    prompts = [[(7 * i) % 90 + 3 for i in range(40)], [(5 * i) % 80 + 3 for i in range(23)]]
+    width = max(map(len, prompts))
+    ids = torch.zeros(2, width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = torch.tensor(p)
+    positions = torch.arange(width)[None].expand(2, -1)
+    caches = [KVCache.for_layers(runner.base.layers, runner.base.config, 2, width, runner.kv_dtype, "cpu")
+              for _ in range(2)]
+    with torch.inference_mode():
+        quick = runner.base_pass(model.embed(ids), positions, caches[0], 0, CAUSAL, last=False)
+        slow = runner.base_pass(model.embed(ids), positions, caches[1], 0, CAUSAL.tensor(width, "cpu"), last=False)
+    for a, b in zip(quick, slow, strict=True):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(caches[0].k.float(), caches[1].k.float(), atol=1e-3)
+    with pytest.raises(ValueError, match="causal pass of 3 queries over 5 keys"):
+        attention(runner.base.layers[0], torch.zeros(1, 4, 3, 16), torch.zeros(1, 2, 5, 16), torch.zeros(1, 2, 5, 16),
+                  CAUSAL)

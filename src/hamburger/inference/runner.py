@@ -24,6 +24,7 @@ from hamburger.kernels.qbase import native_argmax, native_head
 from hamburger.kernels.qlinear import Fp16Linear, Int8Linear, QuantizedLinear, fp16_unavailable
 from hamburger.model.config import DRAFT_ROWS, LOOKUP_DRAFTS, check_draft_rows, check_lookup
 from hamburger.model.hamburger_model import HamburgerModel
+from hamburger.model.layers import CAUSAL
 from hamburger.model.slot_adapters import AdapterPass
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -180,10 +181,9 @@ class ModelRunner:
         for i, prompt in enumerate(prompts):
             ids[i, : lens[i]] = torch.tensor(prompt, dtype=torch.long)
         positions = torch.arange(width, device=dev)[None].expand(m, -1)
-        mask = torch.ones(width, width, dtype=torch.bool, device=dev).tril()[None, None]
         c = cache
         scratch = KVCache(c.k.shape[0], m, c.k.shape[2], width, c.k.shape[4], c.k.dtype, dev)
-        states = self.base_pass(self.model.embed(ids), positions, scratch, 0, mask, last=False)
+        states = self.base_pass(self.model.embed(ids), positions, scratch, 0, CAUSAL, last=False)
         c.k[:, rows, :, :width], c.v[:, rows, :, :width] = scratch.k, scratch.v
         at = torch.tensor(lens, device=dev) - 1
         return torch.stack([s[torch.arange(m, device=dev), at] for s in states], 1)
@@ -206,7 +206,8 @@ class ModelRunner:
         """Base pass over (B, T, d) at cache slots start.. -> [final normed state, feature_1 .. feature_m] at the
         last position, each (B, d); with `last=False` at every position, each (B, T, d). `positions` (B, T), or a
         `range` where one row's positions follow one another (read as a slice of the rotary table). `mask`: one for
-        every layer, or a function of the layer index (compress mode's merged entries carry a per-layer bias).
+        every layer, a function of the layer index (compress mode's merged entries carry a per-layer bias), or
+        `layers.CAUSAL` (a pass from slot 0 over its own positions: a prefill).
         `merged` (B, T): the slot adapters act there (inline, in the engine's own layer code). `argmax`: the list
         ends with the head's greedy token at each final state too (`head_argmax`'s), from the native call where it
         runs the layers, the final norm and the head."""
@@ -223,6 +224,8 @@ class ModelRunner:
         feats: dict[int, torch.Tensor] = {}
         # compress mode's mask is a function of the layer (`merge.MergedMask`): the native call takes its parts
         native_mask, bias = mask.native_parts() if hasattr(mask, "native_parts") else (mask, None)
+        if mask is CAUSAL:  # a prefill: SDPA's is_causal on the module path, written out for the native call
+            native_mask = CAUSAL.tensor(embeds.shape[1], embeds.device)
         if adapters is None and self.native is not None and self.native.takes(embeds, cache, start, native_mask):
             norm = self._norm if self._norm is not None and self._norm.here() else None
             head = native_head(model.base.get_output_embeddings(), embeds) if argmax and norm is not None else None
