@@ -44,7 +44,8 @@ def main() -> None:
     if k < 2:
         raise SystemExit(f"{a.model} takes one token per step: it drafts nothing")
     d = cfg.hidden_size
-    base_cache = KVCache.for_layers(engine.runner.base.layers, cfg, b, s + k, engine.runner.kv_dtype, engine.runner.device)
+    kv = engine.runner.kv_dtype  # the engine's caches
+    base_cache = KVCache.for_layers(engine.runner.base.layers, cfg, b, s + k, kv, engine.runner.device)
     base_cache.k.normal_(), base_cache.v.normal_()
     micro_cache = KVCache.for_layers(model.micro.layers, cfg, b, m + k, engine.runner.kv_dtype, engine.runner.device)
     context = micro_context(engine.runner, base_cache, s, torch.full((b,), s - 1))

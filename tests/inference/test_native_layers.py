@@ -181,7 +181,7 @@ def test_the_caches_are_float16_where_the_native_call_runs_and_float32_on_reques
     assert batch.cache.k.dtype == batch.micro_cache.k.dtype == torch.float16
     assert RowBatch.for_model(full.runner, 2, 32).cache.k.dtype == torch.float32
     assert rows_in(1 << 20, half.runner, 32) == 2 * rows_in(1 << 20, full.runner, 32)
-    entry = kv_bytes_per_entry(model.base.config, torch.float16)  # `serve --kv-memory 1000entries`: in the cache's dtype
+    entry = kv_bytes_per_entry(model.base.config, torch.float16)  # `serve --kv-memory 1000entries`: the cache's dtype
     assert kv_bytes(model, (1000, "entries")) == 1000 * entry
     assert kv_bytes(model, (1000, "entries"), "float32") == 2000 * entry
     with pytest.raises(HamburgerError, match="KV cache dtype 'int8'"):

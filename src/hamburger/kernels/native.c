@@ -400,7 +400,8 @@ INL void attend_any(const float *q, const void *keys, const void *values, int64_
         for (int64_t i = 0; i < 16; i++) {
             acc[i] = vf_zero();
             if (s0 + i < S)
-                for (int64_t c = 0; c < chunks; c++) acc[i] = vf_fma(qv[c], kv_load(keys, (s0 + i) * ss + 16 * c, half), acc[i]);
+                for (int64_t c = 0; c < chunks; c++)
+                    acc[i] = vf_fma(qv[c], kv_load(keys, (s0 + i) * ss + 16 * c, half), acc[i]);
         }
         vf raw = vf_mul(sum16(acc), vf_set1(scaling));
         if (log_k != NULL) {  /* compress mode: the merger's bias on merged entries */
