@@ -332,11 +332,16 @@ def native_weights(parts: list[LayerParts] | None) -> bool:
             and not any(m.bias is not None for f in parts for m in (f.o, f.gate_up, f.down)))
 
 
-def native_layers(base) -> NativeLayers | None:
-    """`NativeLayers` for the base's decoder layers (`base`: the inner model, with `layers`), or None where the
-    native call does not take them."""
+def native_parts(base) -> list[LayerParts] | None:
+    """The base's decoder layers (`base`: the inner model, with `layers`) as the native call takes them, or None."""
     parts = layer_parts(base.layers, base.config)
-    return NativeLayers(parts) if native_weights(parts) else None
+    return parts if native_weights(parts) else None
+
+
+def native_layers(base) -> NativeLayers | None:
+    """`NativeLayers` for the base's decoder layers, or None where the native call does not take them."""
+    parts = native_parts(base)
+    return NativeLayers(parts) if parts is not None else None
 
 
 def micro_native_layers(micro, config, base_native: NativeLayers | None) -> NativeLayers | None:

@@ -16,8 +16,7 @@ from hamburger.inference import draft_policy as draft_policy_mod
 from hamburger.inference.draft_policy import StepCosts
 from hamburger.inference.kv import KVCache, MicroContext, RowSlots, layer_forward
 from hamburger.inference.lookup import reply_store
-from hamburger.inference.native_layers import (ARGMAX, NORMED, RopeTable, final_norm, layer_parts, micro_native_layers,
-                                               native_weights)
+from hamburger.inference.native_layers import ARGMAX, NORMED, RopeTable, final_norm, micro_native_layers, native_parts
 from hamburger.inference.native_layers import native_layers as make_native
 from hamburger.inference.sampling import greedy_tokens
 from hamburger.kernels.qbase import native_argmax, native_head
@@ -65,9 +64,7 @@ def kv_cache_dtype(choice: str | None, dtype: torch.dtype, native: bool) -> torc
 
 def engine_kv_dtype(model: HamburgerModel, choice: str | None = None) -> torch.dtype:
     """The dtype an engine made now for `model` keeps its KV caches in (`ModelRunner.kv_dtype`)."""
-    base = model.base.base_model
-    native = native_weights(layer_parts(base.layers, base.config))
-    return kv_cache_dtype(choice, next(model.parameters()).dtype, native)
+    return kv_cache_dtype(choice, next(model.parameters()).dtype, native_parts(model.base.base_model) is not None)
 
 
 def head_rows(model: HamburgerModel, rows: torch.Tensor) -> torch.Tensor:
