@@ -24,6 +24,9 @@ again with the decoder layers run module by module (`Engine(native_layers=False)
 
     python benchmarks/verify_ab.py default --quantize fp16 --variants both --module-layers --max-new-tokens 256
 
+`--against CKPT` adds each variant again with another checkpoint's modules on the same base (e.g. a retrained
+drafter beside the shipped one), interleaved with the rest:
+    python benchmarks/verify_ab.py --quantize int4/int8 --variants micro,both --against runs/drafter-v4/export
 `--batched-step` adds each system again with a lone request stepped by the batched step (`Engine(alone=False)`),
 not on host integers (`solo.py`):
 
@@ -47,6 +50,19 @@ from hamburger.model.config import parse_draft_rows
 from hamburger.model.hamburger_model import HamburgerModel, load_model
 
 VARIANTS = ("micro", "lookup", "both", "every")
+AGAINST = ", against"  # the systems of --against's checkpoint
+
+
+def _loaded(ref: str, quantize: str) -> tuple[HamburgerModel, dict[str, torch.Tensor]]:
+    """The checkpoint, quantized as asked, and its base's weights as loaded (before quantizing)."""
+    model, _ = load_model(ref)
+    model.eval()
+    weights = {n: t.clone() for n, t in model.base.state_dict().items()}
+    if quantize != "none":
+        scheme, wide = split_wide(quantize)
+        scheme, _, head = scheme.partition("/")
+        quantize_model(model, scheme, head=head or None, skip=DEFAULT_SKIP, wide=wide)
+    return model, weights
 
 
 def main() -> None:
@@ -70,18 +86,22 @@ def main() -> None:
                    help="also every system with the decoder layers module by module (Engine(native_layers=False))")
     p.add_argument("--batched-step", action="store_true",
                    help="also every system with a lone request on the batched step (Engine(alone=False))")
+    p.add_argument("--against", metavar="MODEL",
+                   help=f"also every variant with this checkpoint's modules (the same base), as \"{AGAINST[2:]}\"")
     a = p.parse_args()
     if a.batch_size < 1:
         raise SystemExit("--batch-size must be >= 1")
     variants = [v.strip() for v in a.variants.split(",")]
     if not variants or any(v not in VARIANTS for v in variants):
         raise SystemExit(f"--variants: a comma list from {', '.join(VARIANTS)}, got {a.variants!r}")
-    model, _ = load_model(a.model)
-    model.eval()
-    if a.quantize != "none":
-        scheme, wide = split_wide(a.quantize)
-        scheme, _, head = scheme.partition("/")
-        quantize_model(model, scheme, head=head or None, skip=DEFAULT_SKIP, wide=wide)
+    model, base_weights = _loaded(a.model, a.quantize)
+    other = None
+    if a.against:
+        other, other_base = _loaded(a.against, a.quantize)
+        if base_weights.keys() != other_base.keys() or not all(torch.equal(base_weights[n], other_base[n])
+                                                               for n in base_weights):
+            raise SystemExit(f"--against {a.against}: its base is not {a.model}'s (the same base is compared)")
+    del base_weights
     plain = HamburgerModel.plain(model.base, model.tokenizer)
     conf = a.confidence if a.confidence is not None else model.config.verify_confidence
     settings = {"micro": (0, conf), "lookup": (a.lookup, 1.0), "both": (a.lookup, conf), "every": (a.lookup, conf)}
@@ -94,6 +114,11 @@ def main() -> None:
     engines = {(v, c): Engine(model, lookup=settings[v][0], draft_rows=a.draft_rows, **kw,
                               **({"draft_policy": False} if v == "every" else {}))
                for v in variants for c, kw in kinds.items()}
+    if other is not None:
+        other_conf = a.confidence if a.confidence is not None else other.config.verify_confidence
+        for v in variants:
+            engines[v, AGAINST] = Engine(other, lookup=settings[v][0], draft_rows=a.draft_rows,
+                                         **({"draft_policy": False} if v == "every" else {}))
     sets = [s.strip() for s in a.sets.split(",")]
     prompts = [encode_chat(model.tokenizer, m) for s in sets for m in bench_messages(s, a.prompts_per_set)]
     b = a.batch_size
@@ -105,6 +130,11 @@ def main() -> None:
         for v in variants:
             runs[f"verify ({v}{c})"] = (lambda batch, v=v, c=c: engines[v, c].generate(
                 batch, max_new_tokens=a.max_new_tokens, mode="verify", confidence=settings[v][1]))
+    if other is not None:
+        for v in variants:
+            runs[f"verify ({v}{AGAINST})"] = (lambda batch, v=v: engines[v, AGAINST].generate(
+                batch, max_new_tokens=a.max_new_tokens, mode="verify",
+                confidence=other_conf if settings[v][1] < 1 else 1.0))
     names = list(runs)
     ratios = {name: [] for name in names[1:]}
     # decode s, tokens after the first, base forwards after the prefill, drafts, drafts kept, lookup drafts, kept
