@@ -65,3 +65,22 @@ def test_demo_closes_with_every_mode_and_whether_its_text_is_the_bases(checkpoin
     assert main(["demo", "--model", str(checkpoint), "--max-new-tokens", "4", "--prompt", "w5", "--quantize", "none",
                  "--no-table"]) == 0
     assert "Every mode" not in capsys.readouterr().out
+
+
+def test_the_closing_tables_kv_ratio_is_against_the_bases_entries_for_the_same_text():
+    """A mode whose reply is longer than the base's holds more entries than the base did, and fewer than the base
+    would for that reply: the table compares with the latter (one definition: `kv_entries_base`)."""
+    from rich.console import Console
+
+    from hamburger.evaluation.demo import ModeRun, mode_table
+    from hamburger.inference.stats import GenerationStats
+
+    base = GenerationStats(sequences=1, prompt_tokens=10, generated_tokens=20, macro_steps=20, unmerged=True,
+                           decode_s=1.0)
+    trust = GenerationStats(sequences=1, prompt_tokens=10, generated_tokens=30, macro_steps=25, decode_s=1.0)
+    console = Console(width=200, record=True)
+    console.print(mode_table(["p"], [[ModeRun("base", [1] * 20, base), ModeRun("trust", [2] * 30, trust)]]))
+    rows = {cells[2].strip(): cells[6].strip() for line in console.export_text().splitlines()
+            if len(cells := line.split("│")) > 7}
+    assert rows["base"] == "30 (1.00×)"
+    assert rows["trust"] == "35 (0.88×)"  # 35 entries where the base would hold 40 for this text (not 35 / 30)

@@ -83,7 +83,8 @@ def _prompts(console, args: argparse.Namespace, model, engines: dict, confidence
         console.print("[dim]verify: the base checks every draft, so the text is exactly the base's. compress: "
                       "drafts checked by a base that keeps one merged KV entry per step (fewer KV entries, text "
                       "close to the base's). trust: the paper's method, drafts kept unchecked, one KV entry per "
-                      "step. tok/fwd: tokens per base forward.[/dim]")
+                      "step. tok/fwd: tokens per base forward. KV entries: prompt and reply, × what the base "
+                      "holds for the same text.[/dim]")
 
 
 def _hints(console, args: argparse.Namespace, model, ham, scheme: str, mode: Mode) -> None:

@@ -124,9 +124,8 @@ def side_by_side(console: Console, prompt: str, messages: list[dict], engines: d
             live.update(render(prompt, [base, ham], legend=legend))
         ham_s, base_s = ham.stats, base.stats
         ratio = ham_s.decode_tokens_per_s / base_s.decode_tokens_per_s if base_s.decode_tokens_per_s else 0.0
-        kv = ham_s.kv_entries / max(1, base_s.kv_entries)
         live.update(render(prompt, [base, ham], f"HAMburger: {ratio:.2f}× the base's decode tokens/s, "
-                                               f"{kv:.2f}× its KV entries", legend))
+                                               f"{_kv_ratio(ham_s):.2f}× its KV entries for this text", legend))
     return base, ham
 
 
@@ -160,7 +159,8 @@ def run_modes(engines: dict, ids: list[int], max_new_tokens: int) -> list[ModeRu
 
 def mode_table(prompts: list[str], runs: list[list[ModeRun]]) -> Table:
     """Per prompt and in total, for each mode: decode tokens/s and its ratio to the base's, tokens per base forward
-    (tok/fwd), KV entries (prompt + reply) against the base's, and whether the text is the base's (= base)."""
+    (tok/fwd), KV entries (prompt + reply) against what the base holds for the same text (a reply of another length
+    compared fairly), and whether the text is the base's (= base)."""
     table = Table(title="Every mode on these prompts (each run alone, one after the other)", title_justify="left")
     for name, justify in (("prompt", "left"), ("mode", "left"), ("tok/s", "right"), ("× base", "right"),
                           ("tok/fwd", "right"), ("KV entries", "right"), ("= base", "center")):
@@ -187,9 +187,15 @@ def mode_table(prompts: list[str], runs: list[list[ModeRun]]) -> Table:
     return table
 
 
+def _kv_ratio(stats: GenerationStats) -> float:
+    """KV entries against the base's for the same prompt and reply (one each): the memory a mode saves per token,
+    whatever the reply's length."""
+    return stats.kv_entries / max(1, stats.kv_entries_base)
+
+
 def _figures(system: str, stats: GenerationStats, base: GenerationStats, same) -> list[str]:
     ratio = stats.decode_tokens_per_s / base.decode_tokens_per_s if base.decode_tokens_per_s else 0.0
-    kv = f"{stats.kv_entries} ({stats.kv_entries / max(1, base.kv_entries):.2f}×)"
+    kv = f"{stats.kv_entries} ({_kv_ratio(stats):.2f}×)"
     return [system, f"{stats.decode_tokens_per_s:.1f}", f"{ratio:.2f}×", f"{stats.tokens_per_forward:.2f}", kv,
             same if isinstance(same, str) else ("yes" if same else "no")]
 
