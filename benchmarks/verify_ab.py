@@ -45,7 +45,7 @@ from hamburger.evaluation.bench_systems import SETS, bench_messages
 from hamburger.inference.engine import Engine
 from hamburger.kernels.quantize import DEFAULT_SKIP, quantize_model
 from hamburger.loading import split_wide
-from hamburger.model.base import encode_chat
+from hamburger.model.base import encode_chat, fingerprint
 from hamburger.model.config import parse_draft_rows
 from hamburger.model.hamburger_model import HamburgerModel, load_model
 
@@ -53,16 +53,16 @@ VARIANTS = ("micro", "lookup", "both", "every")
 AGAINST = ", against"  # the systems of --against's checkpoint
 
 
-def _loaded(ref: str, quantize: str) -> tuple[HamburgerModel, dict[str, torch.Tensor]]:
-    """The checkpoint, quantized as asked, and its base's weights as loaded (before quantizing)."""
+def _loaded(ref: str, quantize: str) -> tuple[HamburgerModel, str]:
+    """The checkpoint, quantized as asked, and its base's fingerprint as loaded (before quantizing)."""
     model, _ = load_model(ref)
     model.eval()
-    weights = {n: t.clone() for n, t in model.base.state_dict().items()}
+    base = fingerprint(model.base)
     if quantize != "none":
         scheme, wide = split_wide(quantize)
         scheme, _, head = scheme.partition("/")
         quantize_model(model, scheme, head=head or None, skip=DEFAULT_SKIP, wide=wide)
-    return model, weights
+    return model, base
 
 
 def main() -> None:
@@ -94,14 +94,12 @@ def main() -> None:
     variants = [v.strip() for v in a.variants.split(",")]
     if not variants or any(v not in VARIANTS for v in variants):
         raise SystemExit(f"--variants: a comma list from {', '.join(VARIANTS)}, got {a.variants!r}")
-    model, base_weights = _loaded(a.model, a.quantize)
+    model, base = _loaded(a.model, a.quantize)
     other = None
     if a.against:
         other, other_base = _loaded(a.against, a.quantize)
-        if base_weights.keys() != other_base.keys() or not all(torch.equal(base_weights[n], other_base[n])
-                                                               for n in base_weights):
+        if other_base != base:
             raise SystemExit(f"--against {a.against}: its base is not {a.model}'s (the same base is compared)")
-    del base_weights
     plain = HamburgerModel.plain(model.base, model.tokenizer)
     conf = a.confidence if a.confidence is not None else model.config.verify_confidence
     settings = {"micro": (0, conf), "lookup": (a.lookup, 1.0), "both": (a.lookup, conf), "every": (a.lookup, conf)}
@@ -134,7 +132,7 @@ def main() -> None:
         for v in variants:
             runs[f"verify ({v}{AGAINST})"] = (lambda batch, v=v: engines[v, AGAINST].generate(
                 batch, max_new_tokens=a.max_new_tokens, mode="verify",
-                confidence=other_conf if settings[v][1] < 1 else 1.0))
+                confidence=1.0 if v == "lookup" else other_conf))
     names = list(runs)
     ratios = {name: [] for name in names[1:]}
     # decode s, tokens after the first, base forwards after the prefill, drafts, drafts kept, lookup drafts, kept

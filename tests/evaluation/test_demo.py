@@ -69,7 +69,7 @@ def test_demo_closes_with_every_mode_and_whether_its_text_is_the_bases(checkpoin
 
 def test_the_closing_tables_kv_ratio_is_against_the_bases_entries_for_the_same_text():
     """A mode whose reply is longer than the base's holds more entries than the base did, and fewer than the base
-    would for that reply: the table compares with the latter (one definition: `kv_entries_base`)."""
+    would for that reply: the table compares with the latter (one definition: `GenerationStats.kv_ratio`)."""
     from rich.console import Console
 
     from hamburger.evaluation.demo import ModeRun, mode_table

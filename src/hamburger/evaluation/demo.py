@@ -125,7 +125,7 @@ def side_by_side(console: Console, prompt: str, messages: list[dict], engines: d
         ham_s, base_s = ham.stats, base.stats
         ratio = ham_s.decode_tokens_per_s / base_s.decode_tokens_per_s if base_s.decode_tokens_per_s else 0.0
         live.update(render(prompt, [base, ham], f"HAMburger: {ratio:.2f}× the base's decode tokens/s, "
-                                               f"{_kv_ratio(ham_s):.2f}× its KV entries for this text", legend))
+                                               f"{ham_s.kv_ratio:.2f}× its KV entries for this text", legend))
     return base, ham
 
 
@@ -187,15 +187,9 @@ def mode_table(prompts: list[str], runs: list[list[ModeRun]]) -> Table:
     return table
 
 
-def _kv_ratio(stats: GenerationStats) -> float:
-    """KV entries against the base's for the same prompt and reply (one each): the memory a mode saves per token,
-    whatever the reply's length."""
-    return stats.kv_entries / max(1, stats.kv_entries_base)
-
-
 def _figures(system: str, stats: GenerationStats, base: GenerationStats, same) -> list[str]:
     ratio = stats.decode_tokens_per_s / base.decode_tokens_per_s if base.decode_tokens_per_s else 0.0
-    kv = f"{stats.kv_entries} ({_kv_ratio(stats):.2f}×)"
+    kv = f"{stats.kv_entries} ({stats.kv_ratio:.2f}×)"
     return [system, f"{stats.decode_tokens_per_s:.1f}", f"{ratio:.2f}×", f"{stats.tokens_per_forward:.2f}", kv,
             same if isinstance(same, str) else ("yes" if same else "no")]
 

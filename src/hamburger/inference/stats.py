@@ -61,6 +61,12 @@ class GenerationStats:
         return self.prompt_tokens + self.generated_tokens
 
     @property
+    def kv_ratio(self) -> float:
+        """KV entries against what the base holds for the same prompt and reply: the memory a mode saves per token,
+        whatever the reply's length (a trust reply may be longer or shorter than the base's own)."""
+        return self.kv_entries / max(1, self.kv_entries_base)
+
+    @property
     def tokens_per_forward(self) -> float:
         """Generated tokens per base forward of a sequence (the prefill included): the speed-up's upper bound in
         any mode, the same at batch 1 and batch 16."""
